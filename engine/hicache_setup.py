@@ -1,0 +1,49 @@
+"""Builds the HiRadixCache (L1 device + L2 host + optional L3 storage) from ServerArgs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from engine.config import ServerArgs
+from hicache.controller import HiCacheController
+from hicache.hiradix_cache import HiRadixCache
+from hicache.host_pool import MHATokenToKVPoolHost, host_pool_size
+
+DEFAULT_STORAGE_DIR = os.path.join("~", ".cache", "hicache", "kv")
+
+
+def model_fingerprint(hf_config: Any, dtype: Any, page_size: int) -> str:
+    """Hash of the model config, KV dtype and page size: L3 pages of another model never match."""
+    to_json = getattr(hf_config, "to_json_string", None)
+    cfg = to_json(use_diff=False) if to_json is not None else repr(hf_config)
+    return hashlib.sha256(f"{cfg}|{dtype}|P{page_size}".encode()).hexdigest()[:32]
+
+
+def build_storage(args: ServerArgs) -> Any:
+    if not args.hicache_storage_backend:
+        return None
+    if args.hicache_storage_backend != "file":
+        raise ValueError(f"unknown hicache_storage_backend {args.hicache_storage_backend!r}")
+    from hicache.storage.file import FileStorageBackend
+
+    directory = os.path.expanduser(args.hicache_storage_dir or DEFAULT_STORAGE_DIR)
+    return FileStorageBackend(directory, int(args.hicache_storage_size_gb * (1 << 30)))
+
+
+def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
+    kv_pool, allocator, ps = runner.kv_pool, runner.allocator, args.page_size
+    size = host_pool_size(allocator.size, ps, kv_pool.bytes_per_token(), args.hicache_ratio,
+                          args.hicache_size)
+    host_pool = MHATokenToKVPoolHost(
+        size, ps, kv_pool.dtype, kv_pool.head_num, kv_pool.head_dim, kv_pool.layer_num,
+        layout=args.hicache_mem_layout)  # fmt: skip
+    controller = HiCacheController(
+        kv_pool, host_pool, allocator, io_backend=args.hicache_io_backend,
+        storage=build_storage(args),
+        model_fingerprint=model_fingerprint(runner.hf_config, kv_pool.dtype, ps),
+        prefetch_policy=args.hicache_storage_prefetch_policy)  # fmt: skip
+    return HiRadixCache(runner.req_to_token_pool, allocator, ps, host_pool, controller,
+                        write_policy=args.hicache_write_policy,
+                        eviction_policy=args.radix_eviction_policy)

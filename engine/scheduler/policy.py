@@ -1,0 +1,84 @@
+"""SchedulePolicy: the order in which waiting requests are considered (seed 004)."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from typing import Any
+
+from engine.request import Req
+
+# Above this many waiting requests LPM's per-request prefix matching costs more than it saves.
+LPM_FALLBACK_TO_FCFS = 128
+# A request whose cached prefix is shorter than this, but which shares this many leading tokens
+# with an earlier waiting request, waits one round so that the earlier one caches the prefix.
+IN_BATCH_PREFIX_THRESHOLD = 32
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache: Any, seed: int = 0):
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.rng = random.Random(seed)
+
+    def calc_priority(self, waiting: list[Req], match_fn) -> set[str]:
+        """Sorts `waiting` in place; returns rids deprioritized by in-batch prefix dedup.
+        match_fn(req) computes req.prefix_indices / req.last_node from the tree."""
+        policy = self.policy
+        if policy == "lpm" and len(waiting) > LPM_FALLBACK_TO_FCFS:
+            policy = "fcfs"
+        for r in waiting:
+            match_fn(r)
+        deprioritized = self._in_batch_dedup(waiting)
+        if policy == "lpm":
+            waiting.sort(key=lambda r: (r.rid in deprioritized, -len(r.prefix_indices)))
+        elif policy == "dfs-weight":
+            self._sort_dfs_weight(waiting)
+            waiting.sort(key=lambda r: r.rid in deprioritized)  # stable: keeps DFS order
+        elif policy == "lof":
+            waiting.sort(key=lambda r: (r.rid in deprioritized, -r.max_new_tokens))
+        elif policy == "random":
+            self.rng.shuffle(waiting)
+            waiting.sort(key=lambda r: r.rid in deprioritized)
+        else:  # fcfs: arrival order, deduped requests last
+            waiting.sort(key=lambda r: r.rid in deprioritized)
+        return deprioritized
+
+    def _in_batch_dedup(self, waiting: list[Req]) -> set[str]:
+        seen: set[tuple[str | None, tuple[int, ...]]] = set()
+        out: set[str] = set()
+        for r in waiting:
+            if len(r.prefix_indices) > IN_BATCH_PREFIX_THRESHOLD:
+                continue
+            ids = r.fill_ids
+            if len(ids) <= IN_BATCH_PREFIX_THRESHOLD:
+                continue
+            key = (r.cache_namespace, tuple(ids[:IN_BATCH_PREFIX_THRESHOLD]))
+            if key in seen:
+                out.add(r.rid)
+            else:
+                seen.add(key)
+        return out
+
+    def _sort_dfs_weight(self, waiting: list[Req]) -> None:
+        """Visit the tree depth first, heavier subtrees (more waiting requests) first."""
+        by_node: dict[int, list[Req]] = defaultdict(list)
+        weight: dict[int, int] = defaultdict(int)
+        nodes: dict[int, Any] = {}
+        root = self.tree_cache.root_node
+        for r in waiting:
+            node = r.last_node if r.last_node is not None else root
+            by_node[id(node)].append(r)
+            while node is not None:
+                nodes[id(node)] = node
+                weight[id(node)] += 1
+                node = node.parent
+        order: list[Req] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            order.extend(by_node.get(id(node), []))
+            kids = [c for c in node.children.values() if id(c) in weight]
+            kids.sort(key=lambda c: weight[id(c)])  # heaviest popped first
+            stack.extend(kids)
+        waiting[:] = order

@@ -1,0 +1,1 @@
+"""The gRPC daemon: GenerationService and CacheAdminService over an Engine."""

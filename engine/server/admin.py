@@ -1,0 +1,329 @@
+"""CacheAdminService: cache statistics, side-effect-free matching, prefetch, evict, pin, flush,
+tree inspection and the cache event stream. Tree work runs on the scheduler thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from engine import cache_admin
+from engine.server import validate
+from engine.server.pb import EVENT_TO_ENUM, TIER_TO_ENUM, admin_grpc, admin_pb2, tier_tokens
+from engine.server.state import DaemonState, iter_chunks, rpc
+
+_STAT_FIELDS = {  # TierStats field <- engine cache_stats() keys (first present wins)
+    "capacity_tokens": ("capacity_tokens", "capacity"),
+    "used_tokens": ("used_tokens", "cached_tokens", "used"),
+    "evictable_tokens": ("evictable_tokens",),
+    "pinned_tokens": ("protected_tokens", "pinned_tokens", "locked_tokens"),
+    "hit_tokens": ("hit_tokens", "hits"),
+    "evicted_tokens": ("evicted_tokens", "evictions"),
+    "promoted_tokens": ("promoted_tokens", "loaded_tokens", "load_back_tokens"),
+    "demoted_tokens": ("demoted_tokens", "backup_tokens", "written_tokens"),
+    "bytes_in": ("bytes_in", "bytes_loaded"),
+    "bytes_out": ("bytes_out", "bytes_written"),
+    "bandwidth_bytes_per_s": ("bandwidth_bytes_per_s", "bandwidth"),
+}
+DEFAULT_FLUSH_TIMEOUT_S = 10.0
+
+
+def tier_stats(tier: str, d: dict[str, Any] | None) -> admin_pb2.TierStats:
+    msg = admin_pb2.TierStats(tier=TIER_TO_ENUM[tier], enabled=isinstance(d, dict))
+    if not isinstance(d, dict):
+        return msg
+    used: set[str] = set()
+    for fld, keys in _STAT_FIELDS.items():
+        key = next((k for k in keys if k in d), None)
+        if key is not None:
+            used.add(key)
+            val = d[key]
+            setattr(msg, fld, float(val) if fld == "bandwidth_bytes_per_s" else int(val))
+    for k, v in d.items():
+        if k not in used and isinstance(v, (int, float)) and not isinstance(v, bool):
+            msg.extra[k] = float(v)
+    return msg
+
+
+class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
+    def __init__(self, state: DaemonState):
+        self.state = state
+
+    async def _ids(self, engine: Any, prompt: Any, present: bool, field: str) -> list[int]:
+        p = validate.prompt(prompt, present, engine.vocab_size, field)
+        return await self.state.run_input(engine.tokenize, p)
+
+    @rpc
+    async def GetCacheStats(
+        self, request: admin_pb2.GetCacheStatsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetCacheStatsResponse:
+        st = self.state
+        engine = await st.require_engine(context)
+        stats = await st.run(engine.cache_stats)
+        num_pins, pinned = await st.in_scheduler(
+            lambda s: (len(cache_admin.pin_table(s).pins), cache_admin.pin_table(s).pinned_tokens())
+        )
+        return admin_pb2.GetCacheStatsResponse(
+            tiers=[tier_stats(t, stats.get(t)) for t in cache_admin.TIERS],
+            miss_tokens=int(stats.get("miss_tokens", 0)),
+            admin_pinned_tokens=pinned,
+            num_pins=num_pins,
+            timestamp=time.time(),
+        )
+
+    @rpc
+    async def MatchPrefix(
+        self, request: admin_pb2.MatchPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.MatchPrefixResponse:
+        st = self.state
+        engine = await st.require_engine(context)
+        ns = validate.namespace(request.cache_namespace)
+        ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
+        m = await st.in_scheduler(lambda s: cache_admin.match_prefix(s, ids, ns))
+        return admin_pb2.MatchPrefixResponse(
+            prompt_tokens=len(ids),
+            matched_tokens=m.matched_tokens,
+            matched_per_tier=tier_tokens(m.per_tier),
+            page_size=m.page_size,
+        )
+
+    @rpc
+    async def Prefetch(
+        self, request: admin_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.PrefetchResponse]:
+        st = self.state
+        engine = await st.require_engine(context)
+        ns = validate.namespace(request.cache_namespace)
+        ttl = validate.seconds(request.pin_ttl_s, "pin_ttl_s")
+        ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
+        t0 = time.monotonic()
+
+        def resp(stage: int, per_tier: dict[str, int], **kw: Any) -> admin_pb2.PrefetchResponse:
+            return admin_pb2.PrefetchResponse(
+                stage=stage,
+                prompt_tokens=len(ids),
+                cached_per_tier=tier_tokens(per_tier),
+                elapsed_s=time.monotonic() - t0,
+                **kw,
+            )
+
+        m = await st.in_scheduler(lambda s: cache_admin.match_prefix(s, ids, ns))
+        yield resp(admin_pb2.PREFETCH_STAGE_MATCHED, m.per_tier)
+        computed = 0
+        # The scheduler always computes the last prompt token, so only len-1 can be a device hit.
+        if m.per_tier["l1"] < (len(ids) - 1) // m.page_size * m.page_size:
+            rid = f"prefetch-{time.monotonic_ns()}"
+            handle = await st.run_input(
+                engine.submit, ids, {"max_new_tokens": 1, "temperature": 0.0}, ns, rid
+            )
+            yield resp(admin_pb2.PREFETCH_STAGE_RUNNING, m.per_tier)
+            done = False
+            try:
+                async for chunk in iter_chunks(handle.chunks, st.pool):
+                    if chunk.finished:
+                        done = True
+                        if chunk.finish_reason == "abort":
+                            await context.abort(
+                                grpc.StatusCode.ABORTED, f"prefetch aborted: {chunk.error or ''}"
+                            )
+                        computed = chunk.prompt_tokens - chunk.cached_tokens
+            finally:
+                if not done:
+                    engine.abort(rid)
+        pin_id = ""
+        if request.pin:
+            p = await st.in_scheduler(lambda s: cache_admin.pin(s, ids, ns, ttl))
+            pin_id = p.pin_id if p is not None else ""
+        m = await st.in_scheduler(lambda s: cache_admin.match_prefix(s, ids, ns))
+        yield resp(
+            admin_pb2.PREFETCH_STAGE_DONE, m.per_tier, computed_tokens=computed, pin_id=pin_id
+        )
+
+    @rpc
+    async def Evict(
+        self, request: admin_pb2.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.EvictResponse:
+        st = self.state
+        engine = await st.require_engine(context)
+        tier = validate.tier(request.tier)
+        ns = validate.namespace(request.cache_namespace)
+        target = request.WhichOneof("target")
+        num_tokens, prefix = None, None
+        if target is None:
+            raise validate.ValidationError("target is required (one of num_tokens, prefix, all)")
+        if target == "num_tokens":
+            if request.num_tokens < 1:
+                raise validate.ValidationError("num_tokens must be >= 1")
+            num_tokens = request.num_tokens
+        elif target == "prefix":
+            prefix = await self._ids(engine, request.prefix, True, "prefix")
+        elif not request.all:
+            raise validate.ValidationError("all must be true when it is the target")
+        info = await st.in_scheduler(
+            lambda s: cache_admin.evict(
+                s, tier, num_tokens=num_tokens, prefix=prefix, namespace=ns, dry_run=request.dry_run
+            )
+        )
+        if st.metrics is not None and not request.dry_run:
+            st.metrics.admin_evicted(tier, info.evicted_tokens)
+        return admin_pb2.EvictResponse(
+            tier=TIER_TO_ENUM[tier],
+            evicted_tokens=info.evicted_tokens,
+            evicted_nodes=info.evicted_nodes,
+            dry_run=request.dry_run,
+        )
+
+    @rpc
+    async def Pin(
+        self, request: admin_pb2.PinRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.PinResponse:
+        st = self.state
+        engine = await st.require_engine(context)
+        ns = validate.namespace(request.cache_namespace)
+        ttl = validate.seconds(request.ttl_s, "ttl_s")
+        ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
+        p = await st.in_scheduler(lambda s: cache_admin.pin(s, ids, ns, ttl))
+        if p is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "nothing of this prompt is cached on L1; Prefetch it first",
+            )
+        return admin_pb2.PinResponse(pin_id=p.pin_id, pinned_tokens=p.tokens, expires_in_s=ttl)
+
+    @rpc
+    async def Unpin(
+        self, request: admin_pb2.UnpinRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.UnpinResponse:
+        st = self.state
+        await st.require_engine(context)
+        target = request.WhichOneof("target")
+        if (
+            target is None
+            or (target == "all" and not request.all)
+            or (target == "pin_id" and not request.pin_id)
+        ):
+            raise validate.ValidationError("target is required (a pin_id, or all=true)")
+        pin_id = request.pin_id if target == "pin_id" else None
+        n, tokens = await st.in_scheduler(lambda s: cache_admin.unpin(s, pin_id))
+        if pin_id is not None and n == 0:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no pin {pin_id!r} (expired?)")
+        return admin_pb2.UnpinResponse(unpinned=n, unpinned_tokens=tokens)
+
+    @rpc
+    async def Flush(
+        self, request: admin_pb2.FlushRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.FlushResponse:
+        st = self.state
+        await st.require_engine(context)
+        tiers = sorted({validate.tier(t, "tiers", default=None) for t in request.tiers})
+        timeout = (
+            validate.seconds(request.timeout_s, "timeout_s", 3600.0)
+            if request.HasField("timeout_s")
+            else DEFAULT_FLUSH_TIMEOUT_S
+        )
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + min(timeout, remaining if remaining is not None else timeout)
+        while True:
+            try:
+                info = await st.in_scheduler(lambda s: cache_admin.flush(s, tiers or None))
+                break
+            except cache_admin.NotIdleError:
+                if time.monotonic() >= deadline:
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"the engine is not idle after {timeout:g}s "
+                        f"({len(st.active)} streams running); nothing was flushed",
+                    )
+                await asyncio.sleep(0.05)
+        return admin_pb2.FlushResponse(
+            flushed=[TIER_TO_ENUM[t] for t in info.flushed],
+            freed_tokens=info.freed_tokens,
+            unpinned=info.unpinned,
+        )
+
+    @rpc
+    async def InspectTree(
+        self, request: admin_pb2.InspectTreeRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.InspectTreeResponse:
+        st = self.state
+        engine = await st.require_engine(context)
+        limit = request.page_size or 100
+        preview = request.preview_tokens or 16
+        if limit > 1000:
+            raise validate.ValidationError(f"page_size must be <= 1000, got {limit}")
+        if preview > 256:
+            raise validate.ValidationError(f"preview_tokens must be <= 256, got {preview}")
+        token = request.page_token
+        if token and not token.isdigit():
+            raise validate.ValidationError(
+                f"page_token {token[:40]!r} is not a token this server returned"
+            )
+        offset = int(token or 0)
+        nodes, total = await st.in_scheduler(
+            lambda s: cache_admin.inspect_tree(s, offset, limit, preview)
+        )
+        texts = await st.run(lambda: [engine.tokenizer.decode(n.preview_ids) for n in nodes])
+        out = [
+            admin_pb2.TreeNodeInfo(
+                node_id=n.node_id,
+                parent_id=n.parent_id,
+                depth=n.depth,
+                token_length=n.token_length,
+                prefix_length=n.prefix_length,
+                preview=text,
+                residency=[TIER_TO_ENUM[t] for t in n.residency],
+                lock_ref=n.lock_ref,
+                pinned=n.pinned,
+                hit_count=n.hit_count,
+                last_access_time=n.last_access_time,
+                num_children=n.num_children,
+            )
+            for n, text in zip(nodes, texts)
+        ]
+        nxt = str(offset + len(nodes)) if offset + len(nodes) < total else ""
+        return admin_pb2.InspectTreeResponse(nodes=out, next_page_token=nxt, total_nodes=total)
+
+    @rpc
+    async def WatchCacheEvents(
+        self, request: admin_pb2.WatchCacheEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.WatchCacheEventsResponse]:
+        st = self.state
+        await st.require_engine(context)
+        kinds = set(request.kinds)
+        if kinds - set(EVENT_TO_ENUM.values()):
+            raise validate.ValidationError(f"kinds has unknown values {sorted(kinds)}")
+        tiers = {validate.tier(t, "tiers", default=None) for t in request.tiers}
+        evlog = st.event_log
+        if evlog is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "this engine's cache does not record events"
+            )
+        seq = request.after_seq if request.HasField("after_seq") else evlog.last_seq
+        while not st.draining:
+            missed = evlog.missed(seq)
+            events = evlog.since(seq, limit=1024)
+            if not events:
+                await st.run(evlog.wait_for, seq, 0.5)
+                continue
+            for ev in events:
+                seq = ev.seq
+                if (kinds and EVENT_TO_ENUM[ev.kind] not in kinds) or (
+                    tiers and ev.tier not in tiers
+                ):
+                    continue
+                yield admin_pb2.WatchCacheEventsResponse(
+                    missed=missed,
+                    event=admin_pb2.CacheEvent(
+                        seq=ev.seq,
+                        kind=EVENT_TO_ENUM[ev.kind],
+                        tier=TIER_TO_ENUM[ev.tier],
+                        num_tokens=ev.num_tokens,
+                        node_id=ev.node_id or 0,
+                        cache_namespace=ev.namespace or "",
+                        time=ev.time,
+                    ),
+                )
+                missed = 0

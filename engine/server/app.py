@@ -1,0 +1,262 @@
+"""The daemon: grpc.aio server, health (NOT_SERVING until the model is loaded and warm),
+reflection, auth, metrics, and graceful SIGTERM drain.
+
+    daemon = Daemon(settings, server_args); asyncio.run(daemon.serve_forever())
+    DaemonThread(settings, server_args).start()   # in-process (tests, embedding)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from engine import cache_admin
+from engine.config import ServerArgs
+from engine.server.admin import CacheAdminServicer
+from engine.server.auth import AuthInterceptor
+from engine.server.generation import GenerationServicer
+from engine.server.metrics import Metrics
+from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
+from engine.server.settings import DaemonSettings
+from engine.server.state import DaemonState
+from hicache.events import CacheEventLog
+
+log = logging.getLogger(__name__)
+SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE)
+
+
+def default_engine_factory(args: ServerArgs) -> Callable[[], Any]:
+    def build() -> Any:
+        from engine.engine import Engine
+
+        kw = args.to_dict()
+        return Engine(model=kw.pop("model_path"), device=kw.pop("device"), **kw)
+
+    return build
+
+
+class Daemon:
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        server_args: ServerArgs | None = None,
+        engine_factory: Callable[[], Any] | None = None,
+    ):
+        self.settings = settings
+        self.factory = engine_factory or default_engine_factory(server_args or ServerArgs())
+        self.state = DaemonState(
+            settings, ThreadPoolExecutor(settings.bridge_threads, thread_name_prefix="hicache-rpc")
+        )
+        self.health = HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self.load_error: BaseException | None = None
+        self._loaded = asyncio.Event()
+        self._stop = asyncio.Event()
+
+    async def start(self) -> int:
+        """Binds and starts serving (health NOT_SERVING); the model loads in the background."""
+        s = self.settings
+        mb = s.max_message_mb * 2**20
+        options = [
+            ("grpc.max_send_message_length", mb),
+            ("grpc.max_receive_message_length", mb),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.so_reuseport", 0),
+        ]
+        interceptors = [AuthInterceptor(s.token, s.admin_token)] if s.token or s.admin_token else []
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        gen_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.state), self.server
+        )
+        admin_grpc.add_CacheAdminServiceServicer_to_server(
+            CacheAdminServicer(self.state), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (
+                GENERATION_SERVICE,
+                CACHE_ADMIN_SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        for name in SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        addr = f"{s.host}:{s.port}"
+        if s.tls_cert:
+            ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None
+            creds = grpc.ssl_server_credentials(
+                [(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())],
+                root_certificates=ca,
+                require_client_auth=ca is not None,
+            )
+            self.port = self.server.add_secure_port(addr, creds)
+        else:
+            self.port = self.server.add_insecure_port(addr)
+        if self.port == 0:
+            raise OSError(f"cannot bind {addr}")
+        await self.server.start()
+        if s.metrics_port:
+            self.state.metrics = Metrics(self._stats_for_metrics)
+            self.metrics_port = self.state.metrics.serve(s.metrics_port, s.metrics_host)
+        elif s.metrics_port == 0:
+            self.state.metrics = None
+        asyncio.get_running_loop().create_task(self._load())
+        log.info("listening on %s:%d (%s)", s.host, self.port, "TLS" if s.tls_cert else "plaintext")
+        return self.port
+
+    def _stats_for_metrics(self) -> dict[str, Any] | None:
+        engine = self.state.engine
+        return engine.cache_stats() if engine is not None and self.state.ready else None
+
+    async def _load(self) -> None:
+        st = self.state
+        try:
+            t0 = time.monotonic()
+            engine = await st.run(self.factory)
+            st.engine = engine
+            st.event_log = await st.run(engine.call_in_scheduler, _ensure_event_log)
+            await st.run(engine.call_in_scheduler, _install_pin_expiry)
+            if self.settings.warmup:
+                await st.run(_warm_up, engine)
+            st.ready = True
+            for name in SERVICES:
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info("model ready in %.1fs: serving", time.monotonic() - t0)
+        except BaseException as e:
+            log.exception("failed to load the model")
+            self.load_error = e
+            self._stop.set()
+        finally:
+            self._loaded.set()
+
+    async def wait_loaded(self) -> None:
+        await self._loaded.wait()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING, refuse new work, let in-flight RPCs finish up to the grace period, then
+        shut the engine down."""
+        st = self.state
+        grace = self.settings.grace_period_s if grace is None else grace
+        st.draining = True
+        await self.health.enter_graceful_shutdown()
+        # Phase 1: still listening (health answers NOT_SERVING, new work gets UNAVAILABLE)
+        # while the in-flight streams finish; phase 2: stop, cancelling what is left.
+        deadline = time.monotonic() + grace
+        while st.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.server is not None:
+            await self.server.stop(max(0.0, deadline - time.monotonic()))
+        if st.metrics is not None:
+            st.metrics.close()
+        if st.engine is not None:
+            await st.run(st.engine.shutdown)
+        st.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def serve_forever(self) -> int:
+        """Runs until SIGTERM / SIGINT (or a load failure); returns the exit code."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        await self._stop.wait()
+        log.info("draining (grace %.1fs)", self.settings.grace_period_s)
+        await self.stop()
+        return 1 if self.load_error is not None else 0
+
+
+def _ensure_event_log(scheduler: Any) -> CacheEventLog:
+    """The scheduler's event log; one is attached (to the scheduler and its tree) when the
+    tree brought none, so that Flush's `cleared` events are still observable."""
+    if getattr(scheduler, "event_log", None) is None:
+        scheduler.event_log = CacheEventLog()
+        if getattr(scheduler.tree_cache, "event_log", None) is None:
+            scheduler.tree_cache.event_log = scheduler.event_log
+    return scheduler.event_log
+
+
+def _install_pin_expiry(scheduler: Any) -> None:
+    hooks = getattr(scheduler, "step_hooks", None)
+    if hooks is not None and not any(getattr(h, "__name__", "") == "expire_pins" for h in hooks):
+        hooks.append(cache_admin.expire_pins)
+
+
+def _warm_up(engine: Any) -> None:
+    """One prefill + decode so the first request does not pay for lazy initialisation; the
+    cache is emptied afterwards."""
+    engine.generate([0, 0], {"max_new_tokens": 2, "temperature": 0.0}, namespace="warmup")
+    engine.call_in_scheduler(lambda s: cache_admin.evict(s, "l1"))
+
+
+class DaemonThread:
+    """A daemon on its own event loop in a background thread."""
+
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        server_args: ServerArgs | None = None,
+        engine_factory: Callable[[], Any] | None = None,
+    ):
+        self.settings = settings
+        self._args = (server_args, engine_factory)
+        self.daemon: Daemon | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hicache-daemon", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        try:
+            self.daemon = Daemon(self.settings, *self._args)
+            self.loop.run_until_complete(self.daemon.start())
+        except BaseException as e:  # noqa: BLE001 - handed to start()
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self.loop.run_until_complete(self.daemon._stop.wait())
+        self.loop.run_until_complete(self.daemon.stop())
+        self.loop.close()
+
+    @property
+    def port(self) -> int:
+        return self.daemon.port if self.daemon else 0
+
+    def start(self, wait_ready: bool = True, timeout: float = 300.0) -> DaemonThread:
+        self._thread.start()
+        self._started.wait(timeout)
+        if self._error is not None:
+            raise self._error
+        if wait_ready:
+            asyncio.run_coroutine_threadsafe(self.daemon.wait_loaded(), self.loop).result(timeout)
+            if self.daemon.load_error is not None:
+                raise RuntimeError("model load failed") from self.daemon.load_error
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.loop is not None and self.daemon is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.daemon.request_stop)
+        self._thread.join(timeout)

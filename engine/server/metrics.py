@@ -1,0 +1,138 @@
+"""Prometheus metrics on --metrics-port: per-tier cache tokens (from engine.cache_stats() at
+scrape time), queue depth, and request latency histograms measured at the gRPC edge."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+TIERS = ("l1", "l2", "l3")
+_TIER_GAUGES = ("capacity_tokens", "used_tokens", "evictable_tokens", "protected_tokens")
+_TIER_COUNTERS = {
+    "hit_tokens": "hit_tokens",
+    "evicted_tokens": "evicted_tokens",
+    "promoted_tokens": "transfer_promoted_tokens",
+    "demoted_tokens": "transfer_demoted_tokens",
+    "bytes_in": "transfer_bytes_in",
+    "bytes_out": "transfer_bytes_out",
+}
+
+
+class CacheCollector:
+    """Reads the engine's cache stats on every scrape (a cheap call on the scheduler thread)."""
+
+    def __init__(self, stats_fn: Callable[[], dict[str, Any] | None]):
+        self.stats_fn = stats_fn
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            stats = self.stats_fn()
+        except Exception:
+            log.debug("cache stats unavailable for metrics", exc_info=True)
+            stats = None
+        if not stats:
+            return
+        for key in _TIER_GAUGES:
+            g = GaugeMetricFamily(
+                f"hicache_cache_{key}", f"Cache {key.replace('_', ' ')}", labels=["tier"]
+            )
+            for tier in TIERS:
+                if isinstance(stats.get(tier), dict) and key in stats[tier]:
+                    g.add_metric([tier], float(stats[tier][key]))
+            yield g
+        for key, name in _TIER_COUNTERS.items():
+            c = CounterMetricFamily(
+                f"hicache_cache_{name}", f"Cache {name.replace('_', ' ')}", labels=["tier"]
+            )
+            for tier in TIERS:
+                if isinstance(stats.get(tier), dict) and key in stats[tier]:
+                    c.add_metric([tier], float(stats[tier][key]))
+            yield c
+        yield CounterMetricFamily(
+            "hicache_cache_miss_tokens",
+            "Prompt tokens computed",
+            value=float(stats.get("miss_tokens", 0)),
+        )
+        yield GaugeMetricFamily(
+            "hicache_queue_depth",
+            "Requests waiting to be scheduled",
+            value=float(stats.get("waiting_requests", 0)),
+        )
+        yield GaugeMetricFamily(
+            "hicache_running_requests",
+            "Requests in the running batch",
+            value=float(stats.get("running_requests", 0)),
+        )
+
+
+class Metrics:
+    def __init__(self, stats_fn: Callable[[], dict[str, Any] | None]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "hicache_time_to_first_token_seconds",
+            "Time to first token",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.tpot = Histogram(
+            "hicache_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+        )
+        self.requests = Counter(
+            "hicache_requests", "Finished generate requests", ["finish_reason"], registry=r
+        )
+        self.request_hit_tokens = Counter(
+            "hicache_request_cached_tokens",
+            "Prompt tokens served from the cache",
+            ["tier"],
+            registry=r,
+        )
+        self.streams = Gauge("hicache_active_streams", "Open Generate streams", registry=r)
+        self.admin_evictions = Counter(
+            "hicache_admin_evicted_tokens",
+            "Tokens evicted through the Evict RPC",
+            ["tier"],
+            registry=r,
+        )
+        r.register(CacheCollector(stats_fn))
+        self._server: Any = None
+
+    def stream_started(self) -> None:
+        self.streams.inc()
+
+    def stream_ended(self) -> None:
+        self.streams.dec()
+
+    def request_finished(
+        self, chunk: Any, t0: float, t_first: float | None, t_last: float | None
+    ) -> None:
+        self.requests.labels(chunk.finish_reason or "unknown").inc()
+        for tier, n in (chunk.cached_tokens_per_tier or {}).items():
+            if tier in TIERS and n:
+                self.request_hit_tokens.labels(tier).inc(n)
+        if t_first is not None:
+            self.ttft.observe(t_first - t0)
+            if t_last is not None and chunk.completion_tokens > 1:
+                self.tpot.observe((t_last - t_first) / (chunk.completion_tokens - 1))
+
+    def admin_evicted(self, tier: str, tokens: int) -> None:
+        self.admin_evictions.labels(tier).inc(tokens)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Starts the /metrics HTTP server; returns the bound port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

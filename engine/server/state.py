@@ -1,0 +1,133 @@
+"""Shared daemon state, the error -> status mapping, and the queue.Queue -> asyncio bridge."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import queue
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from engine.cache_admin import NotIdleError, TierUnavailableError
+from engine.errors import EngineShutdownError, QueueFullError
+from engine.server.validate import ValidationError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# First match wins: (exception type, status code).
+_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineShutdownError, grpc.StatusCode.UNAVAILABLE),
+    (NotIdleError, grpc.StatusCode.FAILED_PRECONDITION),
+    (TierUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+
+@dataclass
+class DaemonState:
+    """What every servicer shares. `engine` is None until the model is loaded."""
+
+    settings: Any
+    pool: ThreadPoolExecutor
+    engine: Any = None
+    ready: bool = False
+    draining: bool = False
+    start_time: float = field(default_factory=time.time)
+    active: dict[str, Any] = field(default_factory=dict)  # rid -> RequestHandle
+    event_log: Any = None
+    metrics: Any = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs a blocking call on the bridge pool (never on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, functools.partial(fn, *args)
+        )
+
+    async def run_input(self, fn: Callable[..., T], *args: Any) -> T:
+        """Like run() for engine calls that check user input (submit, tokenize): their
+        ValueError becomes INVALID_ARGUMENT."""
+        try:
+            return await self.run(fn, *args)
+        except ValueError as e:
+            raise ValidationError(str(e)) from e
+
+    async def in_scheduler(self, fn: Callable[[Any], T], timeout: float = 30.0) -> T:
+        return await self.run(self.engine.call_in_scheduler, fn, timeout)
+
+    async def require_engine(self, context: grpc.aio.ServicerContext) -> Any:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not self.ready or self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.engine
+
+
+async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    for typ, code in _STATUS:
+        if isinstance(exc, typ):
+            await context.abort(code, str(exc) or typ.__name__)
+    log.exception("internal error in an RPC handler", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def rpc(fn: Callable) -> Callable:
+    """Maps exceptions raised by a unary or server-streaming handler to gRPC status codes."""
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except Exception as e:  # noqa: BLE001 - mapped to a status
+                await abort_for(e, context)
+
+        return stream
+
+    @functools.wraps(fn)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await abort_for(e, context)
+
+    return unary
+
+
+def _get_batch(q: queue.Queue, timeout: float) -> list[Any]:
+    """Blocks up to timeout for one item, then takes whatever else is already there."""
+    try:
+        items = [q.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while not getattr(items[-1], "finished", False):
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            break
+    return items
+
+
+async def iter_chunks(
+    q: queue.Queue, pool: ThreadPoolExecutor, poll_s: float = 0.2
+) -> AsyncIterator[Any]:
+    """Yields a request's StreamChunks until the finished one; the blocking gets run on `pool`.
+    NOTE: on cancellation the pending get returns within poll_s; the caller aborts the request."""
+    loop = asyncio.get_running_loop()
+    while True:
+        for chunk in await loop.run_in_executor(pool, _get_batch, q, poll_s):
+            yield chunk
+            if chunk.finished:
+                return

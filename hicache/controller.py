@@ -1,0 +1,327 @@
+"""HiCacheController: the only code that moves KV bytes between tiers (seed 001).
+
+    tree --write(device_indices)--> write_queue --start_writing--> write worker: D->H all layers,
+         (host slots allocated+protected)                          then H->L3 pages (optional)
+                                                                   --> ack_write_queue
+    tree --load(host_indices)-----> load_queue --start_loading---> load worker: H->D layer by
+         (device slots allocated, host protected)                  layer, LayerDoneCounter ticks
+                                                                   --> ack_load_queue
+NOTE: worker threads only copy bytes. Host protection is released, and every allocator is
+touched, on the caller's (scheduler) thread in ``drain_write_acks`` / ``drain_load_acks``.
+L3 reads (``prefetch``) run on the caller's thread; see ``hicache.prefetch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hicache.storage.base import StorageBackend, page_hashes, prefix_hash_seed
+
+log = logging.getLogger(__name__)
+
+
+class LayerDoneCounter:
+    """Per-layer completion of one load batch: ``wait_until(i)`` returns once layer i landed."""
+
+    def __init__(self, num_layers: int, done: int = 0) -> None:
+        self.num_layers = num_layers
+        self._done = done
+        self._cond = threading.Condition()
+
+    @property
+    def done(self) -> int:
+        with self._cond:
+            return self._done
+
+    def increment(self) -> None:
+        with self._cond:
+            self._done += 1
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._done = self.num_layers
+            self._cond.notify_all()
+
+    def wait_until(self, layer_id: int, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._done > layer_id, timeout)
+
+
+@dataclass
+class CacheOperation:
+    host_indices: torch.Tensor  # [n] int64 host slots
+    device_indices: torch.Tensor  # [n] int64 device slots
+    node_ids: list[int]
+    priority: int = 0
+    # L3 backup of a write: (namespace, full token path up to the node's end, node tokens)
+    storage_paths: list[tuple[str | None, list[int], int]] = field(default_factory=list)
+    ok: bool = True
+
+    @staticmethod
+    def merge(ops: list[CacheOperation]) -> CacheOperation:
+        if len(ops) == 1:
+            return ops[0]
+        return CacheOperation(
+            torch.cat([o.host_indices for o in ops]), torch.cat([o.device_indices for o in ops]),
+            [i for o in ops for i in o.node_ids], max(o.priority for o in ops),
+            [p for o in ops for p in o.storage_paths])  # fmt: skip
+
+
+class HiCacheController:
+    """Owns the D<->H copy workers and the L3 backup; see the module docstring."""
+
+    def __init__(
+        self,
+        device_pool: Any,
+        host_pool: Any,
+        device_allocator: Any,
+        io_backend: str = "kernel",
+        layer_num: int | None = None,
+        storage: StorageBackend | None = None,
+        model_fingerprint: str = "",
+        layer_hook: Callable[[int], None] | None = None,
+        prefetch_policy: str = "best_effort",
+        prefetch_timeout_s: float = 2.0,
+    ) -> None:
+        self.prefetch_policy, self.prefetch_timeout_s = prefetch_policy, prefetch_timeout_s
+        self.device_pool, self.host_pool = device_pool, host_pool
+        self.device_allocator = device_allocator
+        self.io_backend = io_backend
+        self.layer_num = layer_num if layer_num is not None else host_pool.layer_num
+        self.page_size = host_pool.page_size
+        self.storage = storage
+        self.model_fingerprint = model_fingerprint
+        self.layer_hook = layer_hook  # test instrumentation: called after each loaded layer
+        self.bytes_per_token = device_pool.bytes_per_token()
+        self.write_queue: list[CacheOperation] = []
+        self.load_queue: list[CacheOperation] = []
+        self.ack_write_queue: queue.Queue[CacheOperation] = queue.Queue()
+        self.ack_load_queue: queue.Queue[CacheOperation] = queue.Queue()
+        self.current_load = LayerDoneCounter(self.layer_num, done=self.layer_num)
+        self.stats = {"bytes_d2h": 0, "bytes_h2d": 0, "errors": 0, "l3_backup_pages": 0,
+                      "l3_backup_errors": 0, "l3_prefetch_pages": 0, "l3_prefetch_errors": 0}
+        self._inflight_writes = 0
+        self._inflight_loads = 0
+        self._idle = threading.Condition()
+        self._write_jobs: queue.Queue[CacheOperation | None] = queue.Queue()
+        self._load_jobs: queue.Queue[tuple[CacheOperation, LayerDoneCounter] | None] = (
+            queue.Queue())
+        self._threads = [
+            threading.Thread(target=self._write_worker, name="hicache-write", daemon=True),
+            threading.Thread(target=self._load_worker, name="hicache-load", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self._closed = False
+
+    # ---- writes: device -> host (-> storage) -------------------------------------------------
+    def write(self, device_indices: torch.Tensor, node_id: int, priority: int = 0,
+              storage_path: tuple[str | None, list[int], int] | None = None
+              ) -> torch.Tensor | None:
+        """Allocate and protect host slots for ``device_indices`` and queue the copy; None when
+        the host pool is full (the caller may evict host and retry)."""
+        host_indices = self.host_pool.alloc(len(device_indices))
+        if host_indices is None:
+            return None
+        self.host_pool.protect(host_indices)
+        paths = [storage_path] if storage_path is not None and self.storage is not None else []
+        self.write_queue.append(CacheOperation(host_indices, device_indices.clone(), [node_id],
+                                               priority, paths))
+        return host_indices
+
+    def start_writing(self) -> None:
+        """Hand every queued write to the worker as one merged copy."""
+        if not self.write_queue:
+            return
+        op = CacheOperation.merge(self.write_queue)
+        self.write_queue = []
+        with self._idle:
+            self._inflight_writes += 1
+        self._write_jobs.put(op)
+
+    def drain_write_acks(self) -> list[CacheOperation]:
+        """Finished writes (their host protection released here, on the caller's thread)."""
+        return self._drain(self.ack_write_queue)
+
+    # ---- loads: host -> device -------------------------------------------------------------
+    def load(self, host_indices: torch.Tensor, node_id: int, priority: int = 0
+             ) -> torch.Tensor | None:
+        """Allocate device slots for ``host_indices`` and queue the copy; None when the device
+        pool has no room (the caller evicts and retries)."""
+        device_indices = self.device_allocator.alloc(len(host_indices))
+        if device_indices is None:
+            return None
+        self.host_pool.protect(host_indices)
+        self.load_queue.append(CacheOperation(host_indices, device_indices, [node_id], priority))
+        return device_indices
+
+    def start_loading(self) -> LayerDoneCounter:
+        """Hand every queued load to the worker as one batch; returns its layer counter, which
+        also becomes ``current_load`` for ``wait_layer``."""
+        if not self.load_queue:
+            return self.current_load
+        op = CacheOperation.merge(self.load_queue)
+        self.load_queue = []
+        counter = LayerDoneCounter(self.layer_num)
+        self.current_load = counter
+        with self._idle:
+            self._inflight_loads += 1
+        self._load_jobs.put((op, counter))
+        return counter
+
+    def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
+        """Model-runner hook: block until layer ``layer_id`` of every started load landed
+        (loads run FIFO, so the newest batch's layer implies all earlier batches)."""
+        return self.current_load.wait_until(layer_id, timeout)
+
+    def drain_load_acks(self) -> list[CacheOperation]:
+        return self._drain(self.ack_load_queue)
+
+    # ---- sync points -------------------------------------------------------------------------
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every started write and load (storage backups included) finished."""
+        with self._idle:
+            return self._idle.wait_for(
+                lambda: self._inflight_writes == 0 and self._inflight_loads == 0, timeout)
+
+    def shutdown(self) -> None:
+        """Flush queued writes, finish in-flight work (pending storage writes), stop workers."""
+        if self._closed:
+            return
+        self.start_writing()
+        self.start_loading()
+        self.wait_idle(timeout=60)
+        self._closed = True
+        self._write_jobs.put(None)
+        self._load_jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    # ---- L3 keys -----------------------------------------------------------------------------
+    def storage_keys(self, token_ids: list[int], namespace: str | None) -> list[str]:
+        """One L3 key per full page of ``token_ids`` (a full path from the root)."""
+        fp = self.model_fingerprint + "|" + self.host_pool.storage_fingerprint()
+        return page_hashes(token_ids, self.page_size, prefix_hash_seed(fp, namespace))
+
+    def storage_hits(self, keys: list[str]) -> int:
+        """Leading ``keys`` present in L3 (0 on error)."""
+        if self.storage is None or not keys:
+            return 0
+        try:
+            return self.storage.batch_exists(keys)
+        except Exception:
+            log.exception("L3 exists failed")
+            self.stats["l3_prefetch_errors"] += 1
+            return 0
+
+    def prefetch(self, keys: list[str], host_indices: torch.Tensor) -> int:
+        """Read L3 pages ``keys`` into host slots ``host_indices`` ([len(keys)*page] int64),
+        page by page on the caller's thread, per ``prefetch_policy``: ``wait_complete`` reads
+        every page, ``best_effort`` / ``timeout`` stop at ``prefetch_timeout_s``. Returns the
+        leading pages read; a miss or corrupt page stops the prefetch (counted, not raised)."""
+        assert self.storage is not None
+        deadline = (None if self.prefetch_policy == "wait_complete"
+                    else time.monotonic() + self.prefetch_timeout_s)
+        done = 0
+        for i, key in enumerate(keys):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            try:
+                value = self.storage.get(key)
+                if value is None:
+                    break
+                host = host_indices[i * self.page_size: (i + 1) * self.page_size]
+                data = value if isinstance(value, torch.Tensor) else torch.frombuffer(
+                    bytearray(value), dtype=self.host_pool.store_dtype)
+                expected = self.host_pool.get_flat_data(host)
+                self.host_pool.set_from_flat_data(host, data.view(expected.dtype)
+                                                  .reshape(expected.shape))
+            except Exception:
+                log.exception("L3 prefetch failed")
+                self.stats["l3_prefetch_errors"] += 1
+                break
+            done += 1
+        self.stats["l3_prefetch_pages"] += done
+        return done
+
+    # ---- workers -----------------------------------------------------------------------------
+    def _drain(self, q: queue.Queue[CacheOperation]) -> list[CacheOperation]:
+        out: list[CacheOperation] = []
+        while True:
+            try:
+                op = q.get_nowait()
+            except queue.Empty:
+                return out
+            self.host_pool.release(op.host_indices)
+            out.append(op)
+
+    def _done(self, kind: str) -> None:
+        with self._idle:
+            if kind == "write":
+                self._inflight_writes -= 1
+            else:
+                self._inflight_loads -= 1
+            self._idle.notify_all()
+
+    def _write_worker(self) -> None:
+        while (op := self._write_jobs.get()) is not None:
+            try:
+                self.host_pool.backup_from_device_all_layer(
+                    self.device_pool, op.host_indices, op.device_indices, self.io_backend)
+                self.stats["bytes_d2h"] += len(op.host_indices) * self.bytes_per_token
+            except Exception:
+                log.exception("device->host write failed")
+                self.stats["errors"] += 1
+                op.ok = False
+            if op.ok and op.storage_paths:
+                self._backup_to_storage(op)
+            self.ack_write_queue.put(op)
+            self._done("write")
+
+    def _backup_to_storage(self, op: CacheOperation) -> None:
+        """Write the pages of each node of ``op`` to L3 (errors counted, never raised)."""
+        assert self.storage is not None
+        pos = 0
+        for namespace, path, num_tokens in op.storage_paths:
+            try:
+                keys = self.storage_keys(path, namespace)[-(num_tokens // self.page_size):]
+                host = op.host_indices[pos: pos + num_tokens]
+                values = [self.host_pool.get_flat_data(host[i * self.page_size:
+                                                            (i + 1) * self.page_size])
+                          for i in range(len(keys))]
+                ok = self.storage.batch_set(keys, values)
+                self.stats["l3_backup_pages"] += sum(ok)
+                self.stats["l3_backup_errors"] += len(ok) - sum(ok)
+            except Exception:
+                log.exception("L3 backup failed")
+                self.stats["l3_backup_errors"] += 1
+            pos += num_tokens
+
+    def _load_worker(self) -> None:
+        while (job := self._load_jobs.get()) is not None:
+            op, counter = job
+            try:
+                for layer_id in range(self.layer_num):
+                    self.host_pool.load_to_device_per_layer(
+                        self.device_pool, op.host_indices, op.device_indices, layer_id,
+                        self.io_backend)
+                    counter.increment()
+                    if self.layer_hook is not None:
+                        self.layer_hook(layer_id)
+                self.stats["bytes_h2d"] += len(op.host_indices) * self.bytes_per_token
+            except Exception:
+                log.exception("host->device load failed")
+                self.stats["errors"] += 1
+                op.ok = False
+            counter.finish()
+            self.ack_load_queue.put(op)
+            self._done("load")

@@ -1,0 +1,493 @@
+"""HiRadixCache: the radix tree over three tiers (seed 001). The tree decides *what* moves; the
+HiCacheController moves bytes and acknowledges.
+
+A node's KV lives on device (``value``), on host (``host_value``) or both:
+
+    device + host   backed up: device eviction only drops ``value`` (demote, l1 -> l2)
+    device only     not backed up yet: eviction deletes it (write_back: backs it up first)
+    host only       evicted: ``init_load_back`` promotes it (l2 -> l1); host eviction deletes it
+
+NOTE invariants: descendants of a host-only node are host-only, so every root path is a device
+part followed by a host part; a node with an in-flight write or load is locked (lock_ref > 0);
+every device slot is free / in ``node.value`` / held by a request; every host slot is free /
+in ``node.host_value`` / pending free behind an in-flight copy.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import torch
+
+from hicache.controller import HiCacheController
+from hicache.radix_cache import MatchResult, RadixCache, TreeNode
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class HiMatchResult(MatchResult):
+    """MatchResult (same 4 positional fields) plus ``tier_tokens`` {"l1", "l2", "l3"} -> n."""
+
+    tier_tokens: dict[str, int]
+
+
+def _result(device_indices: torch.Tensor, last_device: TreeNode, last_host: TreeNode,
+            host_len: int, tiers: dict[str, int]) -> HiMatchResult:
+    res = HiMatchResult(device_indices, last_device, last_host, host_len)
+    res.tier_tokens = tiers
+    return res
+
+
+class HiRadixCache(RadixCache):
+    def __init__(
+        self,
+        req_to_token_pool: Any,
+        token_to_kv_pool_allocator: Any,
+        page_size: int,
+        host_pool: Any,
+        controller: HiCacheController,
+        write_policy: str = "write_through",
+        eviction_policy: str = "lru",
+        load_back_threshold: int = 0,
+        prefetch_threshold: int | None = None,
+        event_log: Any = None,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write_policy {write_policy!r}")
+        self.host_pool = host_pool
+        self.controller = controller
+        self.storage = controller.storage
+        self.write_policy = write_policy
+        self.load_back_threshold = load_back_threshold
+        self.prefetch_threshold = page_size if prefetch_threshold is None else prefetch_threshold
+        self.ongoing_write: dict[int, TreeNode] = {}
+        self.ongoing_load: dict[int, list[TreeNode]] = {}
+        self.counters = {"evictions": 0, "demotions": 0, "promotions": 0, "host_evictions": 0,
+                         "l3_prefetch_tokens": 0, "load_errors": 0}
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size,
+                         eviction_policy=eviction_policy)
+        self.event_log = event_log
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop the tree and every host slot (device slots: clear the allocator alongside)."""
+        if hasattr(self, "ongoing_write"):
+            self.controller.start_writing()
+            self.controller.wait_idle()
+            self.check()
+            self.host_pool.clear()
+        super().reset()
+
+    def shutdown(self) -> None:
+        """Stop the copy workers after flushing queued writes (and their L3 backups)."""
+        self.controller.shutdown()
+        self.check()
+
+    def check(self) -> None:
+        """Drain finished writes and loads (scheduler thread); safe to call every step."""
+        self.writing_check()
+        self.loading_check()
+
+    def writing_check(self) -> None:
+        for op in self.controller.drain_write_acks():
+            for node_id in op.node_ids:
+                node = self.ongoing_write.pop(node_id, None)
+                if node is None:
+                    continue
+                if not op.ok and node.host_value is not None:
+                    self.host_pool.free(node.host_value)
+                    node.host_value = None
+                self.dec_lock_ref(node)
+
+    def loading_check(self) -> None:
+        for op in self.controller.drain_load_acks():
+            for node_id in op.node_ids:
+                nodes = self.ongoing_load.pop(node_id, None)
+                if nodes is None:
+                    continue
+                self.dec_lock_ref(nodes[-1])
+                if not op.ok:  # the bytes never landed: drop the device copies again
+                    self.counters["load_errors"] += 1
+                    for node in reversed(nodes):
+                        if node.value is not None and node.lock_ref == 0:
+                            self.token_to_kv_pool_allocator.free(node.value)
+                            self._drop_value(node)
+
+    # ---- locks and sizes (only device-resident nodes count) ------------------------------------
+    def _add_lock(self, node: TreeNode, step: int) -> int:
+        delta = 0
+        while node is not self.root_node:
+            if node.lock_ref + step < 0:
+                raise AssertionError(f"dec_lock_ref on unlocked {node!r}")
+            if node.lock_ref == (0 if step > 0 else 1) and node.value is not None:
+                delta -= step * len(node.key)
+            node.lock_ref += step
+            node = node.parent
+        self._evictable_size += delta
+        self._protected_size -= delta
+        return delta
+
+    def _set_value(self, node: TreeNode, value: torch.Tensor) -> None:
+        node.value = value
+        if node.lock_ref > 0:
+            self._protected_size += len(value)
+        else:
+            self._evictable_size += len(value)
+
+    def _drop_value(self, node: TreeNode) -> None:
+        if node.lock_ref > 0:
+            self._protected_size -= len(node.key)
+        else:
+            self._evictable_size -= len(node.key)
+        node.value = None
+
+    # ---- match / insert ----------------------------------------------------------------------
+    def match_prefix(self, key: list[int] | tuple[int, ...],
+                     namespace: str | None = None) -> HiMatchResult:
+        self.check()
+        key = self._align(self.key_of(key, namespace))
+        tiers = {"l1": 0, "l2": 0, "l3": 0}
+        if self.disable or not key:
+            return _result(self._empty(), self.root_node, self.root_node, 0, tiers)
+        _, last_node, matched = self._match_helper(key)
+        path = self._path(last_node)
+        device = [n for n in path if n.value is not None]
+        for node in device:
+            self._maybe_backup(node)
+        self.controller.start_writing()
+        host_len = sum(len(n.key) for n in path[len(device):])
+        tiers["l1"], tiers["l2"] = matched - host_len, host_len
+        if self.storage is not None and matched < len(key):
+            new = self._prefetch_from_storage(last_node, key, matched)
+            if new is not None:
+                last_node, tiers["l3"] = new, len(new.key)
+                host_len += len(new.key)
+        values = [n.value for n in device]
+        device_indices = torch.cat(values) if values else self._empty()
+        last_device = device[-1] if device else self.root_node
+        return _result(device_indices, last_device, last_node, host_len, tiers)
+
+    def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor) -> int:
+        """As RadixCache.insert; host-only nodes on the path take the caller's slots (revive),
+        so the returned prefix (what the caller must free) is the device part only."""
+        key = self._align(key)
+        if self.disable or not key:
+            return 0
+        node, pos, device_prefix = self.root_node, 0, 0
+        while pos < len(key):
+            child = node.children.get(self._page_key(key[pos:]))
+            if child is None:
+                break
+            self._touch(child)
+            plen = self._key_match(child.key, key[pos:])
+            if plen < len(child.key):
+                child = self._split_node(child, plen)
+            if child.value is None:
+                self._set_value(child, value[pos: pos + plen].to(torch.int64).clone())
+                self._emit("stored", "l1", plen, child)
+            else:
+                device_prefix = pos + plen
+            node, pos = child, pos + plen
+        if pos < len(key):
+            leaf = self._add_leaf(node, key[pos:], value[pos: len(key)].to(torch.int64))
+            if self.write_policy == "write_through":
+                self._write_backup(leaf)
+        self.controller.start_writing()
+        return device_prefix
+
+    # ---- load back (l2 -> l1) ------------------------------------------------------------------
+    def init_load_back(self, last_node: TreeNode, match_result: Any = None
+                       ) -> tuple[torch.Tensor, TreeNode]:
+        """Promote the host part of the path ending at ``match_result.last_host_node`` (or
+        ``last_node``) to device; waits until the bytes landed. Returns the device slots of the
+        whole prefix and its new last device node (not locked: the caller locks it)."""
+        self.check()
+        target = getattr(match_result, "last_host_node", None) or last_node
+        path = self._path(target)
+        device = [n for n in path if n.value is not None]
+        host_nodes = path[len(device):]
+        host_len = sum(len(n.key) for n in host_nodes)
+        if host_len == 0 or host_len < self.load_back_threshold:
+            return self._device_prefix(device)
+        last = host_nodes[-1]
+        self.inc_lock_ref(last)
+        host_indices = torch.cat([n.host_value for n in host_nodes])
+        device_indices = self.controller.load(host_indices, last.id)
+        if device_indices is None:
+            self.evict(host_len - self.token_to_kv_pool_allocator.available_size())
+            device_indices = self.controller.load(host_indices, last.id)
+        if device_indices is None:
+            self.dec_lock_ref(last)
+            return self._device_prefix(device)
+        offset = 0
+        for node in host_nodes:
+            self._set_value(node, device_indices[offset: offset + len(node.key)])
+            offset += len(node.key)
+            self._emit("promoted", "l1", len(node.key), node)
+        self.counters["promotions"] += host_len
+        self.ongoing_load[last.id] = host_nodes
+        counter = self.controller.start_loading()
+        # NOTE: CPU path: wait for every layer; a runner calling controller.wait_layer(i)
+        # per layer could skip this wait and overlap the load with the forward.
+        counter.wait_until(self.controller.layer_num - 1)
+        self.controller.wait_idle()
+        self.loading_check()
+        return self._device_prefix([n for n in path if n.value is not None])
+
+    def _device_prefix(self, device: list[TreeNode]) -> tuple[torch.Tensor, TreeNode]:
+        values = [n.value for n in device]
+        return (torch.cat(values) if values else self._empty(),
+                device[-1] if device else self.root_node)
+
+    # ---- writes (l1 -> l2) ---------------------------------------------------------------------
+    def _maybe_backup(self, node: TreeNode) -> None:
+        if node.host_value is not None or self.write_policy == "write_back":
+            return
+        if self.write_policy == "write_through" or node.hit_count >= 2:
+            self._write_backup(node)
+
+    def _write_backup(self, node: TreeNode) -> bool:
+        """Queue a D->H copy of ``node`` (locked until acknowledged); False when no host room."""
+        if node.value is None or node.host_value is not None or node.id in self.ongoing_write:
+            return False
+        path = None
+        if self.storage is not None:
+            ns, tokens = self.split_key(self._path_key(node))
+            path = (ns, tokens, len(node.key))
+        host_indices = self.controller.write(node.value, node.id, storage_path=path)
+        if host_indices is None:
+            self.evict_host(len(node.key) - self.host_pool.available_size())
+            host_indices = self.controller.write(node.value, node.id, storage_path=path)
+        if host_indices is None:
+            return False
+        node.host_value = host_indices
+        self.ongoing_write[node.id] = node
+        self.inc_lock_ref(node)
+        return True
+
+    # ---- eviction ----------------------------------------------------------------------------
+    def _collect_leaves(self) -> list[TreeNode]:
+        """Unlocked device leaves (no device-resident child): device eviction candidates."""
+        return [n for n in self._all_nodes() if self._is_device_leaf(n)]
+
+    def _is_device_leaf(self, n: TreeNode) -> bool:
+        return (n is not self.root_node and n.value is not None and n.lock_ref == 0
+                and all(c.value is None for c in n.children.values()))
+
+    def evict(self, num_tokens: int) -> int:
+        """Free >= ``num_tokens`` device slots if possible: backed-up leaves are demoted to host,
+        the rest deleted (write_back, or leaves with host children: backed up first)."""
+        self.check()
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(self._priority(n), n.id, n) for n in self._collect_leaves()]
+        heapq.heapify(heap)
+        num_evicted = 0
+        while num_evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._is_device_leaf(node):
+                continue
+            parent = node.parent
+            needs_backup = self.write_policy == "write_back" or bool(node.children)
+            if node.host_value is None and needs_backup and self._write_backup(node):
+                # synchronous: the device copy must be read before its slots are freed
+                self.controller.start_writing()
+                self.controller.wait_idle()
+                self.writing_check()
+            if node.host_value is not None:
+                num_evicted += self._demote(node)
+            else:
+                num_evicted += self._delete_subtree(node)
+            if self._is_device_leaf(parent):
+                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+        self.counters["evictions"] += num_evicted
+        if num_evicted < num_tokens and self.ongoing_write:
+            # NOTE: in-flight writes lock their nodes; let them land, then try again.
+            self.controller.start_writing()
+            self.controller.wait_idle()
+            self.writing_check()
+            num_evicted += self.evict(num_tokens - num_evicted)
+        return num_evicted
+
+    def _demote(self, node: TreeNode) -> int:
+        num = len(node.key)
+        self.token_to_kv_pool_allocator.free(node.value)
+        self._drop_value(node)
+        self.evicted_tokens += num
+        self.counters["demotions"] += num
+        self._emit("demoted", "l2", num, node)
+        return num
+
+    def _delete_subtree(self, node: TreeNode) -> int:
+        """Delete an unlocked device leaf and its host-only descendants; returns device tokens."""
+        for d in self._subtree(node)[1:]:
+            if d.host_value is not None:
+                self.host_pool.free(d.host_value)
+                d.host_value = None
+                self._emit("removed", "l2", len(d.key), d)
+        node.children = {}
+        return self._evict_leaf(node)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """LRU over host-only leaves with no lock: free their host slots and drop them."""
+        self.check()
+        if num_tokens <= 0:
+            return 0
+        heap = [(self._priority(n), n.id, n) for n in self._all_nodes() if self._is_host_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._is_host_leaf(node):
+                continue
+            parent = node.parent
+            self.host_pool.free(node.host_value)
+            node.host_value = None
+            self._delete_leaf(node)
+            freed += len(node.key)
+            self._emit("removed", "l2", len(node.key), node)
+            if self._is_host_leaf(parent):
+                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+        self.counters["host_evictions"] += freed
+        return freed
+
+    def _is_host_leaf(self, n: TreeNode) -> bool:
+        return (n is not self.root_node and n.value is None and n.host_value is not None
+                and not n.children and n.lock_ref == 0)
+
+    # ---- L3 ----------------------------------------------------------------------------------
+    def _prefetch_from_storage(self, last_node: TreeNode, key: tuple[int, ...],
+                               matched: int) -> TreeNode | None:
+        """Read the L3 pages after ``key[:matched]`` into host slots; they become a host-only
+        child of ``last_node``. Returns it, or None on a miss / no room."""
+        ns, tokens = self.split_key(key)
+        keys = self.controller.storage_keys(tokens, ns)[matched // self.page_size:]
+        num_pages = self.controller.storage_hits(keys)
+        need = num_pages * self.page_size
+        if need == 0 or need < self.prefetch_threshold:
+            return None
+        if self.host_pool.available_size() < need:
+            self.inc_lock_ref(last_node)  # keep the path (host-only nodes too) out of eviction
+            self.evict_host(need - self.host_pool.available_size())
+            self.dec_lock_ref(last_node)
+        host_indices = self.host_pool.alloc(need)
+        if host_indices is None:
+            return None
+        got = self.controller.prefetch(keys[:num_pages], host_indices) * self.page_size
+        if got < need:
+            self.host_pool.free(host_indices[got:])
+        if got == 0:
+            return None
+        node = TreeNode(key[matched: matched + got])
+        node.host_value = host_indices[:got]
+        node.parent = last_node
+        last_node.children[self._page_key(node.key)] = node
+        self.counters["l3_prefetch_tokens"] += got
+        self._emit("stored", "l2", got, node)
+        return node
+
+    def node_in_storage(self, node: TreeNode) -> bool:
+        if self.storage is None:
+            return False
+        ns, tokens = self.split_key(self._path_key(node))
+        keys = self.controller.storage_keys(tokens, ns)[-(len(node.key) // self.page_size):]
+        return self.controller.storage_hits(keys) == len(keys)
+
+    # ---- admin -------------------------------------------------------------------------------
+    def flush_tier(self, tier: str) -> int:
+        """Empty one tier ("l1" demotes/deletes every unlocked device leaf, "l2" drops every
+        unlocked host copy, "l3" clears storage); returns the tokens freed."""
+        self.controller.start_writing()
+        self.controller.wait_idle()
+        self.check()
+        if tier == "l1":
+            return self.evict(1 << 62)
+        if tier == "l2":
+            freed = self.evict_host(1 << 62)
+            for n in self._all_nodes():
+                if n.value is not None and n.host_value is not None and n.lock_ref == 0:
+                    self.host_pool.free(n.host_value)
+                    n.host_value = None
+                    freed += len(n.key)
+            return freed
+        if tier == "l3" and self.storage is not None:
+            self.storage.clear()
+            return 0
+        raise ValueError(f"tier {tier!r} is not enabled")
+
+    def clear(self, tiers: list[str] | tuple[str, ...] = ("l1", "l2", "l3")) -> int:
+        return sum(self.flush_tier(t) for t in tiers if t != "l3" or self.storage is not None)
+
+    def tier_stats(self) -> dict[str, dict[str, Any]]:
+        host_nodes = [n for n in self._all_nodes() if n.host_value is not None]
+        c, s = self.counters, self.controller.stats
+        l2 = {
+            "capacity_tokens": self.host_pool.size,
+            "used_tokens": self.host_pool.size - self.host_pool.available_size(),
+            "free_tokens": self.host_pool.available_size(),
+            "cached_tokens": sum(len(n.key) for n in host_nodes),
+            "host_only_tokens": sum(len(n.key) for n in host_nodes if n.value is None),
+            "evictable_tokens": sum(len(n.key) for n in host_nodes if self._is_host_leaf(n)),
+            "pending_free_tokens": self.host_pool.pending_free_size(),
+            "evictions": c["host_evictions"], "demotions": c["demotions"],
+            "promotions": c["promotions"], "bytes_h2d": s["bytes_h2d"],
+            "bytes_d2h": s["bytes_d2h"], "errors": s["errors"] + c["load_errors"],
+            "ongoing_writes": len(self.ongoing_write), "write_policy": self.write_policy,
+        }
+        out: dict[str, dict[str, Any]] = {"l2": l2}
+        if self.storage is not None:
+            l3: dict[str, Any] = dict(self.storage.stats())
+            l3["backup_pages"] = s["l3_backup_pages"]
+            l3["prefetch_pages"] = s["l3_prefetch_pages"]
+            l3["prefetch_tokens"] = c["l3_prefetch_tokens"]
+            l3["errors"] = (l3.get("errors", 0) + s["l3_backup_errors"]
+                            + s["l3_prefetch_errors"])
+            out["l3"] = l3
+        return out
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        for node in self._all_nodes():
+            if node is self.root_node:
+                continue
+            if node.value is None and node.host_value is None:
+                raise AssertionError(f"{node!r} has KV in no tier")
+            if node.host_value is not None and len(node.host_value) != len(node.key):
+                raise AssertionError(f"{node!r} host_value length != key length")
+            if node.value is None and any(c.value is not None for c in node.children.values()):
+                raise AssertionError(f"{node!r} host-only with a device child")
+        host = self.all_host_slots()
+        if host.numel() != torch.unique(host).numel():
+            raise AssertionError("a host slot is held by two tree nodes")
+
+    def all_host_slots(self) -> torch.Tensor:
+        values = [n.host_value for n in self._all_nodes() if n.host_value is not None]
+        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree."""
+        path: list[TreeNode] = []
+        while node is not self.root_node and node is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        node, out = self.root_node, []
+        for n in path:
+            if node.children.get(self._page_key(n.key)) is not n:
+                break
+            out.append(n)
+            node = n
+        return out
+
+    def _path_key(self, node: TreeNode) -> tuple[int, ...]:
+        return tuple(t for n in self._path(node) for t in n.key)
+
+    def _subtree(self, node: TreeNode) -> list[TreeNode]:
+        out, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out

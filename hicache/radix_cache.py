@@ -1,0 +1,402 @@
+"""RadixCache: a page-aligned radix tree from token ids to L1 KV slot indices.
+
+The tree holds slot indices, never KV bytes. Every key and value length is a multiple of
+page_size; children are keyed by the first page of their key. A node with ``lock_ref > 0`` is used
+by a running request (protected); unlocked leaves are evicted by LRU or LFU.
+NOTE: ``node.value`` may be None in a subclass (HiRadixCache: evicted to host); the helpers below
+(_split_node, _collect_leaves, _evict_leaf, _delete_leaf, _touch) are the override points.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any, NamedTuple
+
+import torch
+
+from hicache.allocator import TokenToKVPoolAllocator
+from hicache.req_to_token import ReqToTokenPool
+
+_node_ids = itertools.count()
+_clock = itertools.count(1)  # monotonic logical access time: deterministic LRU order
+
+
+def finished_kv_len(req: Any) -> int:
+    """Tokens of a finished request with KV in the pool: ``len(input) + len(output) - 1`` (the
+    last sampled token has none); ``req.kv_committed_len``, if set, overrides it (abort)."""
+    committed = getattr(req, "kv_committed_len", None)
+    if committed is not None:
+        return int(committed)
+    return len(req.origin_input_ids) + len(req.output_ids) - 1
+
+
+class TreeNode:
+    def __init__(self, key: tuple[int, ...] = (), value: torch.Tensor | None = None) -> None:
+        self.key = key  # token ids, len % page_size == 0
+        self.value = value  # [len(key)] int64 slots on device; None = not on device
+        self.host_value: torch.Tensor | None = None  # HiRadixCache: [len(key)] int64 host slots
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.parent: TreeNode | None = None
+        self.lock_ref = 0
+        self.last_access_time = next(_clock)
+        self.hit_count = 0
+        self.id = next(_node_ids)
+
+    @property
+    def evicted(self) -> bool:
+        return self.value is None
+
+    @property
+    def backuped(self) -> bool:
+        return self.host_value is not None
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class MatchResult(NamedTuple):
+    device_indices: torch.Tensor  # [matched tokens] int64 slots on device
+    last_device_node: TreeNode  # deepest matched node whose KV is on device
+    last_host_node: TreeNode  # HiRadixCache: deepest matched node; == last_device_node here
+    host_hit_length: int = 0  # HiRadixCache: tokens after last_device_node held on host
+
+
+class RadixCache:
+    """Prefix cache over ``token_to_kv_pool_allocator`` slots (BasePrefixCache protocol)."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool | None,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        page_size: int,
+        disable: bool = False,
+        eviction_policy: str = "lru",
+    ) -> None:
+        if eviction_policy not in ("lru", "lfu"):
+            raise ValueError(f"unknown eviction_policy {eviction_policy!r}")
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.disable = disable
+        self.eviction_policy = eviction_policy
+        self.device = token_to_kv_pool_allocator.device
+        self.event_log: Any = None  # optional hicache.events.CacheEventLog
+        self.evicted_tokens = 0  # cumulative L1 tokens freed by evict()
+        self.reset()
+
+    # ---- public API -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop the whole tree. NOTE: slots are not freed; clear the allocator alongside."""
+        self.root_node = TreeNode()
+        self.root_node.value = self._empty()
+        self.root_node.lock_ref = 1  # the root is never evicted
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    # ---- namespaces ---------------------------------------------------------------------------
+    # NOTE: a namespace (tenant salt) is folded into every key element as token + (ns_id << 32),
+    # so tenants never share a node while sharing one pool and one eviction order.
+    def key_of(self, token_ids: list[int] | tuple[int, ...], namespace: str | None = None
+               ) -> tuple[int, ...]:
+        if not namespace:
+            return tuple(token_ids)
+        ns_ids = self.__dict__.setdefault("_ns_ids", {})
+        ns_names = self.__dict__.setdefault("_ns_names", {})
+        ns_id = ns_ids.get(namespace)
+        if ns_id is None:
+            ns_id = ns_ids[namespace] = len(ns_ids) + 1
+            ns_names[ns_id] = namespace
+        off = ns_id << 32
+        return tuple(t + off for t in token_ids)
+
+    namespace_key = key_of
+
+    def _emit(self, kind: str, tier: str, num_tokens: int, node: TreeNode | None = None) -> None:
+        if self.event_log is not None and num_tokens:
+            ns = self.split_key(node.key)[0] if node is not None else None
+            self.event_log.emit(kind, tier, num_tokens, node.id if node else None, ns)
+
+    def split_key(self, key: tuple[int, ...]) -> tuple[str | None, list[int]]:
+        """(namespace, token ids) of a tree key."""
+        if not key or key[0] < (1 << 32):
+            return None, list(key)
+        ns = self.__dict__.get("_ns_names", {}).get(key[0] >> 32)
+        return ns, [t & 0xFFFFFFFF for t in key]
+
+    def match_prefix(self, key: list[int] | tuple[int, ...],
+                     namespace: str | None = None) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key``; splits the node the match ends inside."""
+        key = self._align(self.key_of(key, namespace))
+        if self.disable or not key:
+            return MatchResult(self._empty(), self.root_node, self.root_node)
+        values, node, _ = self._match_helper(key)
+        device_indices = torch.cat(values) if values else self._empty()
+        return MatchResult(device_indices, node, node)
+
+    def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor) -> int:
+        """Insert ``key`` -> ``value`` (page-aligned part); returns the prefix length already
+        present, whose slots in ``value`` the caller still owns (duplicates to free)."""
+        key = self._align(key)
+        if self.disable or not key:
+            return 0
+        _, node, prefix_len = self._match_helper(key)
+        if prefix_len < len(key):
+            self._add_leaf(node, key[prefix_len:], value[prefix_len: len(key)].to(torch.int64))
+        return prefix_len
+
+    def cache_finished_req(self, req: Any) -> None:
+        """Insert a finished request's KV, free what the tree does not keep, release its lock
+        and its req_to_token row.
+
+            positions: 0 ........ len(prefix) ......... new_prefix_len ... aligned_len ... kv_len
+            slots:     |tree (locked)|  duplicates: free  | inserted: tree keeps  | tail: free |
+        """
+        kv_len = finished_kv_len(req)
+        row = req.req_pool_idx
+        kv_indices = self.req_to_token_pool.req_to_token[row, :kv_len].long()  # [kv_len] on device
+        if self.disable:
+            self.token_to_kv_pool_allocator.free(kv_indices)
+            self.req_to_token_pool.free(row)
+            return
+        token_ids = self.key_of((list(req.origin_input_ids) + list(req.output_ids))[:kv_len],
+                                getattr(req, "cache_namespace", None))
+        aligned_len = kv_len // self.page_size * self.page_size
+        allocator = self.token_to_kv_pool_allocator
+        allocator.free_group_begin()
+        allocator.free(kv_indices[aligned_len:])  # the partial last page
+        new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
+        self._free_duplicates(kv_indices, len(req.prefix_indices), new_prefix_len)
+        allocator.free_group_end()
+        self.req_to_token_pool.free(row)
+        self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: Any) -> None:
+        """Insert the KV of ``req.fill_ids`` so far and re-point the request at the tree's slots.
+
+            positions: 0 ...... len(prefix) ...... new_prefix_len .... aligned_len ...... kv_len
+            slots:     |tree (locked)| duplicates: free, |  inserted: tree   | tail: kept by req |
+                                     | row <- tree slots |                   |                   |
+        ``req.prefix_indices`` becomes tree slots + the kept tail; the lock moves to the new node.
+        """
+        token_ids = self.key_of(req.fill_ids, getattr(req, "cache_namespace", None))
+        kv_len, row = len(token_ids), req.req_pool_idx
+        kv_indices = self.req_to_token_pool.req_to_token[row, :kv_len].long()  # [kv_len] on device
+        if self.disable:
+            req.prefix_indices = kv_indices
+            return
+        aligned_len = kv_len // self.page_size * self.page_size
+        old_prefix_len = len(req.prefix_indices)
+        new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
+        self._free_duplicates(kv_indices, old_prefix_len, new_prefix_len)
+        new_indices, new_last_node, _, _ = self.match_prefix(token_ids[:aligned_len])
+        if len(new_indices) != aligned_len:
+            raise AssertionError(f"re-match found {len(new_indices)} of {aligned_len} tokens")
+        start = min(old_prefix_len, aligned_len) // self.page_size * self.page_size
+        self.req_to_token_pool.write((row, slice(start, aligned_len)), new_indices[start:])
+        self.inc_lock_ref(new_last_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices = torch.cat((new_indices, kv_indices[aligned_len:]))
+        req.last_node = new_last_node
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock ``node`` and its ancestors; returns the change of evictable_size (<= 0)."""
+        return self._add_lock(node, 1)
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Unlock ``node`` and its ancestors; returns the change of evictable_size (>= 0)."""
+        return self._add_lock(node, -1)
+
+    def _add_lock(self, node: TreeNode, step: int) -> int:
+        delta = 0
+        while node is not self.root_node:
+            if node.lock_ref + step < 0:
+                raise AssertionError(f"dec_lock_ref on unlocked {node!r}")
+            if node.lock_ref == (0 if step > 0 else 1):  # evictable <-> protected
+                delta -= step * len(node.key)
+            node.lock_ref += step
+            node = node.parent
+        self._evictable_size += delta
+        self._protected_size -= delta
+        return delta
+
+    def evict(self, num_tokens: int) -> int:
+        """Free unlocked leaves, least valuable first, until >= ``num_tokens`` are freed or
+        nothing is evictable; returns the number of tokens freed."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(self._priority(n), n.id, n) for n in self._collect_leaves()]
+        heapq.heapify(heap)
+        num_evicted = 0
+        self.token_to_kv_pool_allocator.free_group_begin()
+        while num_evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.lock_ref > 0 or node.children:
+                continue
+            parent = node.parent
+            num_evicted += self._evict_leaf(node)
+            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+        self.token_to_kv_pool_allocator.free_group_end()
+        return num_evicted
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        """Tokens whose KV the tree holds on device."""
+        return sum(len(n.value) for n in self._all_nodes() if n.value is not None)
+
+    def all_device_slots(self) -> torch.Tensor:
+        """Every device slot the tree holds ([total_size] int64 on device)."""
+        values = [n.value for n in self._all_nodes() if n.value is not None]
+        return torch.cat(values) if values else self._empty()
+
+    def pretty_print(self) -> None:
+        stack = [(self.root_node, 0)]
+        while stack:
+            node, depth = stack.pop()
+            head = list(node.key[:8]) if node is not self.root_node else "root"
+            print(f"{'  ' * depth}{head} len={len(node.key)} lock={node.lock_ref}")
+            stack.extend((c, depth + 1) for c in node.children.values())
+        print(f"total={self.total_size()} evictable={self._evictable_size} "
+              f"protected={self._protected_size}")
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless keys, values, locks and size counters are consistent."""
+        evictable = protected = 0
+        for node in self._all_nodes():
+            if node is self.root_node:
+                continue
+            parent = node.parent
+            if parent is None or parent.children.get(self._page_key(node.key)) is not node:
+                raise AssertionError(f"{node!r} not under its parent's page key")
+            if not node.key or len(node.key) % self.page_size:
+                raise AssertionError(f"{node!r} key length not a positive page multiple")
+            if node.value is not None and len(node.value) != len(node.key):
+                raise AssertionError(f"{node!r} value length != key length")
+            if node.lock_ref < 0 or (parent is not self.root_node
+                                     and parent.lock_ref < node.lock_ref):
+                raise AssertionError(f"{node!r} lock_ref inconsistent with its parent")
+            if node.value is not None:
+                if node.lock_ref == 0:
+                    evictable += len(node.value)
+                else:
+                    protected += len(node.value)
+        if (evictable, protected) != (self._evictable_size, self._protected_size):
+            raise AssertionError(f"sizes {(self._evictable_size, self._protected_size)} "
+                                 f"!= recomputed {(evictable, protected)}")
+        slots = self.all_device_slots()
+        if slots.numel() != torch.unique(slots).numel():
+            raise AssertionError("a slot is held by two tree nodes")
+        if evictable + protected != self.total_size():
+            raise AssertionError("evictable + protected != total_size")
+
+    # ---- helpers (override points for HiRadixCache) ---------------------------------------------
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def _align(self, key: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(key[: len(key) // self.page_size * self.page_size])
+
+    def _page_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(key[: self.page_size])
+
+    def _key_match(self, node_key: tuple[int, ...], key: tuple[int, ...]) -> int:
+        """Length of the common prefix, rounded down to a page."""
+        n = min(len(node_key), len(key))
+        if node_key[:n] == key[:n]:
+            return n
+        i = 0
+        while node_key[i] == key[i]:
+            i += 1
+        return i // self.page_size * self.page_size
+
+    def _touch(self, node: TreeNode) -> None:
+        node.last_access_time = next(_clock)
+        node.hit_count += 1
+
+    def _priority(self, node: TreeNode) -> tuple[int, ...]:
+        if self.eviction_policy == "lfu":
+            return (node.hit_count, node.last_access_time)
+        return (node.last_access_time,)
+
+    def _match_helper(self, key: tuple[int, ...]) -> tuple[list[torch.Tensor], TreeNode, int]:
+        """Walk ``key`` down from the root, splitting the node the match ends inside; returns
+        the matched nodes' values, the deepest matched node and the matched length."""
+        values: list[torch.Tensor] = []
+        node, matched = self.root_node, 0
+        while matched < len(key):
+            child = node.children.get(self._page_key(key[matched:]))
+            if child is None:
+                break
+            self._touch(child)
+            prefix_len = self._key_match(child.key, key[matched:])
+            node = child if prefix_len == len(child.key) else self._split_node(child, prefix_len)
+            values.append(node.value)
+            matched += prefix_len
+            if node is not child:
+                break
+        return values, node, matched
+
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        """child[key] -> new_node[key[:split_len]] -> child[key[split_len:]]; returns new_node."""
+        new_node = TreeNode(child.key[:split_len])
+        new_node.value = None if child.value is None else child.value[:split_len]
+        if child.host_value is not None:
+            new_node.host_value = child.host_value[:split_len]
+            child.host_value = child.host_value[split_len:]
+        new_node.parent, new_node.lock_ref = child.parent, child.lock_ref
+        new_node.last_access_time, new_node.hit_count = child.last_access_time, child.hit_count
+        child.key = child.key[split_len:]
+        child.value = None if child.value is None else child.value[split_len:]
+        new_node.children = {self._page_key(child.key): child}
+        child.parent = new_node
+        new_node.parent.children[self._page_key(new_node.key)] = new_node
+        return new_node
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor) -> TreeNode:
+        node = TreeNode(key, value)
+        node.parent = parent
+        parent.children[self._page_key(key)] = node
+        self._evictable_size += len(key)
+        self._emit("stored", "l1", len(key), node)
+        return node
+
+    def _collect_leaves(self) -> list[TreeNode]:
+        """Unlocked device leaves: the eviction candidates."""
+        return [n for n in self._all_nodes()
+                if not n.children and n.lock_ref == 0 and n is not self.root_node]
+
+    def _evict_leaf(self, node: TreeNode) -> int:
+        """Free a leaf's slots and drop it; returns the tokens freed."""
+        self.token_to_kv_pool_allocator.free(node.value)
+        num_tokens = len(node.value)
+        self._delete_leaf(node)
+        self.evicted_tokens += num_tokens
+        self._emit("removed", "l1", num_tokens, node)
+        return num_tokens
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        del node.parent.children[self._page_key(node.key)]
+        if node.value is not None:
+            self._evictable_size -= len(node.key)
+
+    def _all_nodes(self) -> list[TreeNode]:
+        out, stack = [], [self.root_node]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def _free_duplicates(self, kv_indices: torch.Tensor, prefix_len: int, new_len: int) -> None:
+        """Free the request's own slots of ``[prefix_len, new_len)``: the tree already has them.
+        NOTE: a partial page the request kept at ``prefix_len`` is a duplicate too, so the free
+        starts at the page holding ``prefix_len``."""
+        if new_len > prefix_len:
+            start = prefix_len // self.page_size * self.page_size
+            self.token_to_kv_pool_allocator.free(kv_indices[start:new_len])

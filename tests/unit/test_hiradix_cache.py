@@ -1,0 +1,395 @@
+"""HiRadixCache + HiCacheController with small real pools (no model): demotion to host, load
+back with identical bytes, write policies, host eviction, L3 roundtrip / restart / corruption,
+a random-operation soak asserting every tier's slot accounting, and layer-wise load overlap."""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from hicache.allocator import TokenToKVPoolAllocator
+from hicache.controller import HiCacheController, LayerDoneCounter
+from hicache.hiradix_cache import HiRadixCache
+from hicache.host_pool import MHATokenToKVPoolHost
+from hicache.kv_pool import MHATokenToKVPool
+from hicache.storage.file import FileStorageBackend
+
+L, H, D = 3, 2, 4
+
+
+class Rig:
+    """Device pool + allocator + host pool + controller + tree, and the reference KV bytes."""
+
+    def __init__(self, page_size: int = 1, device_size: int = 32, host_size: int = 64,
+                 policy: str = "write_through", layout: str = "layer_first",
+                 storage_dir: str | None = None, layer_hook=None) -> None:
+        self.page_size = page_size
+        self.allocator = TokenToKVPoolAllocator(device_size, page_size, "cpu")
+        self.kv_pool = MHATokenToKVPool(device_size, page_size, torch.float32, H, D, L, "cpu")
+        self.host_pool = MHATokenToKVPoolHost(host_size, page_size, torch.float32, H, D, L,
+                                              layout=layout)
+        storage = FileStorageBackend(storage_dir, 1 << 26) if storage_dir else None
+        self.controller = HiCacheController(self.kv_pool, self.host_pool, self.allocator,
+                                            storage=storage, model_fingerprint="test-model",
+                                            layer_hook=layer_hook)
+        self.tree = HiRadixCache(None, self.allocator, page_size, self.host_pool,
+                                 self.controller, write_policy=policy)
+        self.kv: dict[int, torch.Tensor] = {}  # token id -> [2, L, H, D] bytes written for it
+
+    def token_kv(self, token: int) -> torch.Tensor:
+        if token not in self.kv:
+            g = torch.Generator().manual_seed(token)
+            self.kv[token] = torch.randn(2, L, H, D, generator=g)
+        return self.kv[token]
+
+    def insert(self, key: list[int]) -> int:
+        """Allocate slots, write the reference KV of ``key`` there, insert; frees duplicates."""
+        slots = self.allocator.alloc(len(key))
+        if slots is None:
+            self.tree.evict(len(key) - self.allocator.available_size())
+            slots = self.allocator.alloc(len(key))
+        assert slots is not None
+        for layer in range(L):
+            k = torch.stack([self.token_kv(t)[0, layer] for t in key])
+            v = torch.stack([self.token_kv(t)[1, layer] for t in key])
+            self.kv_pool.set_kv_buffer(layer, slots, k, v)
+        prefix = self.tree.insert(key, slots)
+        self.allocator.free(slots[:prefix])
+        return prefix
+
+    def assert_device_kv(self, key: list[int], indices: torch.Tensor) -> None:
+        assert len(indices) == len(key)
+        if not key:
+            return
+        for layer in range(L):
+            want_k = torch.stack([self.token_kv(t)[0, layer] for t in key])
+            want_v = torch.stack([self.token_kv(t)[1, layer] for t in key])
+            assert torch.equal(self.kv_pool.k_buffer[layer][indices], want_k)
+            assert torch.equal(self.kv_pool.v_buffer[layer][indices], want_v)
+
+    def settle(self) -> None:
+        self.controller.start_writing()
+        self.controller.wait_idle()
+        self.tree.check()
+
+    def check_invariants(self, held: torch.Tensor | None = None) -> None:
+        self.tree.check_integrity()
+        free = self.allocator.debug_free_slots()
+        tree = self.tree.all_device_slots()
+        held = torch.empty(0, dtype=torch.int64) if held is None else held
+        every = torch.cat([free, tree, held])
+        assert every.numel() == torch.unique(every).numel() == self.allocator.size
+        host = self.tree.all_host_slots()
+        hp = self.host_pool
+        assert hp.available_size() + hp.pending_free_size() + host.numel() == hp.size
+        free_host = set(hp.free_pages.tolist())
+        assert not free_host & set((host // self.page_size).tolist())
+
+    def close(self) -> None:
+        self.tree.shutdown()
+
+
+@pytest.fixture
+def rigs():
+    made: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        made.append(Rig(**kw))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.mark.parametrize("page_size,layout", [(1, "layer_first"), (4, "page_first"),
+                                              (4, "layer_first")])
+def test_demote_then_load_back_identical_bytes(rigs, page_size, layout):
+    r = rigs(page_size=page_size, layout=layout)
+    key = list(range(100, 124))
+    r.insert(key)
+    r.settle()
+    assert r.tree.evict(r.allocator.size) == 24
+    r.check_invariants()
+    assert r.tree.total_size() == 0 and r.tree.counters["demotions"] == 24
+    res = r.tree.match_prefix(key + [1, 2, 3])
+    assert len(res.device_indices) == 0 and res.host_hit_length == 24
+    assert res.tier_tokens == {"l1": 0, "l2": 24, "l3": 0}
+    assert res.last_device_node is r.tree.root_node
+    indices, node = r.tree.init_load_back(res.last_device_node, res)
+    r.check_invariants()
+    r.assert_device_kv(key, indices)
+    assert node.value is not None and node.lock_ref == 0
+    again = r.tree.match_prefix(key)
+    assert again.host_hit_length == 0 and torch.equal(again.device_indices, indices)
+
+
+def test_partial_device_hit_then_host_tail(rigs):
+    r = rigs(page_size=2, device_size=16)
+    a, b = list(range(10, 18)), list(range(10, 14)) + list(range(50, 58))
+    r.insert(a)
+    r.insert(b)  # needs eviction while a's write-through may still be in flight  # shares 4 tokens with a
+    r.settle()
+    r.tree.match_prefix(b)  # b is the most recent: a's tail is the LRU leaf
+    r.tree.evict(4)
+    r.check_invariants()
+    res = r.tree.match_prefix(a)
+    assert len(res.device_indices) == 4 and res.host_hit_length == 4
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(a, indices)
+    r.check_invariants()
+
+
+def test_load_back_evicts_device_to_make_room(rigs):
+    r = rigs(device_size=16, host_size=64)
+    first, second = list(range(200, 212)), list(range(300, 312))
+    r.insert(first)
+    r.settle()
+    r.insert(second)  # evicts (demotes) first
+    r.settle()
+    res = r.tree.match_prefix(first)
+    assert res.host_hit_length == 12
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(first, indices)
+    r.check_invariants()
+    res2 = r.tree.match_prefix(second)
+    assert res2.host_hit_length > 0  # second was demoted to make room
+    indices2, _ = r.tree.init_load_back(res2.last_device_node, res2)
+    r.assert_device_kv(second, indices2)
+
+
+def test_write_through_selective_backs_up_after_second_hit(rigs):
+    r = rigs(policy="write_through_selective")
+    key = list(range(20))
+    r.insert(key)
+    r.settle()
+    assert r.tree.all_host_slots().numel() == 0
+    r.tree.match_prefix(key)
+    r.settle()
+    assert r.tree.all_host_slots().numel() == 0  # one hit
+    r.tree.match_prefix(key)
+    r.settle()
+    assert r.tree.all_host_slots().numel() == 20
+    r.check_invariants()
+
+
+def test_unbacked_leaf_is_deleted_not_demoted(rigs):
+    r = rigs(policy="write_through_selective")
+    r.insert(list(range(10)))
+    r.tree.evict(10)
+    assert r.tree.match_prefix(list(range(10))).host_hit_length == 0
+    r.check_invariants()
+
+
+def test_write_back_backs_up_on_eviction(rigs):
+    r = rigs(policy="write_back")
+    key = list(range(40, 56))
+    r.insert(key)
+    r.settle()
+    assert r.tree.all_host_slots().numel() == 0
+    assert r.tree.evict(16) == 16
+    r.check_invariants()
+    res = r.tree.match_prefix(key)
+    assert res.host_hit_length == 16
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(key, indices)
+
+
+def test_host_eviction_when_host_full(rigs):
+    r = rigs(device_size=16, host_size=16)
+    old, new = list(range(500, 516)), list(range(600, 616))
+    r.insert(old)
+    r.settle()
+    r.tree.evict(16)  # old: host only, filling the host pool
+    assert r.host_pool.available_size() == 0
+    r.insert(new)  # its write-through needs host room: old is evicted from host
+    r.settle()
+    r.check_invariants()
+    assert r.tree.counters["host_evictions"] == 16
+    assert r.tree.match_prefix(old).host_hit_length == 0
+    assert r.tree.all_host_slots().numel() == 16
+
+
+def test_inserting_over_host_only_nodes_revives_them(rigs):
+    r = rigs()
+    key = list(range(70, 80))
+    r.insert(key)
+    r.settle()
+    r.tree.evict(10)
+    prefix = r.insert(key + [1, 2])  # the caller recomputed: the tree takes its slots
+    assert prefix == 0
+    r.check_invariants()
+    res = r.tree.match_prefix(key + [1, 2])
+    assert len(res.device_indices) == 12 and res.host_hit_length == 0
+    r.assert_device_kv(key + [1, 2], res.device_indices)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
+    d = str(tmp_path / "kv")
+    r = rigs(page_size=page_size, storage_dir=d)
+    key = list(range(1000, 1032))
+    r.insert(key)
+    r.settle()
+    assert r.controller.stats["l3_backup_pages"] == 32 // page_size
+    r.tree.flush_tier("l1")
+    r.tree.flush_tier("l2")
+    r.check_invariants()
+    assert r.tree.total_size() == 0 and r.tree.all_host_slots().numel() == 0
+    res = r.tree.match_prefix(key)
+    assert res.tier_tokens["l3"] == 32 and res.host_hit_length == 32
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(key, indices)
+    r.check_invariants()
+    assert r.tree.tier_stats()["l3"]["prefetch_pages"] == 32 // page_size
+
+    r2 = rigs(page_size=page_size, storage_dir=d)  # restart: a new cache on the same dir
+    r2.kv = r.kv
+    res = r2.tree.match_prefix(key[:16] + [7] * 8)
+    assert res.tier_tokens["l3"] == 16
+    indices, _ = r2.tree.init_load_back(res.last_device_node, res)
+    r2.assert_device_kv(key[:16], indices)
+    assert r2.tree.match_prefix(key, namespace="other").host_hit_length == 0
+
+    r3 = rigs(page_size=page_size, storage_dir=d)
+    files = sorted(glob.glob(os.path.join(d, "**", "*.kv"), recursive=True))
+    assert files
+    for f in files:  # corrupt every page: a miss, never wrong bytes
+        with open(f, "r+b") as fh:
+            fh.seek(-4, os.SEEK_END)
+            fh.write(b"\xff\x00\xff\x00")
+    res = r3.tree.match_prefix(key)
+    assert res.host_hit_length == 0 and res.tier_tokens["l3"] == 0
+    r3.check_invariants()
+
+
+def test_events_and_stats(rigs):
+    from hicache.events import CacheEventLog
+
+    r = rigs()
+    r.tree.event_log = log = CacheEventLog()
+    key = list(range(30))
+    r.insert(key)
+    r.settle()
+    r.tree.evict(30)
+    res = r.tree.match_prefix(key)
+    r.tree.init_load_back(res.last_device_node, res)
+    kinds = [(e.kind, e.tier) for e in log.since(0)]
+    assert kinds == [("stored", "l1"), ("demoted", "l2"), ("promoted", "l1")]
+    l2 = r.tree.tier_stats()["l2"]
+    assert l2["demotions"] == 30 and l2["promotions"] == 30
+    assert l2["bytes_d2h"] == l2["bytes_h2d"] == 30 * r.kv_pool.bytes_per_token()
+    assert "l3" not in r.tree.tier_stats()
+
+
+def test_layer_counter_and_overlap():
+    c = LayerDoneCounter(3)
+    assert not c.wait_until(0, timeout=0.01)
+    c.increment()
+    assert c.wait_until(0, timeout=0.01) and not c.wait_until(1, timeout=0.01)
+
+    release = threading.Event()
+    landed: list[tuple[int, float]] = []
+
+    def hook(layer_id: int) -> None:  # instrumentation: the load stalls after layer 0
+        landed.append((layer_id, time.monotonic()))
+        if layer_id == 0:
+            release.wait(5)
+
+    r = Rig(layer_hook=hook)
+    try:
+        key = list(range(64, 80))
+        r.insert(key)
+        r.settle()
+        r.tree.evict(16)
+        host = torch.cat([n.host_value for n in r.tree._path(r.tree.match_prefix(key)
+                                                                .last_host_node)])
+        dev = r.controller.load(host, node_id=-1)
+        assert dev is not None
+        r.controller.start_loading()
+        assert r.controller.wait_layer(0, timeout=5)
+        t0 = time.monotonic()
+        assert [x for x, _ in landed] == [0]  # layer 0 ready, the last layer not yet loaded
+        assert not r.controller.wait_layer(L - 1, timeout=0.05)
+        release.set()
+        assert r.controller.wait_layer(L - 1, timeout=5)
+        assert landed[-1][0] == L - 1 and landed[-1][1] >= t0
+        for layer in range(L):
+            assert torch.equal(r.kv_pool.k_buffer[layer][dev],
+                               torch.stack([r.token_kv(t)[0, layer] for t in key]))
+        r.controller.wait_idle()
+        r.controller.drain_load_acks()
+        r.allocator.free(dev)
+    finally:
+        release.set()
+        r.close()
+
+
+class HiCacheSoak(RuleBasedStateMachine):
+    """Random inserts / matches / locks / evictions / load backs on tiny pools."""
+
+    @initialize(page_size=st.sampled_from([1, 2]),
+                policy=st.sampled_from(["write_through", "write_through_selective",
+                                        "write_back"]))
+    def setup(self, page_size: int, policy: str) -> None:
+        self.rig = Rig(page_size=page_size, device_size=24, host_size=32, policy=policy)
+        self.locked: list = []
+
+    def teardown(self) -> None:
+        if hasattr(self, "rig"):
+            self.rig.close()
+
+    @rule(key=st.lists(st.integers(0, 5), min_size=1, max_size=12))
+    def insert(self, key: list[int]) -> None:
+        key = [k + 1 for k in key]
+        n = len(key) // self.rig.page_size * self.rig.page_size
+        if 0 < n <= self.rig.allocator.size - self.rig.tree.protected_size():
+            self.rig.insert(key[:n])
+
+    @rule(key=st.lists(st.integers(0, 5), min_size=1, max_size=12), lock=st.booleans())
+    def match_and_load(self, key: list[int], lock: bool) -> None:
+        key = [k + 1 for k in key]
+        res = self.rig.tree.match_prefix(key)
+        indices, node = res.device_indices, res.last_device_node
+        if res.host_hit_length:
+            indices, node = self.rig.tree.init_load_back(node, res)
+        n = len(indices)
+        self.rig.assert_device_kv(key[:n], indices)
+        if lock and len(self.locked) < 2:
+            self.rig.tree.inc_lock_ref(node)
+            self.locked.append(node)
+
+    @rule()
+    def unlock(self) -> None:
+        if self.locked:
+            self.rig.tree.dec_lock_ref(self.locked.pop(0))
+
+    @rule(n=st.integers(1, 24))
+    def evict(self, n: int) -> None:
+        self.rig.tree.evict(n)
+
+    @rule(n=st.integers(1, 32))
+    def evict_host(self, n: int) -> None:
+        self.rig.tree.evict_host(n)
+
+    @rule()
+    def settle(self) -> None:
+        self.rig.settle()
+
+    @invariant()
+    def slots_accounted(self) -> None:
+        if hasattr(self, "rig"):
+            self.rig.check_invariants()
+
+
+HiCacheSoak.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                         suppress_health_check=list(HealthCheck))
+TestHiCacheSoak = HiCacheSoak.TestCase
