@@ -69,6 +69,8 @@ class ModelRunner:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 gb = free * 0.8 / 2**30
             size = int(gb * 2**30 // bytes_per_token)
+            # A pool larger than every running request at full context buys nothing.
+            size = min(size, args.max_running_requests * self.max_context_len)
         size = max(ps, (size // ps) * ps)
         self.max_total_tokens = size
         # The context can never exceed the pool: one request must fit on its own.

@@ -42,7 +42,8 @@ class ChunkCache:
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, key: list[int] | tuple[int, ...]) -> MatchResult:
+    def match_prefix(self, key: list[int] | tuple[int, ...],
+                     namespace: str | None = None) -> MatchResult:
         return MatchResult(self._empty(), self.root_node, self.root_node)
 
     def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor) -> int:

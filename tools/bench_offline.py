@@ -37,7 +37,7 @@ QUESTIONS = [
 def hf_model_and_tok():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = converted_model_dir()
+    path = str(resolve_model_dir(None))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"

@@ -98,7 +98,7 @@ class Scheduler:
             try:
                 self.step()
             except Exception:  # never let one bad batch kill the daemon
-                log.exception("scheduler step failed; aborting running requests")
+                log.exception("scheduler step failed; aborting every request")
                 self._fail_all("internal error in the scheduler step")
 
     def step(self) -> bool:
@@ -332,6 +332,14 @@ class Scheduler:
                 log.exception("cleanup of %s failed", req.rid)
         self.running = []
         self.chunked_req = None
+        # Waiting requests are failed too: a step that fails before running a batch would
+        # otherwise fail again on the same queue forever.
+        for req in self.waiting:
+            if req.last_node is not None and req.req_pool_idx is None:
+                req.last_node = None  # matched but never locked
+            req.finished_reason = FinishReason("abort", message=message)
+            req.emit()
+        self.waiting = []
 
     # --- invariants --------------------------------------------------------------------------
     def held_slots(self) -> torch.Tensor:

@@ -19,7 +19,7 @@ def llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eng(llama_dir):
-    with Engine(llama_dir, debug_check_invariants=True) as e:
+    with Engine(llama_dir, max_total_tokens=8192, debug_check_invariants=True) as e:
         yield e
 
 
@@ -132,7 +132,8 @@ def test_chat_prompt_and_text(eng):
 def test_disable_radix_cache(llama_dir):
     prompts = _prompts(3, seed=11)
     ref = hf_greedy(llama_dir, prompts, 16)
-    with Engine(llama_dir, disable_radix_cache=True, debug_check_invariants=True) as e:
+    with Engine(llama_dir, disable_radix_cache=True, max_total_tokens=8192,
+                debug_check_invariants=True) as e:
         assert [o.token_ids for o in e.generate(prompts, GREEDY)] == ref
         again = e.generate(prompts, GREEDY)
         assert all(o.cached_tokens == 0 for o in again)
@@ -144,7 +145,8 @@ def test_every_schedule_policy_gives_the_same_greedy_tokens(llama_dir, policy):
     shared = sum(_prompts(2, seed=21), [])
     prompts = [shared + q for q in _prompts(5, seed=22)]
     ref = hf_greedy(llama_dir, prompts, 8)
-    with Engine(llama_dir, schedule_policy=policy, debug_check_invariants=True) as e:
+    with Engine(llama_dir, schedule_policy=policy, max_total_tokens=8192,
+                debug_check_invariants=True) as e:
         outs = e.generate(prompts, dict(GREEDY, max_new_tokens=8))
         assert [o.token_ids for o in outs] == ref
         # In-batch prefix dedup: the shared prefix is computed once, later requests hit it.

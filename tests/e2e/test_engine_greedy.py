@@ -29,7 +29,7 @@ def test_batched_greedy_matches_transformers(model_dir, page_size, chunk):
     prompts = _prompts(6, seed=page_size + chunk)
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
     with Engine(model_dir, page_size=page_size, chunked_prefill_size=chunk,
-                debug_check_invariants=True) as eng:
+                max_total_tokens=8192, debug_check_invariants=True) as eng:
         single = eng.generate(prompts[0], {"max_new_tokens": MAX_NEW, "temperature": 0,
                                            "ignore_eos": True})
         assert single.token_ids == ref[0]
@@ -50,7 +50,7 @@ def test_batched_greedy_matches_transformers(model_dir, page_size, chunk):
 
 def test_multiturn_prefix_hit(model_dir):
     base = _prompts(1, seed=7)[0]
-    with Engine(model_dir, debug_check_invariants=True) as eng:
+    with Engine(model_dir, max_total_tokens=8192, debug_check_invariants=True) as eng:
         first = eng.generate(base, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         turn2 = base + first.token_ids + [5, 6, 7]
         second = eng.generate(turn2, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
