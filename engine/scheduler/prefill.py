@@ -72,6 +72,7 @@ class PrefillAdder:
 
     def add_chunked_req(self, req: Req) -> AddResult:
         """Continues a request that was cut by the chunk budget last round (already locked)."""
+        req.fill_ids = req.all_ids()  # the tree saw only the computed part
         remaining = len(req.fill_ids) - req.kv_len
         return self._take(req, remaining, 0)
 

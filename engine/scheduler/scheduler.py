@@ -186,16 +186,17 @@ class Scheduler:
 
     # --- extend ------------------------------------------------------------------------------
     def run_extend(self, reqs: list[Req]) -> None:
+        self._inflight = reqs
         try:
             fb = self.builder.prepare_extend(reqs)
         except OutOfKVError:
             # The budget was too optimistic: nothing was allocated, so requeue and decode.
             log.warning("prefill batch of %d did not fit the KV pool; requeued", len(reqs))
             self._requeue(reqs)
+            self._inflight = []
             if self.running:
                 self.run_decode()
             return
-        self._inflight = reqs
         logits = self.runner.forward(fb)
         next_ids = self.runner.sample(logits, reqs).tolist()  # the one host sync per step
         self.forward_ct += 1
