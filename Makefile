@@ -28,7 +28,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -x tests -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PY) tools/bench_offline.py
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) tools/bench_offline.py --out docs/bench_offline.json
+	$(PY) tools/plot_bench.py docs/bench_offline.json docs/bench_offline.png
 
 clean:
 	rm -rf $(VENV)

@@ -61,7 +61,8 @@ def check(out_dir: Path = OUT_DIR) -> list[str]:
         drift = [str(f) for f in files
                  if not (out_dir / f).exists() or not filecmp.cmp(fresh / f, out_dir / f,
                                                                   shallow=False)]
-        committed = {p.relative_to(out_dir) for p in out_dir.rglob("*_pb2*.py*")}
+        committed = {p.relative_to(out_dir) for p in out_dir.rglob("*_pb2*.py*")
+                     if "__pycache__" not in p.parts}
         drift += [f"{f} (stale)" for f in sorted(committed - set(files))]
     return drift
 

@@ -4,15 +4,18 @@
 # source: hicache/v1/cache_admin.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "hicache/v1/cache_admin.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'hicache/v1/cache_admin.proto'
 )
 # @@protoc_insertion_point(imports)
 
@@ -22,65 +25,63 @@ _sym_db = _symbol_database.Default()
 from engine.server.gen.hicache.v1 import common_pb2 as hicache_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x1chicache/v1/cache_admin.proto\x12\nhicache.v1\x1a\x17hicache/v1/common.proto"\x16\n\x14GetCacheStatsRequest"\x9b\x03\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.hicache.v1.Tier\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bused_tokens\x18\x04 \x01(\x04\x12\x18\n\x10\x65victable_tokens\x18\x05 \x01(\x04\x12\x15\n\rpinned_tokens\x18\x06 \x01(\x04\x12\x12\n\nhit_tokens\x18\x07 \x01(\x04\x12\x16\n\x0e\x65victed_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fpromoted_tokens\x18\t \x01(\x04\x12\x16\n\x0e\x64\x65moted_tokens\x18\n \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x0b \x01(\x04\x12\x11\n\tbytes_out\x18\x0c \x01(\x04\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\r \x01(\x01\x12/\n\x05\x65xtra\x18\x0e \x03(\x0b\x32 .hicache.v1.TierStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01"\x94\x01\n\x15GetCacheStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.hicache.v1.TierStats\x12\x13\n\x0bmiss_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13\x61\x64min_pinned_tokens\x18\x03 \x01(\x04\x12\x10\n\x08num_pins\x18\x04 \x01(\r\x12\x11\n\ttimestamp\x18\x05 \x01(\x01"Q\n\x12MatchPrefixRequest\x12"\n\x06prompt\x18\x01 \x01(\x0b\x32\x12.hicache.v1.Prompt\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t"\x89\x01\n\x13MatchPrefixResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x02 \x01(\r\x12\x30\n\x10matched_per_tier\x18\x03 \x01(\x0b\x32\x16.hicache.v1.TierTokens\x12\x11\n\tpage_size\x18\x04 \x01(\r"n\n\x0fPrefetchRequest\x12"\n\x06prompt\x18\x01 \x01(\x0b\x32\x12.hicache.v1.Prompt\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x11\n\tpin_ttl_s\x18\x04 \x01(\x01"\xc0\x01\n\x10PrefetchResponse\x12(\n\x05stage\x18\x01 \x01(\x0e\x32\x19.hicache.v1.PrefetchStage\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12/\n\x0f\x63\x61\x63hed_per_tier\x18\x03 \x01(\x0b\x32\x16.hicache.v1.TierTokens\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x0e\n\x06pin_id\x18\x05 \x01(\t\x12\x11\n\telapsed_s\x18\x06 \x01(\x01"\xad\x01\n\x0c\x45victRequest\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.hicache.v1.Tier\x12\x14\n\nnum_tokens\x18\x02 \x01(\x04H\x00\x12$\n\x06prefix\x18\x03 \x01(\x0b\x32\x12.hicache.v1.PromptH\x00\x12\r\n\x03\x61ll\x18\x04 \x01(\x08H\x00\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x05 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x06 \x01(\x08\x42\x08\n\x06target"o\n\rEvictResponse\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.hicache.v1.Tier\x12\x16\n\x0e\x65victed_tokens\x18\x02 \x01(\x04\x12\x15\n\revicted_nodes\x18\x03 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08"X\n\nPinRequest\x12"\n\x06prompt\x18\x01 \x01(\x0b\x32\x12.hicache.v1.Prompt\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01"J\n\x0bPinResponse\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x15\n\rpinned_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01"9\n\x0cUnpinRequest\x12\x10\n\x06pin_id\x18\x01 \x01(\tH\x00\x12\r\n\x03\x61ll\x18\x02 \x01(\x08H\x00\x42\x08\n\x06target":\n\rUnpinResponse\x12\x10\n\x08unpinned\x18\x01 \x01(\r\x12\x17\n\x0funpinned_tokens\x18\x02 \x01(\x04"U\n\x0c\x46lushRequest\x12\x1f\n\x05tiers\x18\x01 \x03(\x0e\x32\x10.hicache.v1.Tier\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s"Z\n\rFlushResponse\x12!\n\x07\x66lushed\x18\x01 \x03(\x0e\x32\x10.hicache.v1.Tier\x12\x14\n\x0c\x66reed_tokens\x18\x02 \x01(\x04\x12\x10\n\x08unpinned\x18\x03 \x01(\r"S\n\x12InspectTreeRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x16\n\x0epreview_tokens\x18\x03 \x01(\r"\x89\x02\n\x0cTreeNodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\x04\x12\x11\n\tparent_id\x18\x02 \x01(\x04\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x14\n\x0ctoken_length\x18\x04 \x01(\r\x12\x15\n\rprefix_length\x18\x05 \x01(\r\x12\x0f\n\x07preview\x18\x06 \x01(\t\x12#\n\tresidency\x18\x07 \x03(\x0e\x32\x10.hicache.v1.Tier\x12\x10\n\x08lock_ref\x18\x08 \x01(\x05\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x11\n\thit_count\x18\n \x01(\x04\x12\x18\n\x10last_access_time\x18\x0b \x01(\x01\x12\x14\n\x0cnum_children\x18\x0c \x01(\r"l\n\x13InspectTreeResponse\x12\'\n\x05nodes\x18\x01 \x03(\x0b\x32\x18.hicache.v1.TreeNodeInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x13\n\x0btotal_nodes\x18\x03 \x01(\r"\xaf\x01\n\nCacheEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.hicache.v1.CacheEventKind\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.hicache.v1.Tier\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0f\n\x07node_id\x18\x05 \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x06 \x01(\t\x12\x0c\n\x04time\x18\x07 \x01(\x01"\x8b\x01\n\x17WatchCacheEventsRequest\x12\x16\n\tafter_seq\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12)\n\x05kinds\x18\x02 \x03(\x0e\x32\x1a.hicache.v1.CacheEventKind\x12\x1f\n\x05tiers\x18\x03 \x03(\x0e\x32\x10.hicache.v1.TierB\x0c\n\n_after_seq"Q\n\x18WatchCacheEventsResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.hicache.v1.CacheEvent\x12\x0e\n\x06missed\x18\x02 \x01(\x04*\x80\x01\n\rPrefetchStage\x12\x1e\n\x1aPREFETCH_STAGE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFETCH_STAGE_MATCHED\x10\x01\x12\x1a\n\x16PREFETCH_STAGE_RUNNING\x10\x02\x12\x17\n\x13PREFETCH_STAGE_DONE\x10\x03*\xc8\x01\n\x0e\x43\x61\x63heEventKind\x12 \n\x1c\x43\x41\x43HE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43\x41\x43HE_EVENT_KIND_STORED\x10\x01\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_REMOVED\x10\x02\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_DEMOTED\x10\x03\x12\x1d\n\x19\x43\x41\x43HE_EVENT_KIND_PROMOTED\x10\x04\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_CLEARED\x10\x05\x32\xa5\x05\n\x11\x43\x61\x63heAdminService\x12T\n\rGetCacheStats\x12 .hicache.v1.GetCacheStatsRequest\x1a!.hicache.v1.GetCacheStatsResponse\x12N\n\x0bMatchPrefix\x12\x1e.hicache.v1.MatchPrefixRequest\x1a\x1f.hicache.v1.MatchPrefixResponse\x12G\n\x08Prefetch\x12\x1b.hicache.v1.PrefetchRequest\x1a\x1c.hicache.v1.PrefetchResponse0\x01\x12<\n\x05\x45vict\x12\x18.hicache.v1.EvictRequest\x1a\x19.hicache.v1.EvictResponse\x12\x36\n\x03Pin\x12\x16.hicache.v1.PinRequest\x1a\x17.hicache.v1.PinResponse\x12<\n\x05Unpin\x12\x18.hicache.v1.UnpinRequest\x1a\x19.hicache.v1.UnpinResponse\x12<\n\x05\x46lush\x12\x18.hicache.v1.FlushRequest\x1a\x19.hicache.v1.FlushResponse\x12N\n\x0bInspectTree\x12\x1e.hicache.v1.InspectTreeRequest\x1a\x1f.hicache.v1.InspectTreeResponse\x12_\n\x10WatchCacheEvents\x12#.hicache.v1.WatchCacheEventsRequest\x1a$.hicache.v1.WatchCacheEventsResponse0\x01\x62\x06proto3'
-)
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chicache/v1/cache_admin.proto\x12\nhicache.v1\x1a\x17hicache/v1/common.proto\"\x16\n\x14GetCacheStatsRequest\"\x9b\x03\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.hicache.v1.Tier\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bused_tokens\x18\x04 \x01(\x04\x12\x18\n\x10\x65victable_tokens\x18\x05 \x01(\x04\x12\x15\n\rpinned_tokens\x18\x06 \x01(\x04\x12\x12\n\nhit_tokens\x18\x07 \x01(\x04\x12\x16\n\x0e\x65victed_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fpromoted_tokens\x18\t \x01(\x04\x12\x16\n\x0e\x64\x65moted_tokens\x18\n \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x0b \x01(\x04\x12\x11\n\tbytes_out\x18\x0c \x01(\x04\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\r \x01(\x01\x12/\n\x05\x65xtra\x18\x0e \x03(\x0b\x32 .hicache.v1.TierStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x94\x01\n\x15GetCacheStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.hicache.v1.TierStats\x12\x13\n\x0bmiss_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13\x61\x64min_pinned_tokens\x18\x03 \x01(\x04\x12\x10\n\x08num_pins\x18\x04 \x01(\r\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\"Q\n\x12MatchPrefixRequest\x12\"\n\x06prompt\x18\x01 \x01(\x0b\x32\x12.hicache.v1.Prompt\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\"\x89\x01\n\x13MatchPrefixResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x02 \x01(\r\x12\x30\n\x10matched_per_tier\x18\x03 \x01(\x0b\x32\x16.hicache.v1.TierTokens\x12\x11\n\tpage_size\x18\x04 \x01(\r\"n\n\x0fPrefetchRequest\x12\"\n\x06prompt\x18\x01 \x01(\x0b\x32\x12.hicache.v1.Prompt\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x11\n\tpin_ttl_s\x18\x04 \x01(\x01\"\xc0\x01\n\x10PrefetchResponse\x12(\n\x05stage\x18\x01 \x01(\x0e\x32\x19.hicache.v1.PrefetchStage\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12/\n\x0f\x63\x61\x63hed_per_tier\x18\x03 \x01(\x0b\x32\x16.hicache.v1.TierTokens\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x0e\n\x06pin_id\x18\x05 \x01(\t\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\"\xad\x01\n\x0c\x45victRequest\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.hicache.v1.Tier\x12\x14\n\nnum_tokens\x18\x02 \x01(\x04H\x00\x12$\n\x06prefix\x18\x03 \x01(\x0b\x32\x12.hicache.v1.PromptH\x00\x12\r\n\x03\x61ll\x18\x04 \x01(\x08H\x00\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x05 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x06 \x01(\x08\x42\x08\n\x06target\"o\n\rEvictResponse\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.hicache.v1.Tier\x12\x16\n\x0e\x65victed_tokens\x18\x02 \x01(\x04\x12\x15\n\revicted_nodes\x18\x03 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\"X\n\nPinRequest\x12\"\n\x06prompt\x18\x01 \x01(\x0b\x32\x12.hicache.v1.Prompt\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"J\n\x0bPinResponse\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x15\n\rpinned_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\"9\n\x0cUnpinRequest\x12\x10\n\x06pin_id\x18\x01 \x01(\tH\x00\x12\r\n\x03\x61ll\x18\x02 \x01(\x08H\x00\x42\x08\n\x06target\":\n\rUnpinResponse\x12\x10\n\x08unpinned\x18\x01 \x01(\r\x12\x17\n\x0funpinned_tokens\x18\x02 \x01(\x04\"U\n\x0c\x46lushRequest\x12\x1f\n\x05tiers\x18\x01 \x03(\x0e\x32\x10.hicache.v1.Tier\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"Z\n\rFlushResponse\x12!\n\x07\x66lushed\x18\x01 \x03(\x0e\x32\x10.hicache.v1.Tier\x12\x14\n\x0c\x66reed_tokens\x18\x02 \x01(\x04\x12\x10\n\x08unpinned\x18\x03 \x01(\r\"S\n\x12InspectTreeRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x16\n\x0epreview_tokens\x18\x03 \x01(\r\"\x89\x02\n\x0cTreeNodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\x04\x12\x11\n\tparent_id\x18\x02 \x01(\x04\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x14\n\x0ctoken_length\x18\x04 \x01(\r\x12\x15\n\rprefix_length\x18\x05 \x01(\r\x12\x0f\n\x07preview\x18\x06 \x01(\t\x12#\n\tresidency\x18\x07 \x03(\x0e\x32\x10.hicache.v1.Tier\x12\x10\n\x08lock_ref\x18\x08 \x01(\x05\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x11\n\thit_count\x18\n \x01(\x04\x12\x18\n\x10last_access_time\x18\x0b \x01(\x01\x12\x14\n\x0cnum_children\x18\x0c \x01(\r\"l\n\x13InspectTreeResponse\x12\'\n\x05nodes\x18\x01 \x03(\x0b\x32\x18.hicache.v1.TreeNodeInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x13\n\x0btotal_nodes\x18\x03 \x01(\r\"\xaf\x01\n\nCacheEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.hicache.v1.CacheEventKind\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.hicache.v1.Tier\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0f\n\x07node_id\x18\x05 \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x06 \x01(\t\x12\x0c\n\x04time\x18\x07 \x01(\x01\"\x8b\x01\n\x17WatchCacheEventsRequest\x12\x16\n\tafter_seq\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12)\n\x05kinds\x18\x02 \x03(\x0e\x32\x1a.hicache.v1.CacheEventKind\x12\x1f\n\x05tiers\x18\x03 \x03(\x0e\x32\x10.hicache.v1.TierB\x0c\n\n_after_seq\"Q\n\x18WatchCacheEventsResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.hicache.v1.CacheEvent\x12\x0e\n\x06missed\x18\x02 \x01(\x04*\x80\x01\n\rPrefetchStage\x12\x1e\n\x1aPREFETCH_STAGE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFETCH_STAGE_MATCHED\x10\x01\x12\x1a\n\x16PREFETCH_STAGE_RUNNING\x10\x02\x12\x17\n\x13PREFETCH_STAGE_DONE\x10\x03*\xc8\x01\n\x0e\x43\x61\x63heEventKind\x12 \n\x1c\x43\x41\x43HE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43\x41\x43HE_EVENT_KIND_STORED\x10\x01\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_REMOVED\x10\x02\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_DEMOTED\x10\x03\x12\x1d\n\x19\x43\x41\x43HE_EVENT_KIND_PROMOTED\x10\x04\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_CLEARED\x10\x05\x32\xa5\x05\n\x11\x43\x61\x63heAdminService\x12T\n\rGetCacheStats\x12 .hicache.v1.GetCacheStatsRequest\x1a!.hicache.v1.GetCacheStatsResponse\x12N\n\x0bMatchPrefix\x12\x1e.hicache.v1.MatchPrefixRequest\x1a\x1f.hicache.v1.MatchPrefixResponse\x12G\n\x08Prefetch\x12\x1b.hicache.v1.PrefetchRequest\x1a\x1c.hicache.v1.PrefetchResponse0\x01\x12<\n\x05\x45vict\x12\x18.hicache.v1.EvictRequest\x1a\x19.hicache.v1.EvictResponse\x12\x36\n\x03Pin\x12\x16.hicache.v1.PinRequest\x1a\x17.hicache.v1.PinResponse\x12<\n\x05Unpin\x12\x18.hicache.v1.UnpinRequest\x1a\x19.hicache.v1.UnpinResponse\x12<\n\x05\x46lush\x12\x18.hicache.v1.FlushRequest\x1a\x19.hicache.v1.FlushResponse\x12N\n\x0bInspectTree\x12\x1e.hicache.v1.InspectTreeRequest\x1a\x1f.hicache.v1.InspectTreeResponse\x12_\n\x10WatchCacheEvents\x12#.hicache.v1.WatchCacheEventsRequest\x1a$.hicache.v1.WatchCacheEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "hicache.v1.cache_admin_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hicache.v1.cache_admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_TIERSTATS_EXTRAENTRY"]._loaded_options = None
-    _globals["_TIERSTATS_EXTRAENTRY"]._serialized_options = b"8\001"
-    _globals["_PREFETCHSTAGE"]._serialized_start = 2808
-    _globals["_PREFETCHSTAGE"]._serialized_end = 2936
-    _globals["_CACHEEVENTKIND"]._serialized_start = 2939
-    _globals["_CACHEEVENTKIND"]._serialized_end = 3139
-    _globals["_GETCACHESTATSREQUEST"]._serialized_start = 69
-    _globals["_GETCACHESTATSREQUEST"]._serialized_end = 91
-    _globals["_TIERSTATS"]._serialized_start = 94
-    _globals["_TIERSTATS"]._serialized_end = 505
-    _globals["_TIERSTATS_EXTRAENTRY"]._serialized_start = 461
-    _globals["_TIERSTATS_EXTRAENTRY"]._serialized_end = 505
-    _globals["_GETCACHESTATSRESPONSE"]._serialized_start = 508
-    _globals["_GETCACHESTATSRESPONSE"]._serialized_end = 656
-    _globals["_MATCHPREFIXREQUEST"]._serialized_start = 658
-    _globals["_MATCHPREFIXREQUEST"]._serialized_end = 739
-    _globals["_MATCHPREFIXRESPONSE"]._serialized_start = 742
-    _globals["_MATCHPREFIXRESPONSE"]._serialized_end = 879
-    _globals["_PREFETCHREQUEST"]._serialized_start = 881
-    _globals["_PREFETCHREQUEST"]._serialized_end = 991
-    _globals["_PREFETCHRESPONSE"]._serialized_start = 994
-    _globals["_PREFETCHRESPONSE"]._serialized_end = 1186
-    _globals["_EVICTREQUEST"]._serialized_start = 1189
-    _globals["_EVICTREQUEST"]._serialized_end = 1362
-    _globals["_EVICTRESPONSE"]._serialized_start = 1364
-    _globals["_EVICTRESPONSE"]._serialized_end = 1475
-    _globals["_PINREQUEST"]._serialized_start = 1477
-    _globals["_PINREQUEST"]._serialized_end = 1565
-    _globals["_PINRESPONSE"]._serialized_start = 1567
-    _globals["_PINRESPONSE"]._serialized_end = 1641
-    _globals["_UNPINREQUEST"]._serialized_start = 1643
-    _globals["_UNPINREQUEST"]._serialized_end = 1700
-    _globals["_UNPINRESPONSE"]._serialized_start = 1702
-    _globals["_UNPINRESPONSE"]._serialized_end = 1760
-    _globals["_FLUSHREQUEST"]._serialized_start = 1762
-    _globals["_FLUSHREQUEST"]._serialized_end = 1847
-    _globals["_FLUSHRESPONSE"]._serialized_start = 1849
-    _globals["_FLUSHRESPONSE"]._serialized_end = 1939
-    _globals["_INSPECTTREEREQUEST"]._serialized_start = 1941
-    _globals["_INSPECTTREEREQUEST"]._serialized_end = 2024
-    _globals["_TREENODEINFO"]._serialized_start = 2027
-    _globals["_TREENODEINFO"]._serialized_end = 2292
-    _globals["_INSPECTTREERESPONSE"]._serialized_start = 2294
-    _globals["_INSPECTTREERESPONSE"]._serialized_end = 2402
-    _globals["_CACHEEVENT"]._serialized_start = 2405
-    _globals["_CACHEEVENT"]._serialized_end = 2580
-    _globals["_WATCHCACHEEVENTSREQUEST"]._serialized_start = 2583
-    _globals["_WATCHCACHEEVENTSREQUEST"]._serialized_end = 2722
-    _globals["_WATCHCACHEEVENTSRESPONSE"]._serialized_start = 2724
-    _globals["_WATCHCACHEEVENTSRESPONSE"]._serialized_end = 2805
-    _globals["_CACHEADMINSERVICE"]._serialized_start = 3142
-    _globals["_CACHEADMINSERVICE"]._serialized_end = 3819
+  DESCRIPTOR._loaded_options = None
+  _globals['_TIERSTATS_EXTRAENTRY']._loaded_options = None
+  _globals['_TIERSTATS_EXTRAENTRY']._serialized_options = b'8\001'
+  _globals['_PREFETCHSTAGE']._serialized_start=2808
+  _globals['_PREFETCHSTAGE']._serialized_end=2936
+  _globals['_CACHEEVENTKIND']._serialized_start=2939
+  _globals['_CACHEEVENTKIND']._serialized_end=3139
+  _globals['_GETCACHESTATSREQUEST']._serialized_start=69
+  _globals['_GETCACHESTATSREQUEST']._serialized_end=91
+  _globals['_TIERSTATS']._serialized_start=94
+  _globals['_TIERSTATS']._serialized_end=505
+  _globals['_TIERSTATS_EXTRAENTRY']._serialized_start=461
+  _globals['_TIERSTATS_EXTRAENTRY']._serialized_end=505
+  _globals['_GETCACHESTATSRESPONSE']._serialized_start=508
+  _globals['_GETCACHESTATSRESPONSE']._serialized_end=656
+  _globals['_MATCHPREFIXREQUEST']._serialized_start=658
+  _globals['_MATCHPREFIXREQUEST']._serialized_end=739
+  _globals['_MATCHPREFIXRESPONSE']._serialized_start=742
+  _globals['_MATCHPREFIXRESPONSE']._serialized_end=879
+  _globals['_PREFETCHREQUEST']._serialized_start=881
+  _globals['_PREFETCHREQUEST']._serialized_end=991
+  _globals['_PREFETCHRESPONSE']._serialized_start=994
+  _globals['_PREFETCHRESPONSE']._serialized_end=1186
+  _globals['_EVICTREQUEST']._serialized_start=1189
+  _globals['_EVICTREQUEST']._serialized_end=1362
+  _globals['_EVICTRESPONSE']._serialized_start=1364
+  _globals['_EVICTRESPONSE']._serialized_end=1475
+  _globals['_PINREQUEST']._serialized_start=1477
+  _globals['_PINREQUEST']._serialized_end=1565
+  _globals['_PINRESPONSE']._serialized_start=1567
+  _globals['_PINRESPONSE']._serialized_end=1641
+  _globals['_UNPINREQUEST']._serialized_start=1643
+  _globals['_UNPINREQUEST']._serialized_end=1700
+  _globals['_UNPINRESPONSE']._serialized_start=1702
+  _globals['_UNPINRESPONSE']._serialized_end=1760
+  _globals['_FLUSHREQUEST']._serialized_start=1762
+  _globals['_FLUSHREQUEST']._serialized_end=1847
+  _globals['_FLUSHRESPONSE']._serialized_start=1849
+  _globals['_FLUSHRESPONSE']._serialized_end=1939
+  _globals['_INSPECTTREEREQUEST']._serialized_start=1941
+  _globals['_INSPECTTREEREQUEST']._serialized_end=2024
+  _globals['_TREENODEINFO']._serialized_start=2027
+  _globals['_TREENODEINFO']._serialized_end=2292
+  _globals['_INSPECTTREERESPONSE']._serialized_start=2294
+  _globals['_INSPECTTREERESPONSE']._serialized_end=2402
+  _globals['_CACHEEVENT']._serialized_start=2405
+  _globals['_CACHEEVENT']._serialized_end=2580
+  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_start=2583
+  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_end=2722
+  _globals['_WATCHCACHEEVENTSRESPONSE']._serialized_start=2724
+  _globals['_WATCHCACHEEVENTSRESPONSE']._serialized_end=2805
+  _globals['_CACHEADMINSERVICE']._serialized_start=3142
+  _globals['_CACHEADMINSERVICE']._serialized_end=3819
 # @@protoc_insertion_point(module_scope)

@@ -23,7 +23,6 @@ class CacheEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_EVENT_KIND_DEMOTED: _ClassVar[CacheEventKind]
     CACHE_EVENT_KIND_PROMOTED: _ClassVar[CacheEventKind]
     CACHE_EVENT_KIND_CLEARED: _ClassVar[CacheEventKind]
-
 PREFETCH_STAGE_UNSPECIFIED: PrefetchStage
 PREFETCH_STAGE_MATCHED: PrefetchStage
 PREFETCH_STAGE_RUNNING: PrefetchStage
@@ -40,22 +39,7 @@ class GetCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = (
-        "tier",
-        "enabled",
-        "capacity_tokens",
-        "used_tokens",
-        "evictable_tokens",
-        "pinned_tokens",
-        "hit_tokens",
-        "evicted_tokens",
-        "promoted_tokens",
-        "demoted_tokens",
-        "bytes_in",
-        "bytes_out",
-        "bandwidth_bytes_per_s",
-        "extra",
-    )
+    __slots__ = ("tier", "enabled", "capacity_tokens", "used_tokens", "evictable_tokens", "pinned_tokens", "hit_tokens", "evicted_tokens", "promoted_tokens", "demoted_tokens", "bytes_in", "bytes_out", "bandwidth_bytes_per_s", "extra")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,7 +47,6 @@ class TierStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
-
     TIER_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -92,23 +75,7 @@ class TierStats(_message.Message):
     bytes_out: int
     bandwidth_bytes_per_s: float
     extra: _containers.ScalarMap[str, float]
-    def __init__(
-        self,
-        tier: _Optional[_Union[_common_pb2.Tier, str]] = ...,
-        enabled: _Optional[bool] = ...,
-        capacity_tokens: _Optional[int] = ...,
-        used_tokens: _Optional[int] = ...,
-        evictable_tokens: _Optional[int] = ...,
-        pinned_tokens: _Optional[int] = ...,
-        hit_tokens: _Optional[int] = ...,
-        evicted_tokens: _Optional[int] = ...,
-        promoted_tokens: _Optional[int] = ...,
-        demoted_tokens: _Optional[int] = ...,
-        bytes_in: _Optional[int] = ...,
-        bytes_out: _Optional[int] = ...,
-        bandwidth_bytes_per_s: _Optional[float] = ...,
-        extra: _Optional[_Mapping[str, float]] = ...,
-    ) -> None: ...
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., pinned_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ..., promoted_tokens: _Optional[int] = ..., demoted_tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GetCacheStatsResponse(_message.Message):
     __slots__ = ("tiers", "miss_tokens", "admin_pinned_tokens", "num_pins", "timestamp")
@@ -122,14 +89,7 @@ class GetCacheStatsResponse(_message.Message):
     admin_pinned_tokens: int
     num_pins: int
     timestamp: float
-    def __init__(
-        self,
-        tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...,
-        miss_tokens: _Optional[int] = ...,
-        admin_pinned_tokens: _Optional[int] = ...,
-        num_pins: _Optional[int] = ...,
-        timestamp: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., miss_tokens: _Optional[int] = ..., admin_pinned_tokens: _Optional[int] = ..., num_pins: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("prompt", "cache_namespace")
@@ -137,11 +97,7 @@ class MatchPrefixRequest(_message.Message):
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     prompt: _common_pb2.Prompt
     cache_namespace: str
-    def __init__(
-        self,
-        prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ...,
-        cache_namespace: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
     __slots__ = ("prompt_tokens", "matched_tokens", "matched_per_tier", "page_size")
@@ -153,13 +109,7 @@ class MatchPrefixResponse(_message.Message):
     matched_tokens: int
     matched_per_tier: _common_pb2.TierTokens
     page_size: int
-    def __init__(
-        self,
-        prompt_tokens: _Optional[int] = ...,
-        matched_tokens: _Optional[int] = ...,
-        matched_per_tier: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ...,
-        page_size: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., matched_per_tier: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("prompt", "cache_namespace", "pin", "pin_ttl_s")
@@ -171,23 +121,10 @@ class PrefetchRequest(_message.Message):
     cache_namespace: str
     pin: bool
     pin_ttl_s: float
-    def __init__(
-        self,
-        prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ...,
-        cache_namespace: _Optional[str] = ...,
-        pin: _Optional[bool] = ...,
-        pin_ttl_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., cache_namespace: _Optional[str] = ..., pin: _Optional[bool] = ..., pin_ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
-    __slots__ = (
-        "stage",
-        "prompt_tokens",
-        "cached_per_tier",
-        "computed_tokens",
-        "pin_id",
-        "elapsed_s",
-    )
+    __slots__ = ("stage", "prompt_tokens", "cached_per_tier", "computed_tokens", "pin_id", "elapsed_s")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PER_TIER_FIELD_NUMBER: _ClassVar[int]
@@ -200,15 +137,7 @@ class PrefetchResponse(_message.Message):
     computed_tokens: int
     pin_id: str
     elapsed_s: float
-    def __init__(
-        self,
-        stage: _Optional[_Union[PrefetchStage, str]] = ...,
-        prompt_tokens: _Optional[int] = ...,
-        cached_per_tier: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ...,
-        computed_tokens: _Optional[int] = ...,
-        pin_id: _Optional[str] = ...,
-        elapsed_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, stage: _Optional[_Union[PrefetchStage, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_per_tier: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ..., computed_tokens: _Optional[int] = ..., pin_id: _Optional[str] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("tier", "num_tokens", "prefix", "all", "cache_namespace", "dry_run")
@@ -224,15 +153,7 @@ class EvictRequest(_message.Message):
     all: bool
     cache_namespace: str
     dry_run: bool
-    def __init__(
-        self,
-        tier: _Optional[_Union[_common_pb2.Tier, str]] = ...,
-        num_tokens: _Optional[int] = ...,
-        prefix: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ...,
-        all: _Optional[bool] = ...,
-        cache_namespace: _Optional[str] = ...,
-        dry_run: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., num_tokens: _Optional[int] = ..., prefix: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., all: _Optional[bool] = ..., cache_namespace: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("tier", "evicted_tokens", "evicted_nodes", "dry_run")
@@ -244,13 +165,7 @@ class EvictResponse(_message.Message):
     evicted_tokens: int
     evicted_nodes: int
     dry_run: bool
-    def __init__(
-        self,
-        tier: _Optional[_Union[_common_pb2.Tier, str]] = ...,
-        evicted_tokens: _Optional[int] = ...,
-        evicted_nodes: _Optional[int] = ...,
-        dry_run: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., evicted_tokens: _Optional[int] = ..., evicted_nodes: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("prompt", "cache_namespace", "ttl_s")
@@ -260,12 +175,7 @@ class PinRequest(_message.Message):
     prompt: _common_pb2.Prompt
     cache_namespace: str
     ttl_s: float
-    def __init__(
-        self,
-        prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ...,
-        cache_namespace: _Optional[str] = ...,
-        ttl_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., cache_namespace: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("pin_id", "pinned_tokens", "expires_in_s")
@@ -275,12 +185,7 @@ class PinResponse(_message.Message):
     pin_id: str
     pinned_tokens: int
     expires_in_s: float
-    def __init__(
-        self,
-        pin_id: _Optional[str] = ...,
-        pinned_tokens: _Optional[int] = ...,
-        expires_in_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, pin_id: _Optional[str] = ..., pinned_tokens: _Optional[int] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
     __slots__ = ("pin_id", "all")
@@ -296,9 +201,7 @@ class UnpinResponse(_message.Message):
     UNPINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     unpinned: int
     unpinned_tokens: int
-    def __init__(
-        self, unpinned: _Optional[int] = ..., unpinned_tokens: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, unpinned: _Optional[int] = ..., unpinned_tokens: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("tiers", "timeout_s")
@@ -306,11 +209,7 @@ class FlushRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     timeout_s: float
-    def __init__(
-        self,
-        tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...,
-        timeout_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class FlushResponse(_message.Message):
     __slots__ = ("flushed", "freed_tokens", "unpinned")
@@ -320,12 +219,7 @@ class FlushResponse(_message.Message):
     flushed: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     freed_tokens: int
     unpinned: int
-    def __init__(
-        self,
-        flushed: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...,
-        freed_tokens: _Optional[int] = ...,
-        unpinned: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, flushed: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., freed_tokens: _Optional[int] = ..., unpinned: _Optional[int] = ...) -> None: ...
 
 class InspectTreeRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "preview_tokens")
@@ -335,28 +229,10 @@ class InspectTreeRequest(_message.Message):
     page_size: int
     page_token: str
     preview_tokens: int
-    def __init__(
-        self,
-        page_size: _Optional[int] = ...,
-        page_token: _Optional[str] = ...,
-        preview_tokens: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., preview_tokens: _Optional[int] = ...) -> None: ...
 
 class TreeNodeInfo(_message.Message):
-    __slots__ = (
-        "node_id",
-        "parent_id",
-        "depth",
-        "token_length",
-        "prefix_length",
-        "preview",
-        "residency",
-        "lock_ref",
-        "pinned",
-        "hit_count",
-        "last_access_time",
-        "num_children",
-    )
+    __slots__ = ("node_id", "parent_id", "depth", "token_length", "prefix_length", "preview", "residency", "lock_ref", "pinned", "hit_count", "last_access_time", "num_children")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -381,21 +257,7 @@ class TreeNodeInfo(_message.Message):
     hit_count: int
     last_access_time: float
     num_children: int
-    def __init__(
-        self,
-        node_id: _Optional[int] = ...,
-        parent_id: _Optional[int] = ...,
-        depth: _Optional[int] = ...,
-        token_length: _Optional[int] = ...,
-        prefix_length: _Optional[int] = ...,
-        preview: _Optional[str] = ...,
-        residency: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...,
-        lock_ref: _Optional[int] = ...,
-        pinned: _Optional[bool] = ...,
-        hit_count: _Optional[int] = ...,
-        last_access_time: _Optional[float] = ...,
-        num_children: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., depth: _Optional[int] = ..., token_length: _Optional[int] = ..., prefix_length: _Optional[int] = ..., preview: _Optional[str] = ..., residency: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., lock_ref: _Optional[int] = ..., pinned: _Optional[bool] = ..., hit_count: _Optional[int] = ..., last_access_time: _Optional[float] = ..., num_children: _Optional[int] = ...) -> None: ...
 
 class InspectTreeResponse(_message.Message):
     __slots__ = ("nodes", "next_page_token", "total_nodes")
@@ -405,12 +267,7 @@ class InspectTreeResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[TreeNodeInfo]
     next_page_token: str
     total_nodes: int
-    def __init__(
-        self,
-        nodes: _Optional[_Iterable[_Union[TreeNodeInfo, _Mapping]]] = ...,
-        next_page_token: _Optional[str] = ...,
-        total_nodes: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, nodes: _Optional[_Iterable[_Union[TreeNodeInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_nodes: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("seq", "kind", "tier", "num_tokens", "node_id", "cache_namespace", "time")
@@ -428,16 +285,7 @@ class CacheEvent(_message.Message):
     node_id: int
     cache_namespace: str
     time: float
-    def __init__(
-        self,
-        seq: _Optional[int] = ...,
-        kind: _Optional[_Union[CacheEventKind, str]] = ...,
-        tier: _Optional[_Union[_common_pb2.Tier, str]] = ...,
-        num_tokens: _Optional[int] = ...,
-        node_id: _Optional[int] = ...,
-        cache_namespace: _Optional[str] = ...,
-        time: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[CacheEventKind, str]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., num_tokens: _Optional[int] = ..., node_id: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class WatchCacheEventsRequest(_message.Message):
     __slots__ = ("after_seq", "kinds", "tiers")
@@ -447,12 +295,7 @@ class WatchCacheEventsRequest(_message.Message):
     after_seq: int
     kinds: _containers.RepeatedScalarFieldContainer[CacheEventKind]
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
-    def __init__(
-        self,
-        after_seq: _Optional[int] = ...,
-        kinds: _Optional[_Iterable[_Union[CacheEventKind, str]]] = ...,
-        tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...,
-    ) -> None: ...
+    def __init__(self, after_seq: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[CacheEventKind, str]]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...
 
 class WatchCacheEventsResponse(_message.Message):
     __slots__ = ("event", "missed")
@@ -460,6 +303,4 @@ class WatchCacheEventsResponse(_message.Message):
     MISSED_FIELD_NUMBER: _ClassVar[int]
     event: CacheEvent
     missed: int
-    def __init__(
-        self, event: _Optional[_Union[CacheEvent, _Mapping]] = ..., missed: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, event: _Optional[_Union[CacheEvent, _Mapping]] = ..., missed: _Optional[int] = ...) -> None: ...

@@ -4,40 +4,43 @@
 # source: hicache/v1/common.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "hicache/v1/common.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'hicache/v1/common.proto'
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x17hicache/v1/common.proto\x12\nhicache.v1"0\n\nTierTokens\x12\n\n\x02l1\x18\x01 \x01(\x04\x12\n\n\x02l2\x18\x02 \x01(\x04\x12\n\n\x02l3\x18\x03 \x01(\x04",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.hicache.v1.ChatMessage"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r"v\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.hicache.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.hicache.v1.TokenIdsH\x00\x42\x07\n\x05input*C\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0b\n\x07TIER_L1\x10\x01\x12\x0b\n\x07TIER_L2\x10\x02\x12\x0b\n\x07TIER_L3\x10\x03\x62\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hicache/v1/common.proto\x12\nhicache.v1\"0\n\nTierTokens\x12\n\n\x02l1\x18\x01 \x01(\x04\x12\n\n\x02l2\x18\x02 \x01(\x04\x12\n\n\x02l3\x18\x03 \x01(\x04\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.hicache.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"v\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.hicache.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.hicache.v1.TokenIdsH\x00\x42\x07\n\x05input*C\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0b\n\x07TIER_L1\x10\x01\x12\x0b\n\x07TIER_L2\x10\x02\x12\x0b\n\x07TIER_L3\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "hicache.v1.common_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hicache.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_TIER"]._serialized_start = 339
-    _globals["_TIER"]._serialized_end = 406
-    _globals["_TIERTOKENS"]._serialized_start = 39
-    _globals["_TIERTOKENS"]._serialized_end = 87
-    _globals["_CHATMESSAGE"]._serialized_start = 89
-    _globals["_CHATMESSAGE"]._serialized_end = 133
-    _globals["_CHATMESSAGES"]._serialized_start = 135
-    _globals["_CHATMESSAGES"]._serialized_end = 192
-    _globals["_TOKENIDS"]._serialized_start = 194
-    _globals["_TOKENIDS"]._serialized_end = 217
-    _globals["_PROMPT"]._serialized_start = 219
-    _globals["_PROMPT"]._serialized_end = 337
+  DESCRIPTOR._loaded_options = None
+  _globals['_TIER']._serialized_start=339
+  _globals['_TIER']._serialized_end=406
+  _globals['_TIERTOKENS']._serialized_start=39
+  _globals['_TIERTOKENS']._serialized_end=87
+  _globals['_CHATMESSAGE']._serialized_start=89
+  _globals['_CHATMESSAGE']._serialized_end=133
+  _globals['_CHATMESSAGES']._serialized_start=135
+  _globals['_CHATMESSAGES']._serialized_end=192
+  _globals['_TOKENIDS']._serialized_start=194
+  _globals['_TOKENIDS']._serialized_end=217
+  _globals['_PROMPT']._serialized_start=219
+  _globals['_PROMPT']._serialized_end=337
 # @@protoc_insertion_point(module_scope)

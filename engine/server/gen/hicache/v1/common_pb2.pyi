@@ -13,7 +13,6 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_L1: _ClassVar[Tier]
     TIER_L2: _ClassVar[Tier]
     TIER_L3: _ClassVar[Tier]
-
 TIER_UNSPECIFIED: Tier
 TIER_L1: Tier
 TIER_L2: Tier
@@ -27,9 +26,7 @@ class TierTokens(_message.Message):
     l1: int
     l2: int
     l3: int
-    def __init__(
-        self, l1: _Optional[int] = ..., l2: _Optional[int] = ..., l3: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, l1: _Optional[int] = ..., l2: _Optional[int] = ..., l3: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -43,9 +40,7 @@ class ChatMessages(_message.Message):
     __slots__ = ("messages",)
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(
-        self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -61,9 +56,4 @@ class Prompt(_message.Message):
     text: str
     chat: ChatMessages
     token_ids: TokenIds
-    def __init__(
-        self,
-        text: _Optional[str] = ...,
-        chat: _Optional[_Union[ChatMessages, _Mapping]] = ...,
-        token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...

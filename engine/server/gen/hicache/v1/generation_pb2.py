@@ -4,15 +4,18 @@
 # source: hicache/v1/generation.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "hicache/v1/generation.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'hicache/v1/generation.proto'
 )
 # @@protoc_insertion_point(imports)
 
@@ -22,49 +25,47 @@ _sym_db = _symbol_database.Default()
 from engine.server.gen.hicache.v1 import common_pb2 as hicache_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x1bhicache/v1/generation.proto\x12\nhicache.v1\x1a\x17hicache/v1/common.proto"\xd4\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x06\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens"\x97\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.hicache.v1.Prompt\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.hicache.v1.SamplingParams\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x04 \x01(\t"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x36\n\x16\x63\x61\x63hed_tokens_per_tier\x18\x04 \x01(\x0b\x32\x16.hicache.v1.TierTokens"R\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.hicache.v1.Usage"\xc7\x01\n\x10GenerateComplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.hicache.v1.FinishReason\x12\x1a\n\x10matched_token_id\x18\x02 \x01(\rH\x00\x12\x1d\n\x13matched_stop_string\x18\x03 \x01(\tH\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.hicache.v1.Usage\x12\x15\n\rabort_message\x18\x05 \x01(\tB\x0e\n\x0cmatched_stop"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.hicache.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1c.hicache.v1.GenerateCompleteH\x00\x42\n\n\x08response""\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08"\x15\n\x13GetModelInfoRequest"\xfa\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12:\n\x05\x65xtra\x18\x07 \x03(\x0b\x32+.hicache.v1.GetModelInfoResponse.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"\x16\n\x14GetServerInfoRequest"\xe5\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x02 \x03(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12=\n\x06\x63onfig\x18\x04 \x03(\x0b\x32-.hicache.v1.GetServerInfoResponse.ConfigEntry\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc3\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.hicache.v1.GenerateRequest\x1a\x1c.hicache.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.hicache.v1.AbortRequest\x1a\x19.hicache.v1.AbortResponse\x12Q\n\x0cGetModelInfo\x12\x1f.hicache.v1.GetModelInfoRequest\x1a .hicache.v1.GetModelInfoResponse\x12T\n\rGetServerInfo\x12 .hicache.v1.GetServerInfoRequest\x1a!.hicache.v1.GetServerInfoResponseb\x06proto3'
-)
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhicache/v1/generation.proto\x12\nhicache.v1\x1a\x17hicache/v1/common.proto\"\xd4\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x06\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x97\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.hicache.v1.Prompt\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.hicache.v1.SamplingParams\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x04 \x01(\t\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x36\n\x16\x63\x61\x63hed_tokens_per_tier\x18\x04 \x01(\x0b\x32\x16.hicache.v1.TierTokens\"R\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.hicache.v1.Usage\"\xc7\x01\n\x10GenerateComplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.hicache.v1.FinishReason\x12\x1a\n\x10matched_token_id\x18\x02 \x01(\rH\x00\x12\x1d\n\x13matched_stop_string\x18\x03 \x01(\tH\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.hicache.v1.Usage\x12\x15\n\rabort_message\x18\x05 \x01(\tB\x0e\n\x0cmatched_stop\"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.hicache.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1c.hicache.v1.GenerateCompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xfa\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12:\n\x05\x65xtra\x18\x07 \x03(\x0b\x32+.hicache.v1.GetModelInfoResponse.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14GetServerInfoRequest\"\xe5\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x02 \x03(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12=\n\x06\x63onfig\x18\x04 \x03(\x0b\x32-.hicache.v1.GetServerInfoResponse.ConfigEntry\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc3\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.hicache.v1.GenerateRequest\x1a\x1c.hicache.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.hicache.v1.AbortRequest\x1a\x19.hicache.v1.AbortResponse\x12Q\n\x0cGetModelInfo\x12\x1f.hicache.v1.GetModelInfoRequest\x1a .hicache.v1.GetModelInfoResponse\x12T\n\rGetServerInfo\x12 .hicache.v1.GetServerInfoRequest\x1a!.hicache.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "hicache.v1.generation_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hicache.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_GETMODELINFORESPONSE_EXTRAENTRY"]._loaded_options = None
-    _globals["_GETMODELINFORESPONSE_EXTRAENTRY"]._serialized_options = b"8\001"
-    _globals["_GETSERVERINFORESPONSE_CONFIGENTRY"]._loaded_options = None
-    _globals["_GETSERVERINFORESPONSE_CONFIGENTRY"]._serialized_options = b"8\001"
-    _globals["_FINISHREASON"]._serialized_start = 1737
-    _globals["_FINISHREASON"]._serialized_end = 1857
-    _globals["_SAMPLINGPARAMS"]._serialized_start = 69
-    _globals["_SAMPLINGPARAMS"]._serialized_end = 409
-    _globals["_GENERATEREQUEST"]._serialized_start = 412
-    _globals["_GENERATEREQUEST"]._serialized_end = 563
-    _globals["_USAGE"]._serialized_start = 566
-    _globals["_USAGE"]._serialized_end = 702
-    _globals["_GENERATECHUNK"]._serialized_start = 704
-    _globals["_GENERATECHUNK"]._serialized_end = 786
-    _globals["_GENERATECOMPLETE"]._serialized_start = 789
-    _globals["_GENERATECOMPLETE"]._serialized_end = 988
-    _globals["_GENERATERESPONSE"]._serialized_start = 991
-    _globals["_GENERATERESPONSE"]._serialized_end = 1135
-    _globals["_ABORTREQUEST"]._serialized_start = 1137
-    _globals["_ABORTREQUEST"]._serialized_end = 1171
-    _globals["_ABORTRESPONSE"]._serialized_start = 1173
-    _globals["_ABORTRESPONSE"]._serialized_end = 1203
-    _globals["_GETMODELINFOREQUEST"]._serialized_start = 1205
-    _globals["_GETMODELINFOREQUEST"]._serialized_end = 1226
-    _globals["_GETMODELINFORESPONSE"]._serialized_start = 1229
-    _globals["_GETMODELINFORESPONSE"]._serialized_end = 1479
-    _globals["_GETMODELINFORESPONSE_EXTRAENTRY"]._serialized_start = 1435
-    _globals["_GETMODELINFORESPONSE_EXTRAENTRY"]._serialized_end = 1479
-    _globals["_GETSERVERINFOREQUEST"]._serialized_start = 1481
-    _globals["_GETSERVERINFOREQUEST"]._serialized_end = 1503
-    _globals["_GETSERVERINFORESPONSE"]._serialized_start = 1506
-    _globals["_GETSERVERINFORESPONSE"]._serialized_end = 1735
-    _globals["_GETSERVERINFORESPONSE_CONFIGENTRY"]._serialized_start = 1690
-    _globals["_GETSERVERINFORESPONSE_CONFIGENTRY"]._serialized_end = 1735
-    _globals["_GENERATIONSERVICE"]._serialized_start = 1860
-    _globals["_GENERATIONSERVICE"]._serialized_end = 2183
+  DESCRIPTOR._loaded_options = None
+  _globals['_GETMODELINFORESPONSE_EXTRAENTRY']._loaded_options = None
+  _globals['_GETMODELINFORESPONSE_EXTRAENTRY']._serialized_options = b'8\001'
+  _globals['_GETSERVERINFORESPONSE_CONFIGENTRY']._loaded_options = None
+  _globals['_GETSERVERINFORESPONSE_CONFIGENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1737
+  _globals['_FINISHREASON']._serialized_end=1857
+  _globals['_SAMPLINGPARAMS']._serialized_start=69
+  _globals['_SAMPLINGPARAMS']._serialized_end=409
+  _globals['_GENERATEREQUEST']._serialized_start=412
+  _globals['_GENERATEREQUEST']._serialized_end=563
+  _globals['_USAGE']._serialized_start=566
+  _globals['_USAGE']._serialized_end=702
+  _globals['_GENERATECHUNK']._serialized_start=704
+  _globals['_GENERATECHUNK']._serialized_end=786
+  _globals['_GENERATECOMPLETE']._serialized_start=789
+  _globals['_GENERATECOMPLETE']._serialized_end=988
+  _globals['_GENERATERESPONSE']._serialized_start=991
+  _globals['_GENERATERESPONSE']._serialized_end=1135
+  _globals['_ABORTREQUEST']._serialized_start=1137
+  _globals['_ABORTREQUEST']._serialized_end=1171
+  _globals['_ABORTRESPONSE']._serialized_start=1173
+  _globals['_ABORTRESPONSE']._serialized_end=1203
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1205
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1226
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1229
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1479
+  _globals['_GETMODELINFORESPONSE_EXTRAENTRY']._serialized_start=1435
+  _globals['_GETMODELINFORESPONSE_EXTRAENTRY']._serialized_end=1479
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1481
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1503
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1506
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1735
+  _globals['_GETSERVERINFORESPONSE_CONFIGENTRY']._serialized_start=1690
+  _globals['_GETSERVERINFORESPONSE_CONFIGENTRY']._serialized_end=1735
+  _globals['_GENERATIONSERVICE']._serialized_start=1860
+  _globals['_GENERATIONSERVICE']._serialized_end=2183
 # @@protoc_insertion_point(module_scope)

@@ -14,25 +14,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
-
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = (
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "skip_special_tokens",
-    )
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -53,19 +41,7 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     skip_special_tokens: bool
-    def __init__(
-        self,
-        max_new_tokens: _Optional[int] = ...,
-        temperature: _Optional[float] = ...,
-        top_p: _Optional[float] = ...,
-        top_k: _Optional[int] = ...,
-        min_p: _Optional[float] = ...,
-        seed: _Optional[int] = ...,
-        stop: _Optional[_Iterable[str]] = ...,
-        stop_token_ids: _Optional[_Iterable[int]] = ...,
-        ignore_eos: _Optional[bool] = ...,
-        skip_special_tokens: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling_params", "cache_namespace")
@@ -77,13 +53,7 @@ class GenerateRequest(_message.Message):
     prompt: _common_pb2.Prompt
     sampling_params: SamplingParams
     cache_namespace: str
-    def __init__(
-        self,
-        request_id: _Optional[str] = ...,
-        prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ...,
-        sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...,
-        cache_namespace: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_per_tier")
@@ -95,13 +65,7 @@ class Usage(_message.Message):
     completion_tokens: int
     cached_tokens: int
     cached_tokens_per_tier: _common_pb2.TierTokens
-    def __init__(
-        self,
-        prompt_tokens: _Optional[int] = ...,
-        completion_tokens: _Optional[int] = ...,
-        cached_tokens: _Optional[int] = ...,
-        cached_tokens_per_tier: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_per_tier: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "usage")
@@ -111,21 +75,10 @@ class GenerateChunk(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     usage: Usage
-    def __init__(
-        self,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        text: _Optional[str] = ...,
-        usage: _Optional[_Union[Usage, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = (
-        "finish_reason",
-        "matched_token_id",
-        "matched_stop_string",
-        "usage",
-        "abort_message",
-    )
+    __slots__ = ("finish_reason", "matched_token_id", "matched_stop_string", "usage", "abort_message")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_STRING_FIELD_NUMBER: _ClassVar[int]
@@ -136,14 +89,7 @@ class GenerateComplete(_message.Message):
     matched_stop_string: str
     usage: Usage
     abort_message: str
-    def __init__(
-        self,
-        finish_reason: _Optional[_Union[FinishReason, str]] = ...,
-        matched_token_id: _Optional[int] = ...,
-        matched_stop_string: _Optional[str] = ...,
-        usage: _Optional[_Union[Usage, _Mapping]] = ...,
-        abort_message: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_token_id: _Optional[int] = ..., matched_stop_string: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., abort_message: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete")
@@ -153,12 +99,7 @@ class GenerateResponse(_message.Message):
     request_id: str
     chunk: GenerateChunk
     complete: GenerateComplete
-    def __init__(
-        self,
-        request_id: _Optional[str] = ...,
-        chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ...,
-        complete: _Optional[_Union[GenerateComplete, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., complete: _Optional[_Union[GenerateComplete, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -177,15 +118,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = (
-        "model_path",
-        "architecture",
-        "vocab_size",
-        "max_context_len",
-        "num_layers",
-        "dtype",
-        "extra",
-    )
+    __slots__ = ("model_path", "architecture", "vocab_size", "max_context_len", "num_layers", "dtype", "extra")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -193,7 +126,6 @@ class GetModelInfoResponse(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -208,16 +140,7 @@ class GetModelInfoResponse(_message.Message):
     num_layers: int
     dtype: str
     extra: _containers.ScalarMap[str, str]
-    def __init__(
-        self,
-        model_path: _Optional[str] = ...,
-        architecture: _Optional[str] = ...,
-        vocab_size: _Optional[int] = ...,
-        max_context_len: _Optional[int] = ...,
-        num_layers: _Optional[int] = ...,
-        dtype: _Optional[str] = ...,
-        extra: _Optional[_Mapping[str, str]] = ...,
-    ) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
@@ -232,7 +155,6 @@ class GetServerInfoResponse(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -245,12 +167,4 @@ class GetServerInfoResponse(_message.Message):
     config: _containers.ScalarMap[str, str]
     active_requests: int
     draining: bool
-    def __init__(
-        self,
-        version: _Optional[str] = ...,
-        features: _Optional[_Iterable[str]] = ...,
-        uptime_s: _Optional[float] = ...,
-        config: _Optional[_Mapping[str, str]] = ...,
-        active_requests: _Optional[int] = ...,
-        draining: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., uptime_s: _Optional[float] = ..., config: _Optional[_Mapping[str, str]] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
