@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import Engine
-from engine.models.loader import converted_model_dir
+from engine.models.loader import resolve_model_dir
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "How do bees make honey?",
@@ -61,20 +61,30 @@ def matmul_floor(cfg, batch: int, steps: int) -> float:
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     hd = h // cfg.num_attention_heads
     qkv = h + 2 * cfg.num_key_value_heads * hd
-    ws = [(torch.randn(h, qkv), torch.randn(h, h), torch.randn(h, 2 * inter),
-           torch.randn(inter, h)) for _ in range(layers)]
-    head = torch.randn(h, cfg.vocab_size)
+    # weights stored [out, in] as in a checkpoint; F.linear is the matmul models call
+    ws = [(torch.randn(qkv, h), torch.randn(h, h), torch.randn(2 * inter, h),
+           torch.randn(h, inter)) for _ in range(layers)]
+    head = torch.randn(cfg.vocab_size, h)
     x = torch.randn(batch, h)
-    for i in range(steps + 2):
-        if i == 2:
+    lin = torch.nn.functional.linear
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(3):
             t0 = time.perf_counter()
-        for wqkv, wo, wgu, wd in ws:
-            _ = x @ wqkv
-            y = x @ wo
-            g = y @ wgu
-            x = (g[:, :inter] @ wd) * 1e-3 + x
-        _ = x @ head
-    return (time.perf_counter() - t0) / steps
+            for _ in range(steps):
+                for wqkv, wo, wgu, wd in ws:
+                    _ = lin(x, wqkv)
+                    y = lin(x, wo)
+                    g = lin(y, wgu)
+                    x = lin(g[:, :inter], wd) * 1e-3 + x
+                _ = lin(x, head)
+            best = min(best, (time.perf_counter() - t0) / steps)
+    return best
+
+
+def _flush(s) -> None:
+    """Empties the prefix cache (the scheduler is idle between runs)."""
+    s.tree_cache.evict(s.tree_cache.evictable_size())
 
 
 def chat_ids(tok, system: str, q: str) -> list[int]:
@@ -100,13 +110,17 @@ def main() -> None:
     prompts = [chat_ids(tok, "You are a helpful assistant.", q) for q in QUESTIONS]
     sp = {"max_new_tokens": n_new, "temperature": 0, "ignore_eos": True}
     eng.generate(prompts[:2], dict(sp, max_new_tokens=4))  # warm-up
-    eng.call_in_scheduler(lambda s: s.tree_cache.reset())
-    t0 = time.perf_counter()
-    outs = eng.generate(prompts, sp)
-    t_eng = time.perf_counter() - t0
-    assert all(len(o.token_ids) == n_new for o in outs)
+    # Best of 2 runs each (the machine is shared; the prefix cache is flushed before each run
+    # so both sides compute every prompt).
+    t_eng = float("inf")
+    for _ in range(2):
+        eng.call_in_scheduler(_flush)
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts, sp)
+        t_eng = min(t_eng, time.perf_counter() - t0)
+        assert all(len(o.token_ids) == n_new for o in outs)
     hf_generate(model, tok, prompts[:2], 4)  # warm-up
-    t_hf = hf_generate(model, tok, prompts, n_new)
+    t_hf = min(hf_generate(model, tok, prompts, n_new) for _ in range(2))
     floor_step = matmul_floor(model.config, len(prompts), 20)
     t_floor = floor_step * n_new
     total = len(prompts) * n_new
@@ -119,7 +133,7 @@ def main() -> None:
     system = ("You are the support assistant of a cache-aware inference service. " * 80).strip()
     shared = [chat_ids(tok, system, q) for q in QUESTIONS]
     sp_b = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    eng.call_in_scheduler(lambda s: s.tree_cache.reset())
+    eng.call_in_scheduler(_flush)
     t0 = time.perf_counter()
     outs = eng.generate(shared, sp_b)
     t_eng_b = time.perf_counter() - t0
