@@ -102,6 +102,9 @@ class Scheduler:
                 self._fail_all("internal error in the scheduler step")
 
     def step(self) -> bool:
+        check = getattr(self.tree_cache, "check", None)
+        if check is not None:  # HiRadixCache: drain finished host writes/loads
+            check()
         for hook in self.step_hooks:
             hook(self)
         batch = self.get_new_batch_prefill()
@@ -166,8 +169,11 @@ class Scheduler:
     def _load_back(self, req: Req) -> None:
         """HiRadixCache hook: bring host-resident prefix KV back to the device."""
         init = getattr(self.tree_cache, "init_load_back", None)
-        if init is None or req.host_hit_length <= 0:
+        if init is None:
             return
+        # NOTE: called for every admitted request, host hit or not: an earlier request's load
+        # may have evicted or demoted nodes this request's match points to; init_load_back
+        # re-walks the path and returns the fresh device prefix.
         indices, node = init(req.last_node, req.match_result)
         req.prefix_indices, req.last_node = indices, node
 
