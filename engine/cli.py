@@ -290,7 +290,30 @@ def _health(ns: argparse.Namespace) -> int:
     return EXIT_OK if status == "SERVING" else EXIT_UNREACHABLE
 
 
+_GLOBAL_VALUE_FLAGS = ("--addr", "--token", "--admin-token")
+
+
+def _hoist_global_flags(argv: list[str]) -> list[str]:
+    """`hicache --addr H:P stats` == `hicache stats --addr H:P` (grpcurl/redis-cli habit)."""
+    lead: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i].startswith("--"):
+        flag = argv[i].split("=", 1)[0]
+        if flag in _GLOBAL_VALUE_FLAGS and "=" not in argv[i] and i + 1 < len(argv):
+            lead += argv[i:i + 2]
+            i += 2
+        elif flag in _GLOBAL_VALUE_FLAGS or flag == "--tls":
+            lead.append(argv[i])
+            i += 1
+        else:
+            break
+    if not lead or i >= len(argv):
+        return argv
+    return [argv[i], *lead, *argv[i + 1:]]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
     ns = build_parser().parse_args(argv)
     if ns.command != "serve":
         ns.addr = ns.addr or os.environ.get("HICACHE_ADDR", "127.0.0.1:50051")

@@ -12,6 +12,7 @@ the slots of the whole sequence, including ``out_cache_loc`` of the new tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -53,6 +54,10 @@ class ForwardBatch:
     token_to_kv_pool: MHATokenToKVPool
     attn_backend: AttentionBackend
     return_all_logits: bool = False  # EXTEND: logits for every token, else each request's last
+    # Layer-wise overlap with an in-flight host->device load (HiCache): when set, attention of
+    # layer i calls ``wait_layer(i)`` before touching the KV pool, so it runs only after layer
+    # i's loaded KV is on device. None: nothing is loading (no wait at all).
+    wait_layer: Callable[[int], None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ in ``node.host_value`` / pending free behind an in-flight copy.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -197,11 +198,14 @@ class HiRadixCache(RadixCache):
         return device_prefix
 
     # ---- load back (l2 -> l1) ------------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, match_result: Any = None
+    def init_load_back(self, last_node: TreeNode, match_result: Any = None, wait: bool = True
                        ) -> tuple[torch.Tensor, TreeNode]:
         """Promote the host part of the path ending at ``match_result.last_host_node`` (or
-        ``last_node``) to device; waits until the bytes landed. Returns the device slots of the
-        whole prefix and its new last device node (not locked: the caller locks it)."""
+        ``last_node``) to device. Returns the device slots of the whole prefix and its new last
+        device node (not locked: the caller locks it). ``wait=True`` waits until the bytes
+        landed; ``wait=False`` returns with the load in flight (layer-wise overlap): the caller
+        must then run the next forward with ``pending_layer_wait()`` (or call
+        ``wait_pending_loads()``) before anything reads the returned slots."""
         self.check()
         target = getattr(match_result, "last_host_node", None) or last_node
         path = self._path(target)
@@ -228,12 +232,34 @@ class HiRadixCache(RadixCache):
         self.counters["promotions"] += host_len
         self.ongoing_load[last.id] = host_nodes
         counter = self.controller.start_loading()
-        # NOTE: CPU path: wait for every layer; a runner calling controller.wait_layer(i)
-        # per layer could skip this wait and overlap the load with the forward.
+        if not wait:
+            # NOTE: overlap: the load stays in flight (``controller.current_load``); the nodes
+            # are locked until ``loading_check`` drains its ack. Attention for layer i must run
+            # only after layer i's KV is on device: see ``pending_layer_wait``.
+            return self._device_prefix([n for n in path if n.value is not None])
         counter.wait_until(self.controller.layer_num - 1)
         self.controller.wait_idle()
         self.loading_check()
         return self._device_prefix([n for n in path if n.value is not None])
+
+    def pending_layer_wait(self) -> Callable[[int], None] | None:
+        """Per-layer wait for the forward (``ForwardBatch.wait_layer``), or None when no load is
+        in flight. Loads run FIFO on one worker, so waiting on the newest started load's layer
+        i implies layer i of every earlier load (``controller.wait_layer``)."""
+        counter = self.controller.current_load
+        if counter.done >= counter.num_layers:
+            return None
+
+        def wait_layer(layer_id: int) -> None:
+            counter.wait_until(layer_id)
+
+        return wait_layer
+
+    def wait_pending_loads(self) -> None:
+        """Block until every started load landed (e.g. a batch that will not run its forward);
+        the acks (unlock / error handling) are drained by the next ``check``."""
+        counter = self.controller.current_load
+        counter.wait_until(counter.num_layers - 1)
 
     def _device_prefix(self, device: list[TreeNode]) -> tuple[torch.Tensor, TreeNode]:
         values = [n.value for n in device]

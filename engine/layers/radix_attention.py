@@ -36,6 +36,10 @@ class RadixAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
         # q [num_tokens, heads*head_dim]; k, v [num_tokens, kv_heads*head_dim]
+        # NOTE: attention for layer i runs only after layer i's KV is on device: block here on
+        # an in-flight HiCache load (layer-wise overlap), before the backend reads/writes the pool.
+        if fb.wait_layer is not None:
+            fb.wait_layer(self.layer_id)
         return fb.attn_backend.forward(q, k, v, self, fb)  # [num_tokens, heads*head_dim]
 
     def extra_repr(self) -> str:

@@ -174,8 +174,19 @@ class Scheduler:
         # NOTE: called for every admitted request, host hit or not: an earlier request's load
         # may have evicted or demoted nodes this request's match points to; init_load_back
         # re-walks the path and returns the fresh device prefix.
-        indices, node = init(req.last_node, req.match_result)
+        # NOTE: wait=False: the load overlaps the next forward layer by layer (run_extend sets
+        # fb.wait_layer); every path that skips that forward calls _wait_pending_loads.
+        indices, node = init(req.last_node, req.match_result, wait=False)
         req.prefix_indices, req.last_node = indices, node
+
+    def _pending_layer_wait(self) -> Callable[[int], None] | None:
+        """HiRadixCache: per-layer wait on the in-flight load (None when nothing is loading)."""
+        return getattr(self.tree_cache, "pending_layer_wait", lambda: None)()
+
+    def _wait_pending_loads(self) -> None:
+        wait = getattr(self.tree_cache, "wait_pending_loads", None)
+        if wait is not None:
+            wait()
 
     def _count_hit(self, req: Req) -> None:
         if getattr(req, "_counted", False):
@@ -198,11 +209,13 @@ class Scheduler:
         except OutOfKVError:
             # The budget was too optimistic: nothing was allocated, so requeue and decode.
             log.warning("prefill batch of %d did not fit the KV pool; requeued", len(reqs))
+            self._wait_pending_loads()  # no forward will wait: land the loads (acked later)
             self._requeue(reqs)
             self._inflight = []
             if self.running:
                 self.run_decode()
             return
+        fb.wait_layer = self._pending_layer_wait()
         logits = self.runner.forward(fb)
         next_ids = self.runner.sample(logits, reqs).tolist()  # the one host sync per step
         self.forward_ct += 1
@@ -267,6 +280,9 @@ class Scheduler:
             return
         reqs = self.running
         fb = self.builder.prepare_decode(reqs)
+        # Defensive: decode never reads slots of an in-flight load (those belong to requests
+        # whose extend has not run), but a still-loading batch is waited for layer by layer.
+        fb.wait_layer = self._pending_layer_wait()
         logits = self.runner.forward(fb)
         next_ids = self.runner.sample(logits, reqs).tolist()
         self.forward_ct += 1

@@ -1,0 +1,403 @@
+"""Multi-turn chat benchmark over the cache tiers (modelled on SGLang's
+benchmark/hicache/bench_multiturn.py), plus a TTFT-by-tier measurement.
+
+Part 1 (multi-turn): N clients x R rounds. Each client keeps its own growing conversation:
+round r sends  previous prompt + previous answer + a new question of Q random tokens,  and asks
+for O output tokens (greedy, ignore_eos). Every client runs in its own thread; before each
+request it waits an exponential think time so that arrivals over all clients are Poisson at
+--request-rate req/s. Configs (same page size / layout everywhere):
+  radix off   disable_radix_cache=True                       (recompute everything)
+  L1          radix cache, small device pool                 (contexts do not all fit)
+  L1+L2       + enable_hierarchical_cache, host pool big enough for all contexts
+  L1+L2+L3    + file storage in a temp dir, host pool small (= device pool) so L3 matters
+Reports throughput (prompt+output tokens / wall s, and output tokens / s), mean/p90 TTFT, and
+per-tier hit rates from engine.cache_stats() deltas (hit tokens / prompt tokens).
+
+Part 2 (--ttft, on by default): TTFT of one ~2,000-token prompt served by (a) recompute,
+(b) an L1 hit, (c) an L2 hit (device copy evicted -> demoted to host), (d) an L3 hit (new Engine
+on the same storage dir). Each hit is checked against cached_tokens_per_tier.
+
+    PYTHONPATH=. python tools/bench_multiturn.py [--clients 4 --rounds 4 --question-len 300
+        --output-len 16 --device-tokens 1500 --request-rate 2] [--no-ttft] [--only-ttft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine import Engine  # noqa: E402
+
+TIERS = ("l1", "l2", "l3")
+TOK_LO, TOK_HI = 1000, 40000  # "random-ish" ordinary vocabulary ids, no special tokens
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * p
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOK_LO, TOK_HI) for _ in range(n)]
+
+
+def run_request(engine: Engine, ids: list[int], max_new: int) -> tuple[float, list[int], dict]:
+    """Submit, stream; return (TTFT s, output ids, last chunk's per-tier cached tokens)."""
+    t0 = time.perf_counter()
+    h = engine.submit(ids, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True})
+    ttft = None
+    out: list[int] = []
+    last = None
+    while True:
+        c = h.chunks.get(timeout=600)
+        if ttft is None and c.token_ids:
+            ttft = time.perf_counter() - t0
+        out += c.token_ids
+        last = c
+        if c.finished:
+            break
+    if last.error:
+        raise RuntimeError(last.error)
+    return (ttft if ttft is not None else time.perf_counter() - t0), out, dict(
+        last.cached_tokens_per_tier or {})
+
+
+def stats_snapshot(engine: Engine) -> dict:
+    s = engine.cache_stats()
+    return {
+        **{t: (s.get(t) or {}).get("hit_tokens", 0) for t in TIERS},
+        "miss": s.get("miss_tokens", 0),
+        "prompt": s.get("prompt_tokens", 0),
+        "raw": s,
+    }
+
+
+def wait_writes(engine: Engine, timeout: float = 20.0) -> None:
+    """Wait until the hierarchical cache has no ongoing host writes (best effort)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        s = engine.cache_stats()
+        if not s.get("l2") or s["l2"].get("ongoing_writes", 0) == 0:
+            return
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------------------------
+# Part 1: multi-turn
+# ----------------------------------------------------------------------------------------------
+def multiturn_configs(a: argparse.Namespace, storage_dir: str) -> list[tuple[str, dict]]:
+    common = {"max_total_tokens": a.device_tokens, "page_size": a.page_size}
+    hi = {**common, "enable_hierarchical_cache": True, "hicache_mem_layout": a.layout}
+    return [
+        ("radix off", {**common, "disable_radix_cache": True}),
+        ("L1", dict(common)),
+        ("L1+L2", {**hi, "hicache_ratio": a.l2_ratio}),
+        ("L1+L2+L3", {**hi, "hicache_ratio": a.l3_ratio, "hicache_storage_backend": "file",
+                      "hicache_storage_dir": storage_dir,
+                      "hicache_storage_prefetch_policy": a.prefetch_policy}),
+    ]
+
+
+def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
+    engine = Engine(None, **opts)
+    try:
+        # warm-up (not counted): one short request, outside every client's token space
+        run_request(engine, rand_tokens(random.Random(999), 64), 2)
+        before = stats_snapshot(engine)
+        records: list[dict] = []
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+        per_client_rate = a.request_rate / a.clients
+
+        def client(cid: int) -> None:
+            rng = random.Random(1000 + cid)  # same conversations in every config
+            think = random.Random(5000 + cid)
+            history: list[int] = []
+            try:
+                for r in range(a.rounds):
+                    time.sleep(think.expovariate(per_client_rate))
+                    prompt = history + rand_tokens(rng, a.question_len)
+                    ttft, out, tiers = run_request(engine, prompt, a.output_len)
+                    with lock:
+                        records.append({"client": cid, "round": r, "prompt_tokens": len(prompt),
+                                        "output_tokens": len(out), "ttft_s": ttft,
+                                        "cached_per_tier": tiers})
+                    history = prompt + out
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        after = stats_snapshot(engine)
+    finally:
+        engine.shutdown()
+
+    d = {k: after[k] - before[k] for k in (*TIERS, "miss", "prompt")}
+    ttfts = [r["ttft_s"] for r in records]
+    ptoks = sum(r["prompt_tokens"] for r in records)
+    otoks = sum(r["output_tokens"] for r in records)
+    prompt_d = d["prompt"] or ptoks
+    res = {
+        "config": name,
+        "engine_opts": {k: v for k, v in opts.items() if k != "hicache_storage_dir"},
+        "requests": len(records),
+        "wall_s": wall,
+        "prompt_tokens": ptoks,
+        "output_tokens": otoks,
+        "throughput_tok_s": (ptoks + otoks) / wall,
+        "output_tok_s": otoks / wall,
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p90_s": pct(ttfts, 0.9),
+        "hit_tokens": {t: d[t] for t in TIERS},
+        "miss_tokens": d["miss"],
+        "hit_rate": {t: d[t] / prompt_d for t in TIERS},
+        "hit_rate_total": sum(d[t] for t in TIERS) / prompt_d,
+        "per_request_cached_tiers_sum": {
+            t: sum(r["cached_per_tier"].get(t, 0) for r in records) for t in TIERS},
+        "final_stats": {k: v for k, v in after["raw"].items()},
+        "records": sorted(records, key=lambda r: (r["round"], r["client"])),
+    }
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Part 2: TTFT by tier
+# ----------------------------------------------------------------------------------------------
+def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
+    n = a.ttft_prompt_len
+    prompt = rand_tokens(random.Random(42), n)
+    warm = rand_tokens(random.Random(43), 128)
+    reps = a.ttft_reps
+    out: dict = {"prompt_tokens": n, "reps": reps, "checks": {}}
+
+    def pick(tiers: dict) -> str:
+        return ",".join(f"{t}={tiers.get(t, 0)}" for t in TIERS)
+
+    # (a) recompute + (b) L1 hit: plain radix cache with a huge device pool
+    eng = Engine(None, max_total_tokens=16384, page_size=a.page_size)
+    try:
+        run_request(eng, warm, 1)
+        rec = []
+        for i in range(reps):  # fresh prompts each time -> full recompute
+            p = rand_tokens(random.Random(100 + i), n)
+            t, _, tiers = run_request(eng, p, 1)
+            rec.append(t)
+            out["checks"].setdefault("recompute", []).append(pick(tiers))
+        run_request(eng, prompt, 1)
+        l1 = []
+        for _ in range(reps):
+            t, _, tiers = run_request(eng, prompt, 1)
+            l1.append(t)
+            out["checks"].setdefault("l1", []).append(pick(tiers))
+    finally:
+        eng.shutdown()
+
+    # (c) L2 hit: hierarchical cache, write-through to host (+ file L3 for part d)
+    hi_opts = dict(max_total_tokens=4096, page_size=a.page_size, enable_hierarchical_cache=True,
+                   hicache_ratio=4.0, hicache_mem_layout=a.layout,
+                   hicache_storage_backend="file", hicache_storage_dir=storage_dir,
+                   hicache_storage_prefetch_policy=a.prefetch_policy)
+    eng = Engine(None, **hi_opts)
+    try:
+        run_request(eng, warm, 1)
+        t_first, _, _ = run_request(eng, prompt, 1)
+        out["recompute_hicache_engine_s"] = t_first
+        l2 = []
+        for _ in range(reps):
+            wait_writes(eng)
+            eng.call_in_scheduler(lambda s: s.tree_cache.evict(1 << 30))
+            t, _, tiers = run_request(eng, prompt, 1)
+            l2.append(t)
+            out["checks"].setdefault("l2", []).append(pick(tiers))
+        wait_writes(eng)
+        time.sleep(1.0)  # let the L3 write-through finish
+        out["l3_stats_before_restart"] = eng.cache_stats().get("l3")
+    finally:
+        eng.shutdown()
+
+    # (d) L3 hit: a new engine on the same storage dir; only L3 has the prompt
+    l3 = []
+    for _ in range(a.ttft_l3_reps):
+        eng = Engine(None, **hi_opts)
+        try:
+            run_request(eng, warm, 1)
+            t, _, tiers = run_request(eng, prompt, 1)
+            l3.append(t)
+            out["checks"].setdefault("l3", []).append(pick(tiers))
+        finally:
+            eng.shutdown()
+
+    med = statistics.median
+    out["ttft_s"] = {"recompute": med(rec), "l1": med(l1), "l2": med(l2), "l3": med(l3)}
+    out["ttft_all_s"] = {"recompute": rec, "l1": l1, "l2": l2, "l3": l3}
+    r = out["ttft_s"]
+    out["targets"] = {
+        "l2_le_1.2x_l1": {"ratio": r["l2"] / r["l1"], "met": r["l2"] <= 1.2 * r["l1"]},
+        "l2_le_0.05x_recompute": {"ratio": r["l2"] / r["recompute"],
+                                  "met": r["l2"] <= 0.05 * r["recompute"]},
+        "l3_le_0.2x_recompute": {"ratio": r["l3"] / r["recompute"],
+                                 "met": r["l3"] <= 0.2 * r["recompute"]},
+    }
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+def md_multiturn(rows: list[dict]) -> str:
+    lines = ["| config | wall (s) | throughput (tok/s) | output tok/s | mean TTFT (s) | "
+             "p90 TTFT (s) | L1 hit | L2 hit | L3 hit | total hit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r["hit_rate"]
+        lines.append(
+            f"| {r['config']} | {r['wall_s']:.1f} | {r['throughput_tok_s']:.0f} | "
+            f"{r['output_tok_s']:.1f} | {r['ttft_mean_s']:.2f} | {r['ttft_p90_s']:.2f} | "
+            f"{h['l1']:.1%} | {h['l2']:.1%} | {h['l3']:.1%} | {r['hit_rate_total']:.1%} |")
+    return "\n".join(lines)
+
+
+def md_ttft(t: dict) -> str:
+    r = t["ttft_s"]
+    lines = ["| served from | TTFT median (ms) | x recompute | x L1 hit | cached_tokens_per_tier |",
+             "|---|---|---|---|---|"]
+    for k, label in (("recompute", "recompute (fresh)"), ("l1", "L1 hit"), ("l2", "L2 hit"),
+                     ("l3", "L3 hit (after restart)")):
+        lines.append(f"| {label} | {r[k] * 1e3:.1f} | {r[k] / r['recompute']:.3f} | "
+                     f"{r[k] / r['l1']:.2f} | {t['checks'][k][0]} |")
+    return "\n".join(lines)
+
+
+def plot_multiturn(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(1, 4, figsize=(16, 4))
+    ax[0].bar(x, [r["throughput_tok_s"] for r in rows], color="tab:blue")
+    ax[0].set_title("throughput (prompt+output tok/s)")
+    ax[1].bar(x, [r["ttft_mean_s"] for r in rows], color="tab:orange")
+    ax[1].set_title("mean TTFT (s)")
+    ax[2].bar(x, [r["ttft_p90_s"] for r in rows], color="tab:red")
+    ax[2].set_title("p90 TTFT (s)")
+    bottom = [0.0] * len(rows)
+    for t, c in zip(TIERS, ("tab:green", "tab:purple", "tab:brown")):
+        v = [r["hit_rate"][t] * 100 for r in rows]
+        ax[3].bar(x, v, bottom=bottom, color=c, label=t.upper())
+        bottom = [b + y for b, y in zip(bottom, v)]
+    ax[3].set_title("prompt tokens hit, by tier (%)")
+    ax[3].set_ylim(0, 100)
+    ax[3].legend()
+    for a_ in ax:
+        a_.set_xticks(list(x))
+        a_.set_xticklabels(names, rotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_ttft(t: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["recompute", "l1", "l2", "l3"]
+    v = [t["ttft_s"][k] * 1e3 for k in keys]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(keys, v, color=["tab:gray", "tab:green", "tab:purple", "tab:brown"])
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (ms, log)")
+    ax.set_title(f"TTFT of a {t['prompt_tokens']}-token prompt by serving tier")
+    for i, y in enumerate(v):
+        ax.text(i, y, f"{y:.0f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--question-len", type=int, default=300)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--request-rate", type=float, default=2.0, help="req/s over all clients")
+    ap.add_argument("--device-tokens", type=int, default=1536)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layout", default="page_first")
+    ap.add_argument("--l2-ratio", type=float, default=6.0)
+    ap.add_argument("--l3-ratio", type=float, default=1.0)
+    ap.add_argument("--prefetch-policy", default="wait_complete")
+    ap.add_argument("--ttft-prompt-len", type=int, default=2000)
+    ap.add_argument("--ttft-reps", type=int, default=3)
+    ap.add_argument("--ttft-l3-reps", type=int, default=2)
+    ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--only-ttft", action="store_true")
+    ap.add_argument("--configs", default="", help="comma list of config names to run")
+    ap.add_argument("--json", default="docs/bench_multiturn.json")
+    ap.add_argument("--png", default="docs/bench_multiturn.png")
+    ap.add_argument("--ttft-png", default="docs/bench_ttft_tiers.png")
+    a = ap.parse_args()
+
+    result: dict = {"args": vars(a), "machine": {
+        "platform": platform.platform(), "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg()}}
+    tmp = tempfile.mkdtemp(prefix="hicache_bench_")
+    try:
+        if not a.only_ttft:
+            rows = []
+            want = {c.strip() for c in a.configs.split(",") if c.strip()}
+            for name, opts in multiturn_configs(a, os.path.join(tmp, "mt_l3")):
+                if want and name not in want:
+                    continue
+                t0 = time.perf_counter()
+                r = run_multiturn(name, opts, a)
+                print(f"[{name}] done in {time.perf_counter() - t0:.1f}s: "
+                      f"{r['throughput_tok_s']:.0f} tok/s, TTFT mean {r['ttft_mean_s']:.2f}s, "
+                      f"hits {r['hit_tokens']} miss {r['miss_tokens']}", flush=True)
+                rows.append(r)
+            result["multiturn"] = rows
+            print("\n" + md_multiturn(rows) + "\n", flush=True)
+            if a.png:
+                plot_multiturn(rows, a.png)
+        if not a.no_ttft:
+            t = run_ttft(a, os.path.join(tmp, "ttft_l3"))
+            result["ttft_by_tier"] = t
+            print("\n" + md_ttft(t) + "\n")
+            for k, v in t["targets"].items():
+                print(f"target {k}: ratio {v['ratio']:.3f} -> {'met' if v['met'] else 'NOT met'}")
+            print("checks:", json.dumps(t["checks"]))
+            if a.ttft_png:
+                plot_ttft(t, a.ttft_png)
+        result["machine"]["loadavg_end"] = os.getloadavg()
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
