@@ -219,6 +219,7 @@ def evict(
     tree = scheduler.tree_cache
     if tier == "l3":
         raise TierUnavailableError("eviction from l3 is not supported; use Flush")
+    settle(tree)
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return EvictInfo(0, 0)
     evict_fn = _evict_fn(tree, tier)
@@ -239,6 +240,17 @@ def evict(
             n.last_access_time, n.hit_count = -1, -1
     freed = evict_fn(plan.evicted_tokens)
     return EvictInfo(freed, plan.evicted_nodes)
+
+
+def settle(tree: Any, timeout: float = 30.0) -> None:
+    """Lets in-flight tier copies finish and be acknowledged, so nodes locked only by a
+    backup become evictable (HiRadixCache); a no-op for L1-only trees."""
+    controller = getattr(tree, "controller", None)
+    if controller is not None:
+        controller.wait_idle(timeout)
+    check = getattr(tree, "check", None)
+    if check is not None:
+        check()
 
 
 # --- pins ------------------------------------------------------------------------------------
