@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
-import queue
 import random
 import shutil
 import statistics
@@ -38,9 +38,27 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import Engine  # noqa: E402
+from engine import Engine
 
 TIERS = ("l1", "l2", "l3")
+
+
+class _Counter(logging.Handler):
+    """Counts scheduler 'did not fit the KV pool; requeued' warnings instead of printing them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requeues = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "did not fit the KV pool" in record.getMessage():
+            self.requeues += 1
+
+
+REQUEUES = _Counter()
+_sched_log = logging.getLogger("engine.scheduler.scheduler")
+_sched_log.addHandler(REQUEUES)
+_sched_log.propagate = False
 TOK_LO, TOK_HI = 1000, 40000  # "random-ish" ordinary vocabulary ids, no special tokens
 
 
@@ -142,16 +160,24 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
+        REQUEUES.requeues = 0
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
+        threads = [threading.Thread(target=client, args=(i,), daemon=True)
+                   for i in range(a.clients)]
         for t in threads:
             t.start()
+        deadline = t0 + a.config_timeout
         for t in threads:
-            t.join()
+            t.join(max(0.0, deadline - time.perf_counter()))
         wall = time.perf_counter() - t0
+        timed_out = any(t.is_alive() for t in threads)
         if errors:
             raise errors[0]
-        after = stats_snapshot(engine)
+        requeues = REQUEUES.requeues
+        try:
+            after = stats_snapshot(engine) if not timed_out else dict(before)
+        except Exception:  # noqa: BLE001
+            after = dict(before)
     finally:
         engine.shutdown()
 
@@ -159,9 +185,11 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
     ttfts = [r["ttft_s"] for r in records]
     ptoks = sum(r["prompt_tokens"] for r in records)
     otoks = sum(r["output_tokens"] for r in records)
-    prompt_d = d["prompt"] or ptoks
+    prompt_d = d["prompt"] or ptoks or 1
     res = {
         "config": name,
+        "timed_out": timed_out,
+        "kv_requeue_warnings": requeues,
         "engine_opts": {k: v for k, v in opts.items() if k != "hicache_storage_dir"},
         "requests": len(records),
         "wall_s": wall,
@@ -169,7 +197,7 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
         "output_tokens": otoks,
         "throughput_tok_s": (ptoks + otoks) / wall,
         "output_tok_s": otoks / wall,
-        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_mean_s": statistics.mean(ttfts) if ttfts else float("nan"),
         "ttft_p90_s": pct(ttfts, 0.9),
         "hit_tokens": {t: d[t] for t in TIERS},
         "miss_tokens": d["miss"],
@@ -267,14 +295,17 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
 # ----------------------------------------------------------------------------------------------
 def md_multiturn(rows: list[dict]) -> str:
     lines = ["| config | wall (s) | throughput (tok/s) | output tok/s | mean TTFT (s) | "
-             "p90 TTFT (s) | L1 hit | L2 hit | L3 hit | total hit |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "p90 TTFT (s) | L1 hit | L2 hit | L3 hit | total hit | requests done | "
+             "KV requeues |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h = r["hit_rate"]
         lines.append(
             f"| {r['config']} | {r['wall_s']:.1f} | {r['throughput_tok_s']:.0f} | "
             f"{r['output_tok_s']:.1f} | {r['ttft_mean_s']:.2f} | {r['ttft_p90_s']:.2f} | "
-            f"{h['l1']:.1%} | {h['l2']:.1%} | {h['l3']:.1%} | {r['hit_rate_total']:.1%} |")
+            f"{h['l1']:.1%} | {h['l2']:.1%} | {h['l3']:.1%} | {r['hit_rate_total']:.1%} | "
+            f"{r['requests']}{' (TIMED OUT)' if r['timed_out'] else ''} | "
+            f"{r['kv_requeue_warnings']} |")
     return "\n".join(lines)
 
 
@@ -354,6 +385,8 @@ def main() -> None:
     ap.add_argument("--ttft-prompt-len", type=int, default=2000)
     ap.add_argument("--ttft-reps", type=int, default=3)
     ap.add_argument("--ttft-l3-reps", type=int, default=2)
+    ap.add_argument("--config-timeout", type=float, default=150.0,
+                    help="give up on a config (livelock guard) after this many seconds")
     ap.add_argument("--no-ttft", action="store_true")
     ap.add_argument("--only-ttft", action="store_true")
     ap.add_argument("--configs", default="", help="comma list of config names to run")

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.cache_admin import settle
 from engine.config import ServerArgs
 from engine.request import FinishReason, Req
 from engine.scheduler.batch import BatchBuilder, OutOfKVError
@@ -55,6 +56,8 @@ class Scheduler:
         self.step_hooks: list[Callable[[Scheduler], None]] = []
         self.forward_ct = 0
         self._inflight: list[Req] = []  # the extend batch being run (for failure cleanup)
+        self._oom_streak = 0  # consecutive prefill batches that did not fit
+        self._prefill_cap: int | None = None  # max requests per prefill while recovering
 
     # --- inbox -------------------------------------------------------------------------------
     def num_queued(self) -> int:
@@ -154,6 +157,8 @@ class Scheduler:
                     break
                 if req.rid in deprioritized:
                     continue
+                if self._prefill_cap is not None and len(adder.can_run) >= self._prefill_cap:
+                    break
                 self._load_back(req)
                 if adder.add_one_req(req, num_running=len(self.running)) != AddResult.CONTINUE:
                     break
@@ -206,15 +211,15 @@ class Scheduler:
         self._inflight = reqs
         try:
             fb = self.builder.prepare_extend(reqs)
-        except OutOfKVError:
+        except OutOfKVError as e:
             # The budget was too optimistic: nothing was allocated, so requeue and decode.
             log.warning("prefill batch of %d did not fit the KV pool; requeued", len(reqs))
             self._wait_pending_loads()  # no forward will wait: land the loads (acked later)
             self._requeue(reqs)
             self._inflight = []
-            if self.running:
-                self.run_decode()
+            self._on_prefill_oom(reqs, str(e))
             return
+        self._oom_streak, self._prefill_cap = 0, None
         fb.wait_layer = self._pending_layer_wait()
         logits = self.runner.forward(fb)
         next_ids = self.runner.sample(logits, reqs).tolist()  # the one host sync per step
@@ -236,6 +241,27 @@ class Scheduler:
                 self._cache_unfinished(req)
                 self.running.append(req)
         self._inflight = []
+
+    def _on_prefill_oom(self, reqs: list[Req], why: str) -> None:
+        """Never spin on a batch that cannot fit: decode if anything runs; otherwise let
+        in-flight tier copies land (their nodes become evictable), then admit one request at a
+        time, and fail a lone request that still cannot fit."""
+        self._oom_streak += 1
+        if self.running:
+            self.run_decode()
+            return
+        settle(self.tree_cache)
+        if self._oom_streak < 2:
+            return
+        if len(reqs) > 1:
+            self._prefill_cap = 1
+            return
+        req = reqs[0]
+        self.waiting.remove(req)
+        req.finished_reason = FinishReason(
+            "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
+        req.emit()
+        self._oom_streak = 0
 
     def _requeue(self, reqs: list[Req]) -> None:
         for req in reqs:

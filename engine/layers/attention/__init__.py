@@ -43,6 +43,7 @@ BackendFactory = Callable[[Any], AttentionBackend]
 # name -> "module:attr" (imported on first use) or a registered factory
 _BACKENDS: dict[str, str | BackendFactory] = {
     "torch_native": "engine.layers.attention.torch_native:TorchNativeAttnBackend",
+    "triton": "engine.layers.attention.triton_backend:TritonAttnBackend",
 }
 
 
