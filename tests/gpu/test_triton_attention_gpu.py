@@ -39,7 +39,7 @@ def test_triton_matches_torch_native_on_cuda(dtype, atol, heads, kv_heads, head_
         (ForwardMode.EXTEND, [17, 1, 200, 33]),
         (ForwardMode.DECODE, [1, 1, 1, 1]),
     ]
-    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)
     for mode, ext in steps:
         prefix = list(lens)
         seq = [p + n for p, n in zip(prefix, ext)]

@@ -68,7 +68,7 @@ class _Harness:
         q = torch.randn(n_tok, lay.num_heads * lay.head_dim, generator=self.gen)
         k = torch.randn(n_tok, lay.num_kv_heads * lay.head_dim, generator=self.gen)
         v = torch.randn(n_tok, lay.num_kv_heads * lay.head_dim, generator=self.gen)
-        i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)
         is_extend = mode == ForwardMode.EXTEND
         outs = {}
         for name, backend in self.backends.items():
