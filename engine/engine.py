@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from engine.config import ServerArgs
 from engine.errors import EngineShutdownError, QueueFullError
@@ -231,10 +232,10 @@ class Engine:
         if close is not None:
             close()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Engine:  # noqa: PYI034
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
 

@@ -113,9 +113,8 @@ class Req:
         if self.finished_reason is not None or not self.output_ids:
             return
         last = self.output_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
-            self.finished_reason = FinishReason("stop", matched=last)
-        elif last in self.params.stop_token_ids:
+        is_eos = not self.params.ignore_eos and last in self.eos_token_ids
+        if is_eos or last in self.params.stop_token_ids:
             self.finished_reason = FinishReason("stop", matched=last)
         elif len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = FinishReason("length")

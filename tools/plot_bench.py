@@ -8,11 +8,12 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main(src: str, out: str) -> None:
-    res = json.load(open(src))
+    with open(src) as f:
+        res = json.load(f)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     a = res["a"]
     axes[0].bar(["hicache", "transformers", "matmul floor"],

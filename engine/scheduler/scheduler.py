@@ -9,8 +9,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ class Scheduler:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(self))
-                    except BaseException as e:  # delivered to the caller's thread
+                    except BaseException as e:  # noqa: BLE001 - delivered to the caller's thread
                         fut.set_exception(e)
             try:
                 item = self.inbox.get_nowait()
