@@ -74,6 +74,7 @@ class Req:
         self.cached_tokens = 0
         self.cached_tokens_per_tier: dict[str, int] = {"l1": 0, "l2": 0, "l3": 0}
         self.host_hit_length = 0
+        self.l3_seen = 0  # most tokens any prefix match fetched from L3 for this request
         self.finished_reason: FinishReason | None = None
         self.to_abort = False
         # Streaming

@@ -131,6 +131,10 @@ class Scheduler:
         req.last_node = res.last_device_node
         req.host_hit_length = getattr(res, "host_hit_length", 0)
         req.match_result = res
+        # NOTE: an L3 prefetch lands in L2, so a later re-match of a still-waiting request sees
+        # those tokens as L2; remember the most L3 tokens any match fetched for it.
+        tiers = getattr(res, "tier_tokens", None) or {}
+        req.l3_seen = max(req.l3_seen, tiers.get("l3", 0))
 
     def get_new_batch_prefill(self) -> list[Req] | None:
         if not self.waiting and self.chunked_req is None:
@@ -199,7 +203,11 @@ class Scheduler:
             return
         req._counted = True
         res = req.match_result
-        tiers = getattr(res, "tier_tokens", None) or {"l1": len(req.prefix_indices)}
+        tiers = dict(getattr(res, "tier_tokens", None) or {"l1": len(req.prefix_indices)})
+        if req.l3_seen > tiers.get("l3", 0) and tiers.get("l2", 0):
+            moved = min(req.l3_seen - tiers.get("l3", 0), tiers["l2"])
+            tiers["l2"] -= moved
+            tiers["l3"] = tiers.get("l3", 0) + moved
         for tier, n in tiers.items():
             req.cached_tokens_per_tier[tier] = n
         req.cached_tokens = len(req.prefix_indices)
