@@ -20,17 +20,19 @@ def _prompts(n: int, seed: int, length: int = 60, vocab: int = 380) -> list[list
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-@pytest.mark.parametrize("page_size,layout,policy", [
-    (1, "layer_first", "write_through"),
-    (16, "page_first", "write_through_selective"),
-    (16, "layer_first", "write_back"),
+@pytest.mark.parametrize("page_size,layout,policy,chunk", [
+    (1, "layer_first", "write_through", -1),
+    (16, "page_first", "write_through_selective", -1),
+    (16, "layer_first", "write_back", -1),
+    (1, "page_first", "write_back", 16),  # chunked prefill over L2-served prefixes
+    (16, "page_first", "write_through", 32),
 ])
-def test_multiturn_served_from_l2(tiny_llama_dir, page_size, layout, policy):
+def test_multiturn_served_from_l2(tiny_llama_dir, page_size, layout, policy, chunk):
     convs = _prompts(2, seed=page_size)
     fillers = _prompts(4, seed=99, length=70)
     with Engine(tiny_llama_dir, enable_hierarchical_cache=True, max_total_tokens=256,
                 page_size=page_size, hicache_mem_layout=layout, hicache_write_policy=policy,
-                debug_check_invariants=True) as eng:
+                chunked_prefill_size=chunk, debug_check_invariants=True) as eng:
         first = [eng.generate(p, GREEDY) for p in convs]
         again = [eng.generate(p, GREEDY) for p in convs]  # second hit: selective backs up
         assert [a.token_ids for a in again] == [f.token_ids for f in first]
