@@ -30,6 +30,7 @@ class ServerArgs:
     radix_eviction_policy: str = "lru"  # lru | lfu
     # Attention
     attention_backend: str | None = None  # torch_native (default on CPU)
+    linear_backend: str = "auto"  # auto | torch | onednn (auto = onednn on CPU float32)
     # Hierarchical cache (L2 host / L3 storage)
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
@@ -55,6 +56,8 @@ class ServerArgs:
             raise ValueError(f"unknown radix_eviction_policy {self.radix_eviction_policy!r}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ValueError(f"unknown linear_backend {self.linear_backend!r}")
         if self.hicache_write_policy not in (
             "write_through",
             "write_through_selective",

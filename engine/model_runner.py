@@ -10,6 +10,7 @@ import torch
 from engine.config import ServerArgs
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import create_backend
+from engine.layers.linear import prepack_linears, resolve_linear_backend
 from engine.models.loader import load_model
 from engine.request import Req
 from engine.sampling import Sampler
@@ -42,6 +43,9 @@ class ModelRunner:
         self.model, self.hf_config, self.tokenizer = load_model(
             args.model_path, self.device, self.dtype
         )
+        self.linear_backend = resolve_linear_backend(args.linear_backend, self.device, self.dtype)
+        if self.linear_backend == "onednn":
+            log.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -110,4 +114,5 @@ class ModelRunner:
             "device": str(self.device),
             "max_total_tokens": self.max_total_tokens,
             "page_size": self.args.page_size,
+            "linear_backend": self.linear_backend,
         }

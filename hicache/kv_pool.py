@@ -71,8 +71,12 @@ class MHATokenToKVPool:
         cache_v = cache_v.reshape(shape).to(self.dtype)
         if self.store_dtype != self.dtype:
             cache_k, cache_v = cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)
-        self.k_buffer[layer_id][loc] = cache_k
-        self.v_buffer[layer_id][loc] = cache_v
+        if loc.dtype != torch.int64:
+            loc = loc.to(torch.int64)
+        # NOTE: index_copy_ is one row memcpy per slot; ``buf[loc] = x`` (index_put_) measured
+        # ~2x slower per call on CPU
+        self.k_buffer[layer_id].index_copy_(0, loc, cache_k)
+        self.v_buffer[layer_id].index_copy_(0, loc, cache_v)
 
     def bytes_per_token(self) -> int:
         """Bytes one token takes over all layers, K and V."""

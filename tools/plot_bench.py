@@ -16,9 +16,12 @@ def main(src: str, out: str) -> None:
         res = json.load(f)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     a = res["a"]
-    axes[0].bar(["hicache", "transformers", "matmul floor"],
-                [a["engine_tok_s"], a["hf_tok_s"], a["floor_tok_s"]],
-                color=["tab:blue", "tab:gray", "tab:green"])
+    names = ["hicache", "transformers", "F.linear\nmatmul floor"]
+    values = [a["engine_tok_s"], a["hf_tok_s"], a["floor_tok_s"]]
+    if "onednn_floor_step_ms" in a:
+        names.append("oneDNN\nmatmul floor")
+        values.append(a["floor_tok_s"] * a["floor_step_ms"] / a["onednn_floor_step_ms"])
+    axes[0].bar(names, values, color=["tab:blue", "tab:gray", "tab:green", "tab:olive"][: len(names)])
     axes[0].set_title("(a) 16 prompts x 64 new tokens (tok/s)")
     b = res["b"]
     axes[1].bar(["hicache", "transformers"], [b["engine_s"], b["hf_s"]],

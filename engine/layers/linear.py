@@ -1,12 +1,25 @@
 """Linear and embedding layers created uninitialised on a given device (weights come from the
 checkpoint), plus the fused projections the decoder uses: one matmul for q/k/v and one for
-gate/up, loaded shard by shard from the separate HF tensors."""
+gate/up, loaded shard by shard from the separate HF tensors.
+
+Linear backends (``--linear-backend``): ``torch`` runs ``F.linear`` on the dense weight;
+``onednn`` (CPU) reorders each weight once, after loading, into oneDNN's blocked layout and runs
+``mkldnn._linear_pointwise`` on it. On CPU that is 1.4-4x faster than ``F.linear`` for every
+row count measured (decode batches of 1-64 rows are bound by streaming the weights, and MKL's
+sgemm with a transposed ``[out, in]`` weight streams them slowly), with results equal to
+``F.linear`` within fp32 rounding. ``auto`` = ``onednn`` on CPU when torch has oneDNN.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
+# Row-count hint for oneDNN's weight layout: decode batches are the hot path. Measured on CPU:
+# the hint barely matters (a 16-row packing is also faster than F.linear at 1,024 rows).
+PACK_ROWS_HINT = 16
 
 
 class Linear(nn.Module):
@@ -33,7 +46,21 @@ class Linear(nn.Module):
             else None
         )
 
+        # oneDNN blocked copy of ``weight`` (``prepack``); None = dense ``F.linear``
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self, free_dense: bool = True) -> None:
+        """Reorder the loaded weight for oneDNN (CPU). ``free_dense`` drops the dense copy so
+        the weights are held once (pass False when the tensor is shared, e.g. a tied lm_head)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
+        if free_dense:
+            # NOTE: keep a 0-element placeholder so the parameter still names dtype/device
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            # [..., out_features]
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)  # [..., out_features]
 
 
@@ -70,6 +97,15 @@ class MergedLinear(Linear):
             target[start : start + size].copy_(tensor)
 
 
+class LMHead(Linear):
+    """The vocab projection: prepacked like any Linear, else ``chunked_linear`` on CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return super().forward(x)
+        return chunked_linear(x, self.weight)  # [rows, vocab]
+
+
 class Embedding(nn.Module):
     """Token embedding ``weight [vocab_size, hidden_size]``."""
 
@@ -87,6 +123,39 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)  # [num_tokens, hidden_size]
+
+
+def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``torch`` or ``onednn`` for ``--linear-backend name`` on this device / dtype."""
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear_backend {name!r}; expected one of {LINEAR_BACKENDS}")
+    onednn_ok = (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and dtype in (torch.float32, torch.bfloat16)
+    )
+    if name == "onednn" and not onednn_ok:
+        raise ValueError(
+            f"linear_backend 'onednn' needs a CPU device with oneDNN and float32/bfloat16 "
+            f"(got {device.type}, {dtype})"
+        )
+    if name == "auto":
+        return "onednn" if onednn_ok and dtype == torch.float32 else "torch"
+    return name
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Prepack every ``Linear`` of a loaded model for oneDNN; returns how many. A weight shared
+    with another module (tied embeddings) keeps its dense copy."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for linear in linears:
+        linear.prepack(free_dense=owners[id(linear.weight)] == 1)
+    return len(linears)
 
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 2048) -> torch.Tensor:

@@ -72,18 +72,21 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = (cache, cache)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[num_tokens, 1, head_dim / 2]``; reused while ``positions`` is the same
-        tensor (one model forward shares one RotaryEmbedding across its layers)."""
+        """``cos | cos`` and ``-sin | sin``, each ``[num_tokens, 1, head_dim]``; reused while
+        ``positions`` is the same tensor (one model forward shares one RotaryEmbedding across
+        its layers, so this runs once per forward, not once per layer)."""
         if positions is not self._positions:
-            cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
-            self._positions, self._cos_sin = positions, cos_sin.chunk(2, dim=-1)
+            cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+            self._positions = positions
+            self._cos_sin = (torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
         return self._cos_sin
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions [num_tokens]; x [num_tokens, heads, head_dim]
-        cos, sin = self.cos_sin(positions)
+        # positions [num_tokens]; x [num_tokens, heads, head_dim] = x1 | x2 (halves)
+        # out = (x1 * cos - x2 * sin) | (x2 * cos + x1 * sin) = x * (cos|cos) + (x2|x1) * (-sin|sin)
+        cos2, sin2 = self.cos_sin(positions)
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.addcmul(x * cos2, torch.cat((x2, x1), dim=-1), sin2)
 
 
 def get_rope(

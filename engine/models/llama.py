@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.layers import Embedding, Linear, MergedLinear, RadixAttention, RMSNorm, get_rope
-from engine.layers.linear import chunked_linear
+from engine.layers.linear import LMHead
 from engine.layers.rotary import RotaryEmbedding
 
 Device = torch.device | str
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
             dtype,
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, False, device, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(fb)  # [num_tokens, hidden_size]
         if fb.forward_mode.is_extend() and not fb.return_all_logits:
             hidden = hidden.index_select(0, fb.last_token_indices())  # [bs, hidden_size]
-        return chunked_linear(hidden, self.lm_head.weight)  # [bs or num_tokens, vocab]
+        return self.lm_head(hidden)  # [bs or num_tokens, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; q/k/v and gate/up go into their fused matrices."""
