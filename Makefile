@@ -34,3 +34,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+.PHONY: docker
+docker:
+	docker build -f docker/Dockerfile -t hicache:latest .
