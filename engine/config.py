@@ -10,6 +10,7 @@ from typing import Any
 @dataclass
 class ServerArgs:
     model_path: str | None = None  # HF dir, .gguf file, or None = embedded SmolLM2
+    load_format: str = "auto"  # auto (checkpoint weights) | dummy (random weights, config only)
     device: str = "cpu"
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     random_seed: int = 0
@@ -56,6 +57,8 @@ class ServerArgs:
             raise ValueError(f"unknown radix_eviction_policy {self.radix_eviction_policy!r}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r} (auto, dummy)")
         if self.linear_backend not in ("auto", "torch", "onednn"):
             raise ValueError(f"unknown linear_backend {self.linear_backend!r}")
         if self.hicache_write_policy not in (

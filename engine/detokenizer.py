@@ -20,7 +20,10 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def step(self, output_ids: list[int], final: bool = False) -> str:
-        """Returns the new text delta for output_ids (all output tokens so far)."""
+        """Returns the new text delta for output_ids (all output tokens so far); always "" for a
+        model without a tokenizer (token-id prompts and outputs only)."""
+        if self.tokenizer is None:
+            return ""
         prefix_text = self._decode(output_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(output_ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):

@@ -102,6 +102,11 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        needs_tokenizer = isinstance(prompt, str) or (
+            isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+        )
+        if needs_tokenizer and self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send prompts as token id lists")
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("prompt is empty")

@@ -41,7 +41,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         torch.manual_seed(args.random_seed)
         self.model, self.hf_config, self.tokenizer = load_model(
-            args.model_path, self.device, self.dtype
+            args.model_path, self.device, self.dtype, args.load_format, args.random_seed
         )
         self.linear_backend = resolve_linear_backend(args.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":

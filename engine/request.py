@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ import torch
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 _rid_counter = itertools.count()
 
@@ -133,7 +136,13 @@ class Req:
             and isinstance(self.finished_reason.matched, int)
         ):
             ids = ids[:-1]  # the stop token itself is not part of the text
-        delta = self.detok.step(ids, final=finished)
+        try:
+            delta = self.detok.step(ids, final=finished)
+        except Exception:
+            # NOTE: a chunk must still go out: the caller's handle waits for it (the ids are
+            # exact; only this step's text is lost)
+            log.exception("detokenizing request %s failed; sending token ids only", self.rid)
+            delta = ""
         if self.params.stop and not finished:
             hit = _find_stop(self.detok.text, self.params.stop, len(delta))
             if hit is not None:

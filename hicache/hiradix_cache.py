@@ -464,6 +464,12 @@ class HiRadixCache(RadixCache):
         out: dict[str, dict[str, Any]] = {"l2": l2}
         if self.storage is not None:
             l3: dict[str, Any] = dict(self.storage.stats())
+            # Pages are the storage's unit; tokens are what the other tiers report.
+            page_tokens, page_bytes = self.page_size, self.page_size * self.controller.bytes_per_token
+            if "objects" in l3:
+                l3["used_tokens"] = l3["objects"] * page_tokens
+            if "capacity_bytes" in l3:
+                l3["capacity_tokens"] = l3["capacity_bytes"] // page_bytes * page_tokens
             l3["backup_pages"] = s["l3_backup_pages"]
             l3["prefetch_pages"] = s["l3_prefetch_pages"]
             l3["prefetch_tokens"] = c["l3_prefetch_tokens"]

@@ -127,25 +127,53 @@ def resolve_model_dir(model_path: str | None) -> Path:
     return Path(path)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place, for benchmarks of model shapes without a checkpoint (SGLang's
+    ``--load-format dummy``): matrices ~ N(0, std) from a seeded generator on the model's
+    device; 1-D parameters keep their construction values (norm weights 1, biases 0)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                gen = torch.Generator(device=param.device).manual_seed(seed)
+                param.normal_(0.0, std, generator=gen)
+                seed += 1
+
+
 def load_model(
     model_path: str | None,
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> tuple[torch.nn.Module, Any, Any | None]:
-    """(model in eval mode on ``device``, HF config, tokenizer or None)."""
+    """(model in eval mode on ``device``, HF config, tokenizer or None).
+
+    ``load_format``: ``auto`` reads the checkpoint's safetensors; ``dummy`` needs only the
+    directory's config.json and initialises random weights (``init_dummy_weights``)."""
     from transformers import AutoConfig
 
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
     model_dir = resolve_model_dir(model_path)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
     config = AutoConfig.from_pretrained(str(model_dir))
     model_cls = get_model_class(config)
     start = time.perf_counter()
     model = model_cls(config, device=device, dtype=dtype)
-    model.load_weights(iter_safetensors(model_dir))
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
     model.eval()
     logger.info(
-        "loaded %s (%s) from %s in %.1f s",
+        "loaded %s (%s, %s weights) from %s in %.1f s",
         architecture_of(config),
         dtype,
+        "random" if load_format == "dummy" else "checkpoint",
         model_dir,
         time.perf_counter() - start,
     )

@@ -109,7 +109,7 @@ def test_streaming_matches_generate(eng):
     ref = eng.generate([12, 13, 14], GREEDY)
     chunks = list(eng.generate_stream([12, 13, 14], GREEDY))
     assert chunks[-1].finished and chunks[-1].finish_reason == "length"
-    assert sum((c.token_ids for c in chunks), []) == ref.token_ids
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
     assert "".join(c.text for c in chunks) == ref.text
 
 
@@ -142,7 +142,7 @@ def test_disable_radix_cache(llama_dir):
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs", "lof", "random"])
 def test_every_schedule_policy_gives_the_same_greedy_tokens(llama_dir, policy):
-    shared = sum(_prompts(2, seed=21), [])
+    shared = [t for p in _prompts(2, seed=21) for t in p]
     prompts = [shared + q for q in _prompts(5, seed=22)]
     ref = hf_greedy(llama_dir, prompts, 8)
     with Engine(llama_dir, schedule_policy=policy, max_total_tokens=8192,
@@ -151,3 +151,24 @@ def test_every_schedule_policy_gives_the_same_greedy_tokens(llama_dir, policy):
         assert [o.token_ids for o in outs] == ref
         # In-batch prefix dedup: the shared prefix is computed once, later requests hit it.
         assert sum(o.cached_tokens > 0 for o in outs) >= 4
+
+
+def test_detokenizer_failure_still_finishes_the_request(llama_dir):
+    """A tokenizer whose decode raises must not strand the caller: the ids still arrive."""
+
+    class BrokenDecode:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode(self, *args, **kwargs):
+            raise RuntimeError("decode exploded")
+
+    with Engine(llama_dir, max_total_tokens=1024) as e:
+        ref = e.generate([5, 6, 7, 8], GREEDY)
+        e.tokenizer = BrokenDecode(e.tokenizer)
+        out = e.generate([5, 6, 7, 8], GREEDY)
+        assert out.token_ids == ref.token_ids and out.text == ""
+        assert out.finish_reason == "length"

@@ -249,7 +249,11 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
     r.check_invariants()
-    assert r.tree.tier_stats()["l3"]["prefetch_pages"] == 32 // page_size
+    l3 = r.tree.tier_stats()["l3"]
+    assert l3["prefetch_pages"] == 32 // page_size
+    # tokens, like the other tiers: 32 tokens stored, capacity whole pages of the byte cap
+    assert l3["used_tokens"] == 32
+    assert l3["capacity_tokens"] > 32 and l3["capacity_tokens"] % page_size == 0
 
     r2 = rigs(page_size=page_size, storage_dir=d)  # restart: a new cache on the same dir
     r2.kv = r.kv
