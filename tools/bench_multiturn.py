@@ -119,8 +119,17 @@ def wait_writes(engine: Engine, timeout: float = 20.0) -> None:
 # ----------------------------------------------------------------------------------------------
 # Part 1: multi-turn
 # ----------------------------------------------------------------------------------------------
+def model_opts(a: argparse.Namespace) -> dict:
+    """Engine options that pick the model and where it runs (shared by every config)."""
+    opts = {"model": a.model, "device": a.device, "dtype": a.dtype,
+            "load_format": a.load_format, "hicache_io_backend": a.io_backend}
+    if a.attention_backend:
+        opts["attention_backend"] = a.attention_backend
+    return opts
+
+
 def multiturn_configs(a: argparse.Namespace, storage_dir: str) -> list[tuple[str, dict]]:
-    common = {"max_total_tokens": a.device_tokens, "page_size": a.page_size}
+    common = {**model_opts(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
     hi = {**common, "enable_hierarchical_cache": True, "hicache_mem_layout": a.layout}
     return [
         ("radix off", {**common, "disable_radix_cache": True}),
@@ -133,7 +142,7 @@ def multiturn_configs(a: argparse.Namespace, storage_dir: str) -> list[tuple[str
 
 
 def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
-    engine = Engine(None, **opts)
+    engine = Engine(**opts)
     try:
         # warm-up (not counted): one short request, outside every client's token space
         run_request(engine, rand_tokens(random.Random(999), 64), 2)
@@ -225,7 +234,8 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
         return ",".join(f"{t}={tiers.get(t, 0)}" for t in TIERS)
 
     # (a) recompute + (b) L1 hit: plain radix cache with a huge device pool
-    eng = Engine(None, max_total_tokens=16384, page_size=a.page_size)
+    eng = Engine(**model_opts(a), max_total_tokens=max(16384, 2 * n + 256),
+                 page_size=a.page_size)
     try:
         run_request(eng, warm, 1)
         rec = []
@@ -244,11 +254,12 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
         eng.shutdown()
 
     # (c) L2 hit: hierarchical cache, write-through to host (+ file L3 for part d)
-    hi_opts = dict(max_total_tokens=4096, page_size=a.page_size, enable_hierarchical_cache=True,
+    hi_opts = dict(**model_opts(a), max_total_tokens=max(4096, n + 1024), page_size=a.page_size,
+                   enable_hierarchical_cache=True,
                    hicache_ratio=4.0, hicache_mem_layout=a.layout,
                    hicache_storage_backend="file", hicache_storage_dir=storage_dir,
                    hicache_storage_prefetch_policy=a.prefetch_policy)
-    eng = Engine(None, **hi_opts)
+    eng = Engine(**hi_opts)
     try:
         run_request(eng, warm, 1)
         t_first, _, _ = run_request(eng, prompt, 1)
@@ -269,7 +280,7 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
     # (d) L3 hit: a new engine on the same storage dir; only L3 has the prompt
     l3 = []
     for _ in range(a.ttft_l3_reps):
-        eng = Engine(None, **hi_opts)
+        eng = Engine(**hi_opts)
         try:
             run_request(eng, warm, 1)
             t, _, tiers = run_request(eng, prompt, 1)
@@ -371,6 +382,14 @@ def plot_ttft(t: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="HF dir / .gguf (default: the embedded SmolLM2); with --load-format "
+                         "dummy a dir with only config.json, e.g. tools/configs/llama3-8b")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--io-backend", default="kernel", choices=["kernel", "direct"])
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--question-len", type=int, default=300)
