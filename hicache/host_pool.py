@@ -169,13 +169,14 @@ class MHATokenToKVPoolHost:
         return 2 if self.layout == "layer_first" else 1
 
     def get_flat_data(self, indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """All layers of host slots ``indices`` ([n] int64) as one contiguous host tensor in the
-        layout's order (see ``flat_token_dim``), for L3 backup."""
-        return transfer.gather_tokens(self.kv_buffer, indices, self.layout, out=out)
+        """All layers of host slots ``indices`` ([n] int64, whole pages as ``alloc`` hands them
+        out) as one contiguous host tensor in the layout's order (see ``flat_token_dim``), for
+        L3 backup."""
+        return transfer.gather_tokens(self.kv_buffer, indices, self.layout, out, self.page_size)
 
     def set_from_flat_data(self, indices: torch.Tensor, data: torch.Tensor) -> None:
         """Write ``data`` (the ``get_flat_data`` form for ``len(indices)`` tokens) at ``indices``."""
-        transfer.scatter_tokens(self.kv_buffer, indices, self.layout, data)
+        transfer.scatter_tokens(self.kv_buffer, indices, self.layout, data, self.page_size)
 
     def load_to_device_per_layer(
         self,

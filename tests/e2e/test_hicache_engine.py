@@ -100,3 +100,62 @@ def test_prefill_logits_bit_identical_from_l2(tiny_llama_dir, layout):
     assert big.cached_tokens == l2.cached_tokens > 0
     assert l2.cached_tokens_per_tier.get("l2", 0) > 0 and big.cached_tokens_per_tier["l1"] > 0
     assert torch.equal(big_logits, l2_logits)
+
+
+def _second_turn_logits(model_dir: str, conv: list[int], fillers: list[list[int]],
+                        restart: bool = False, **opts):
+    """Prefill logits of ``conv``'s second turn (the first extend forward of that request).
+    ``restart``: the first turn and fillers run in one engine, the second turn in a fresh one
+    with the same options (only what reached L3 survives)."""
+    def capture(eng: Engine) -> list[torch.Tensor]:
+        captured: list[torch.Tensor] = []
+        real = eng.runner.forward
+
+        def forward(fb):
+            out = real(fb)
+            if fb.forward_mode.is_extend():
+                captured.append(out.clone())
+            return out
+
+        eng.runner.forward = forward
+        return captured
+
+    with Engine(model_dir, debug_check_invariants=True, **opts) as eng:
+        first = eng.generate(conv, GREEDY)
+        for p in fillers:
+            eng.generate(p, GREEDY)
+        turn2 = conv + first.token_ids + [5, 6, 7]
+        if not restart:
+            captured = capture(eng)
+            second = eng.generate(turn2, dict(GREEDY, max_new_tokens=1))
+            return captured[0], second, eng.cache_stats()
+    with Engine(model_dir, debug_check_invariants=True, **opts) as eng:
+        captured = capture(eng)
+        second = eng.generate(turn2, dict(GREEDY, max_new_tokens=1))
+        return captured[0], second, eng.cache_stats()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("restart", [True, False])
+def test_prefill_logits_bit_identical_from_l3(tiny_llama_dir, tmp_path, layout, page_size,
+                                              restart):
+    """The second turn's prefill logits are bit-identical whether its prefix is served from a
+    huge L1 or read back from L3 files: after a restart on the same storage dir, or live, with
+    L1 and L2 both too small to keep it."""
+    conv = _prompts(1, seed=11)[0]
+    # NOTE: 8 fillers push the conversation out of L1 (256 tokens) and L2 (512, the default
+    # hicache_ratio 2; L2 mirrors L1 under write_through), so the live run reads it from L3
+    fillers = _prompts(8, seed=98, length=70)
+    big_logits, big, _ = _second_turn_logits(tiny_llama_dir, conv, fillers,
+                                             max_total_tokens=8192, page_size=page_size)
+    l3_logits, l3, stats = _second_turn_logits(
+        tiny_llama_dir, conv, fillers, restart=restart, page_size=page_size,
+        max_total_tokens=256, enable_hierarchical_cache=True,
+        hicache_mem_layout=layout, hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "kv"), hicache_storage_prefetch_policy="wait_complete")
+    assert stats["l3"]["hit_tokens"] > 0 and stats["l3"]["errors"] == 0
+    assert big.cached_tokens == l3.cached_tokens > 0
+    assert l3.cached_tokens_per_tier.get("l3", 0) == l3.cached_tokens  # none left in L1 or L2
+    assert big.cached_tokens_per_tier["l1"] == big.cached_tokens
+    assert torch.equal(big_logits, l3_logits)
