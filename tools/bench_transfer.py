@@ -159,7 +159,9 @@ def make_cases(
 Cell = tuple[str, str, int, str]  # (path, host layout, page size, pattern)
 
 
-def run(num_tokens: int, reps: int) -> tuple[dict[Cell, tuple[float, float]], dict]:
+def run(
+    num_tokens: int, reps: int, page_sizes: tuple[int, ...] = (1, 16)
+) -> tuple[dict[Cell, tuple[float, float]], dict]:
     """({cell: (GB/s, x plain copy)}, {(pattern, page size): mean joint run in tokens}); each
     cell's plain copy is timed alternately with it."""
     nbytes = 2 * LAYERS * num_tokens * HEADS * HEAD_DIM * DTYPE.itemsize
@@ -170,7 +172,7 @@ def run(num_tokens: int, reps: int) -> tuple[dict[Cell, tuple[float, float]], di
         dst.copy_(src)
 
     cells, runs = {}, {}
-    for page_size in (1, 16):
+    for page_size in page_sizes:
         slots = {p: make_slots(p, num_tokens, page_size, seed=page_size) for p in PATTERNS}
         runs.update({(p, page_size): mean_run(*s, page_size) for p, s in slots.items()})
         for layout in ("layer_first", "page_first"):
@@ -189,11 +191,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="passes over the table; each cell reports its median-ratio pass")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--page-sizes", default="1,16", help="comma list, e.g. 1,16,64")
     args = ap.parse_args()
+    page_sizes = tuple(int(p) for p in args.page_sizes.split(","))
     if args.threads:
         # NOTE: on a busy 2-core machine, intra-op threads that wait on each other can be 10x slower
         torch.set_num_threads(args.threads)
-    passes = [run(args.tokens, args.reps) for _ in range(args.rounds)]
+    passes = [run(args.tokens, args.reps, page_sizes) for _ in range(args.rounds)]
     runs = passes[0][1]
     cells = {k: sorted((p[0][k] for p in passes), key=lambda c: c[1])[len(passes) // 2]
              for k in passes[0][0]}  # fmt: skip
