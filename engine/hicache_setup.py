@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from typing import Any
 
@@ -12,6 +13,8 @@ from hicache.hiradix_cache import HiRadixCache
 from hicache.host_pool import MHATokenToKVPoolHost, host_pool_size
 
 DEFAULT_STORAGE_DIR = os.path.join("~", ".cache", "hicache", "kv")
+
+log = logging.getLogger(__name__)
 
 
 def model_fingerprint(hf_config: Any, dtype: Any, page_size: int) -> str:
@@ -36,6 +39,13 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
     kv_pool, allocator, ps = runner.kv_pool, runner.allocator, args.page_size
     size = host_pool_size(allocator.size, ps, kv_pool.bytes_per_token(), args.hicache_ratio,
                           args.hicache_size)
+    if size <= allocator.size and args.hicache_write_policy != "write_back":
+        # NOTE: with write-through every device page also holds a host page, so a host pool no
+        # larger than the device pool is all copies of L1: nothing host-only survives and an L3
+        # prefetch has nowhere to land (SGLang refuses this size outright).
+        log.warning("host pool (%d tokens) is not larger than the device pool (%d): L2 will "
+                    "only mirror L1 and L3 prefetches will be skipped; use hicache_ratio > 1",
+                    size, allocator.size)
     host_pool = MHATokenToKVPoolHost(
         size, ps, kv_pool.dtype, kv_pool.head_num, kv_pool.head_dim, kv_pool.layer_num,
         layout=args.hicache_mem_layout)  # fmt: skip
