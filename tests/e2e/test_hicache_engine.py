@@ -73,30 +73,11 @@ def test_prefill_logits_bit_identical_from_l2(tiny_llama_dir, layout):
     huge L1 or loaded back from L2 after eviction."""
     conv = _prompts(1, seed=11)[0]
     fillers = _prompts(4, seed=98, length=70)
-
-    def run(**opts):
-        with Engine(tiny_llama_dir, page_size=16, debug_check_invariants=True, **opts) as eng:
-            captured = []
-            real = eng.runner.forward
-
-            def forward(fb):
-                out = real(fb)
-                if fb.forward_mode.is_extend():
-                    captured.append(out.clone())
-                return out
-
-            eng.runner.forward = forward
-            first = eng.generate(conv, GREEDY)
-            for p in fillers:
-                eng.generate(p, GREEDY)
-            turn2 = conv + first.token_ids + [5, 6, 7]
-            captured.clear()
-            second = eng.generate(turn2, dict(GREEDY, max_new_tokens=1))
-            return captured[0], second
-
-    big_logits, big = run(max_total_tokens=8192)
-    l2_logits, l2 = run(max_total_tokens=256, enable_hierarchical_cache=True,
-                        hicache_mem_layout=layout)
+    big_logits, big, _ = _second_turn_logits(tiny_llama_dir, conv, fillers, page_size=16,
+                                             max_total_tokens=8192)
+    l2_logits, l2, _ = _second_turn_logits(tiny_llama_dir, conv, fillers, page_size=16,
+                                           max_total_tokens=256, enable_hierarchical_cache=True,
+                                           hicache_mem_layout=layout)
     assert big.cached_tokens == l2.cached_tokens > 0
     assert l2.cached_tokens_per_tier.get("l2", 0) > 0 and big.cached_tokens_per_tier["l1"] > 0
     assert torch.equal(big_logits, l2_logits)
