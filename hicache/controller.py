@@ -23,17 +23,26 @@ from typing import Any
 
 import torch
 
+from hicache.copy_stream import CopyStream
 from hicache.storage.base import StorageBackend, page_hashes, prefix_hash_seed
 
 log = logging.getLogger(__name__)
 
 
 class LayerDoneCounter:
-    """Per-layer completion of one load batch: ``wait_until(i)`` returns once layer i landed."""
+    """Per-layer progress of one load batch.
+
+    ``increment(ev)``: layer i's copy was issued (on CPU it is already done; on CUDA ``ev`` marks
+    its end on the load stream). ``wait_until(i)``: the host waits until layer i was issued, then
+    the compute stream waits on its event: no host sync on the copy itself. ``finish()``: every
+    byte landed (the worker synchronized), so the load may be acked and its host slots released.
+    """
 
     def __init__(self, num_layers: int, done: int = 0) -> None:
         self.num_layers = num_layers
         self._done = done
+        self._finished = done >= num_layers
+        self._events: list[Any] = []
         self._cond = threading.Condition()
 
     @property
@@ -41,19 +50,34 @@ class LayerDoneCounter:
         with self._cond:
             return self._done
 
-    def increment(self) -> None:
+    @property
+    def finished(self) -> bool:
         with self._cond:
+            return self._finished
+
+    def increment(self, event: Any = None) -> None:
+        with self._cond:
+            self._events.append(event)
             self._done += 1
             self._cond.notify_all()
 
     def finish(self) -> None:
         with self._cond:
             self._done = self.num_layers
+            self._finished = True
             self._cond.notify_all()
 
     def wait_until(self, layer_id: int, timeout: float | None = None) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self._done > layer_id, timeout)
+            ok = self._cond.wait_for(lambda: self._done > layer_id, timeout)
+            event = self._events[layer_id] if ok and layer_id < len(self._events) else None
+        if ok:
+            CopyStream.compute_wait(event)
+        return ok
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._finished, timeout)
 
 
 @dataclass
@@ -65,6 +89,7 @@ class CacheOperation:
     # L3 backup of a write: (namespace, full token path up to the node's end, node tokens)
     storage_paths: list[tuple[str | None, list[int], int]] = field(default_factory=list)
     ok: bool = True
+    ready: Any = None  # CUDA: compute-stream event the copy must start after (CopyStream)
 
     @staticmethod
     def merge(ops: list[CacheOperation]) -> CacheOperation:
@@ -102,6 +127,9 @@ class HiCacheController:
         self.model_fingerprint = model_fingerprint
         self.layer_hook = layer_hook  # test instrumentation: called after each loaded layer
         self.bytes_per_token = device_pool.bytes_per_token()
+        # CUDA: one side stream per direction, so copies overlap the forward (CPU: no-ops)
+        self.write_stream = CopyStream(device_pool.device)
+        self.load_stream = CopyStream(device_pool.device)
         self.write_queue: list[CacheOperation] = []
         self.load_queue: list[CacheOperation] = []
         self.ack_write_queue: queue.Queue[CacheOperation] = queue.Queue()
@@ -144,6 +172,7 @@ class HiCacheController:
             return
         op = CacheOperation.merge(self.write_queue)
         self.write_queue = []
+        op.ready = self.write_stream.mark_compute()  # after the kernels that wrote this KV
         with self._idle:
             self._inflight_writes += 1
         self._write_jobs.put(op)
@@ -171,6 +200,7 @@ class HiCacheController:
             return self.current_load
         op = CacheOperation.merge(self.load_queue)
         self.load_queue = []
+        op.ready = self.load_stream.mark_compute()  # after kernels still using these slots
         counter = LayerDoneCounter(self.layer_num)
         self.current_load = counter
         with self._idle:
@@ -275,13 +305,16 @@ class HiCacheController:
     def _write_worker(self) -> None:
         while (op := self._write_jobs.get()) is not None:
             try:
-                self.host_pool.backup_from_device_all_layer(
-                    self.device_pool, op.host_indices, op.device_indices, self.io_backend)
+                with self.write_stream.running(after=op.ready):
+                    self.host_pool.backup_from_device_all_layer(
+                        self.device_pool, op.host_indices, op.device_indices, self.io_backend)
+                self.write_stream.synchronize()  # host bytes complete before ack / L3 backup
                 self.stats["bytes_d2h"] += len(op.host_indices) * self.bytes_per_token
             except Exception:
                 log.exception("device->host write failed")
                 self.stats["errors"] += 1
                 op.ok = False
+                self.write_stream.synchronize()  # nothing still in flight once acked
             if op.ok and op.storage_paths:
                 self._backup_to_storage(op)
             self.ack_write_queue.put(op)
@@ -310,18 +343,25 @@ class HiCacheController:
         while (job := self._load_jobs.get()) is not None:
             op, counter = job
             try:
-                for layer_id in range(self.layer_num):
-                    self.host_pool.load_to_device_per_layer(
-                        self.device_pool, op.host_indices, op.device_indices, layer_id,
-                        self.io_backend)
-                    counter.increment()
-                    if self.layer_hook is not None:
-                        self.layer_hook(layer_id)
+                with self.load_stream.running(after=op.ready):
+                    # CUDA kernels read the host slot ids from device memory: move them once
+                    host_indices = (op.host_indices.to(self.device_pool.device)
+                                    if self.io_backend == "kernel" else op.host_indices)
+                    for layer_id in range(self.layer_num):
+                        self.host_pool.load_to_device_per_layer(
+                            self.device_pool, host_indices, op.device_indices, layer_id,
+                            self.io_backend)
+                        counter.increment(self.load_stream.record())
+                        if self.layer_hook is not None:
+                            self.layer_hook(layer_id)
+                # the forward waits per layer on the GPU; the ack (host slots released) waits here
+                self.load_stream.synchronize()
                 self.stats["bytes_h2d"] += len(op.host_indices) * self.bytes_per_token
             except Exception:
                 log.exception("host->device load failed")
                 self.stats["errors"] += 1
                 op.ok = False
+                self.load_stream.synchronize()
             counter.finish()
             self.ack_load_queue.put(op)
             self._done("load")

@@ -237,7 +237,7 @@ class HiRadixCache(RadixCache):
             # are locked until ``loading_check`` drains its ack. Attention for layer i must run
             # only after layer i's KV is on device: see ``pending_layer_wait``.
             return self._device_prefix([n for n in path if n.value is not None])
-        counter.wait_until(self.controller.layer_num - 1)
+        counter.wait_finished()
         self.controller.wait_idle()
         self.loading_check()
         return self._device_prefix([n for n in path if n.value is not None])
@@ -247,7 +247,7 @@ class HiRadixCache(RadixCache):
         in flight. Loads run FIFO on one worker, so waiting on the newest started load's layer
         i implies layer i of every earlier load (``controller.wait_layer``)."""
         counter = self.controller.current_load
-        if counter.done >= counter.num_layers:
+        if counter.finished:  # every byte landed (CUDA: not merely every copy issued)
             return None
 
         def wait_layer(layer_id: int) -> None:
@@ -258,8 +258,7 @@ class HiRadixCache(RadixCache):
     def wait_pending_loads(self) -> None:
         """Block until every started load landed (e.g. a batch that will not run its forward);
         the acks (unlock / error handling) are drained by the next ``check``."""
-        counter = self.controller.current_load
-        counter.wait_until(counter.num_layers - 1)
+        self.controller.current_load.wait_finished()
 
     def _device_prefix(self, device: list[TreeNode]) -> tuple[torch.Tensor, TreeNode]:
         values = [n.value for n in device]

@@ -185,6 +185,8 @@ def transfer_per_layer(
             return
         from hicache.kernels import triton_transfer
 
+        # the kernel reads page ids from device memory (host slot ids live on the CPU)
+        host_p, dev_p = host_p.to(device_k.device), dev_p.to(device_k.device)
         for src, dst in pairs:
             triton_transfer.copy_pages(src, dst, host_p, dev_p, page_size)
         return
@@ -219,6 +221,7 @@ def transfer_all_layer(
         from hicache.kernels import triton_transfer
 
         dev_p, host_p = to_page_ids(device_indices, host_indices, page_size)
+        dev_p, host_p = dev_p.to(device_k[0].device), host_p.to(device_k[0].device)
         triton_transfer.gather_all_layer(
             device_k, device_v, host_kv, dev_p, host_p, layout, page_size
         )

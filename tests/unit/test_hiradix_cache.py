@@ -337,6 +337,47 @@ def test_layer_counter_and_overlap():
         r.close()
 
 
+def test_layer_wait_uses_only_its_layers_event(monkeypatch):
+    """The forward's wait for layer i makes the compute stream wait on layer i's copy event and
+    on nothing else (CUDA events; here stand-ins, since CPU copies have none)."""
+    waited: list[object] = []
+    monkeypatch.setattr("hicache.copy_stream.CopyStream.compute_wait",
+                        staticmethod(lambda ev: waited.append(ev)))
+    c = LayerDoneCounter(3)
+    c.increment("ev0")
+    c.increment("ev1")
+    assert c.wait_until(1, timeout=0.01)
+    assert waited == ["ev1"]
+    assert not c.wait_until(2, timeout=0.01) and waited == ["ev1"]  # not issued: no stream wait
+    c.increment("ev2")
+    assert c.done == 3 and not c.finished  # every copy issued is not every byte landed
+    assert not c.wait_finished(timeout=0.01)
+    c.finish()
+    assert c.finished and c.wait_finished(timeout=0.01)
+
+
+def test_pending_layer_wait_until_load_landed():
+    """The forward keeps waiting per layer until the worker declared the load landed, not merely
+    until every layer's copy was issued (on CUDA the copies are still in flight then)."""
+    release = threading.Event()
+    r = Rig(layer_hook=lambda layer: layer == L - 1 and release.wait(5))
+    try:
+        key = list(range(90, 100))
+        r.insert(key)
+        r.settle()
+        r.tree.evict(10)
+        res = r.tree.match_prefix(key)
+        r.tree.init_load_back(res.last_device_node, res, wait=False)
+        assert r.controller.wait_layer(L - 1, timeout=5)  # every layer issued ...
+        assert r.tree.pending_layer_wait() is not None  # ... but the load has not finished
+        release.set()
+        r.tree.wait_pending_loads()
+        assert r.tree.pending_layer_wait() is None
+    finally:
+        release.set()
+        r.close()
+
+
 class HiCacheSoak(RuleBasedStateMachine):
     """Random inserts / matches / locks / evictions / load backs on tiny pools."""
 
