@@ -30,8 +30,13 @@ class ServerArgs:
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu
     # Attention
-    attention_backend: str | None = None  # torch_native (default on CPU)
+    # torch_native | triton | flashinfer; None: torch_native on CPU, flashinfer on CUDA (triton
+    # without flashinfer or for float32)
+    attention_backend: str | None = None
     linear_backend: str = "auto"  # auto | torch | onednn (auto = onednn on CPU float32)
+    # CUDA graphs for decode batches (CUDA only, backends with supports_cuda_graph)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 160  # largest captured decode batch (also capped by running reqs)
     # Hierarchical cache (L2 host / L3 storage)
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
@@ -57,6 +62,8 @@ class ServerArgs:
             raise ValueError(f"unknown radix_eviction_policy {self.radix_eviction_policy!r}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r} (auto, dummy)")
         if self.linear_backend not in ("auto", "torch", "onednn"):
@@ -67,6 +74,8 @@ class ServerArgs:
             "write_back",
         ):
             raise ValueError(f"unknown hicache_write_policy {self.hicache_write_policy!r}")
+        if self.hicache_io_backend not in ("kernel", "direct"):
+            raise ValueError(f"unknown hicache_io_backend {self.hicache_io_backend!r}")
         if self.hicache_mem_layout not in ("layer_first", "page_first"):
             raise ValueError(f"unknown hicache_mem_layout {self.hicache_mem_layout!r}")
         if self.hicache_storage_prefetch_policy not in ("best_effort", "wait_complete", "timeout"):

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from engine.config import ServerArgs
+from engine.cuda_graph_runner import CudaGraphRunner
 from engine.forward_batch import ForwardBatch
-from engine.layers.attention import create_backend
+from engine.layers.attention import create_backend, default_backend
 from engine.layers.linear import prepack_linears, resolve_linear_backend
 from engine.models.loader import load_model
 from engine.request import Req
@@ -53,7 +54,16 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.max_context_len = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
         self._init_pools()
-        self.attn_backend = create_backend(args.attention_backend or "torch_native", self)
+        self.attn_backend = create_backend(
+            args.attention_backend or default_backend(self.device, self.dtype), self
+        )
+        self.cuda_graph_runner: CudaGraphRunner | None = None
+        if (
+            self.device.type == "cuda"
+            and not args.disable_cuda_graph
+            and getattr(self.attn_backend, "supports_cuda_graph", False)
+        ):
+            self.cuda_graph_runner = CudaGraphRunner(self)
         self.sampler = Sampler()
 
     def _init_pools(self) -> None:
@@ -92,6 +102,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of ``fb`` (see the model's forward); DECODE batches a captured CUDA graph can
+        run are replayed from it (logits valid until the next forward)."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            return self.cuda_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb)
 
@@ -115,4 +129,7 @@ class ModelRunner:
             "max_total_tokens": self.max_total_tokens,
             "page_size": self.args.page_size,
             "linear_backend": self.linear_backend,
+            "cuda_graph_batch_sizes": (
+                self.cuda_graph_runner.batch_sizes if self.cuda_graph_runner else []
+            ),
         }

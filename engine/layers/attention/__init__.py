@@ -1,12 +1,13 @@
 """Attention backends behind one protocol, created by name.
 
 ``create_backend(name, model_runner_or_config)``: ``torch_native`` (reference, CPU and any
-device); GPU backends register themselves here under their own names.
+device), ``triton`` and ``flashinfer`` (CUDA); ``default_backend(device)`` picks one.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,12 +39,30 @@ class AttentionBackend(Protocol):
         ...
 
 
+class CudaGraphAttentionBackend(AttentionBackend, Protocol):
+    """A backend whose DECODE forward can be captured in a CUDA graph (``supports_cuda_graph``).
+
+    ``init_cuda_graph_state`` once; per captured batch size ``init_forward_metadata_capture``
+    (padded static tensors, outside capture) then the captured ``forward`` calls; before each
+    replay ``init_forward_metadata_replay`` (padded requests: seq_len 1, slot
+    ``req_to_token[row, 0]``)."""
+
+    supports_cuda_graph: bool
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_kv_tokens: int) -> None: ...
+
+    def init_forward_metadata_capture(self, fb: ForwardBatch) -> None: ...
+
+    def init_forward_metadata_replay(self, fb: ForwardBatch) -> None: ...
+
+
 BackendFactory = Callable[[Any], AttentionBackend]
 
 # name -> "module:attr" (imported on first use) or a registered factory
 _BACKENDS: dict[str, str | BackendFactory] = {
     "torch_native": "engine.layers.attention.torch_native:TorchNativeAttnBackend",
     "triton": "engine.layers.attention.triton_backend:TritonAttnBackend",
+    "flashinfer": "engine.layers.attention.flashinfer_backend:FlashInferAttnBackend",
 }
 
 
@@ -54,6 +73,16 @@ def register_backend(name: str, factory: str | BackendFactory) -> None:
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
+
+
+def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``torch_native`` off CUDA; on CUDA ``flashinfer`` when installed (it has no float32
+    kernels: float32 gets ``triton``), else ``triton``."""
+    if device.type != "cuda":
+        return "torch_native"
+    if dtype == torch.float32 or importlib.util.find_spec("flashinfer") is None:
+        return "triton"
+    return "flashinfer"
 
 
 def create_backend(name: str, model_runner_or_config: Any = None) -> AttentionBackend:
@@ -67,4 +96,11 @@ def create_backend(name: str, model_runner_or_config: Any = None) -> AttentionBa
     return factory(model_runner_or_config)
 
 
-__all__ = ["AttentionBackend", "available_backends", "create_backend", "register_backend"]
+__all__ = [
+    "AttentionBackend",
+    "CudaGraphAttentionBackend",
+    "available_backends",
+    "create_backend",
+    "default_backend",
+    "register_backend",
+]

@@ -7,6 +7,10 @@ pool and launches one kernel that gathers each request's KV through ``req_to_tok
     DECODE  one program per (request, head): the single query sees keys ``j < seq_len[b]``
     EXTEND  one program per (request, head, query block): new token i sees keys
             ``j <= prefix_len[b] + i`` (causal with the cached prefix)
+
+CUDA graphs (decode): the decode metadata is only the batch size; the kernel reads
+``seq_lens`` / ``req_pool_indices`` from device memory (its KV loop bound included) and its grid
+``(bs, heads)`` is fixed per captured batch size, so capture and replay need no extra buffers.
 """
 
 from __future__ import annotations
@@ -34,8 +38,24 @@ class _Metadata:
 class TritonAttnBackend:
     """Triton decode / extend attention over KV read through ``req_to_token``."""
 
+    supports_cuda_graph = True
+
     def __init__(self, model_runner_or_config: Any = None) -> None:
         self.meta: _Metadata | None = None
+
+    # --- CUDA graph protocol (decode) ---------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_kv_tokens: int) -> None:
+        """Nothing to preallocate: the decode kernel reads everything from the batch tensors."""
+
+    def init_forward_metadata_capture(self, fb: ForwardBatch) -> None:
+        """Before capturing ``fb`` (DECODE over the graph runner's static tensors)."""
+        assert fb.forward_mode.is_decode(), "only DECODE batches are captured"
+        self.meta = _Metadata(True, fb.batch_size, 1, None)
+
+    def init_forward_metadata_replay(self, fb: ForwardBatch) -> None:
+        """Before each replay of the graph of ``fb.batch_size`` (the padded batch)."""
+        assert fb.forward_mode.is_decode(), "only DECODE batches are replayed"
+        self.meta = _Metadata(True, fb.batch_size, 1, None)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         bs = fb.batch_size
