@@ -1,8 +1,11 @@
-"""CPU bandwidth of the torch KV transfers vs a plain contiguous copy of the same bytes.
+"""KV transfer bandwidth: the CPU torch path vs a plain contiguous copy of the same bytes, or
+(``--device cuda``) the io backends' H2D / D2H vs pinned cudaMemcpyAsync.
 
-SmolLM2-135M KV shapes: 30 layers, 3 kv heads x 64, fp32, 2,048 tokens moved (K and V, all
-layers = 94 MB), host pool 8,192 tokens, device pool 8,192 (+ padding page). Every copy runs
-on three index patterns (the same device and host slots for every path of one pattern):
+Default geometry, SmolLM2-135M KV shapes: 30 layers, 3 kv heads x 64, fp32, 2,048 tokens moved
+(K and V, all layers = 94 MB), host pool 8,192 tokens, device pool 8,192 (+ padding page);
+``--geometry llama3-8b``: 32 layers, 8 kv heads x 128, bf16 (2,048 tokens = 268 MB). Every
+copy runs on three index patterns (the same device and host slots for every path of one
+pattern):
 
   random     whole pages in random order on both sides (the fully fragmented case)
   allocator  slots as the real allocators hand them out after churn: rounds of 8 requests
@@ -17,27 +20,67 @@ timed alternately with every cell, so each ratio compares two timings taken at t
 of a shared machine; with --rounds N each cell reports its pass of median ratio.
 
     PYTHONPATH=. python tools/bench_transfer.py [--tokens 2048] [--reps 7] [--rounds 1]
-        [--threads 1]
+        [--threads 1] [--page-sizes 1,16] [--io-backends kernel,direct]
+        [--geometry smollm2-135m|llama3-8b] [--json PATH] [--png PATH]
+
+``--device cuda`` (issue 5 (a)): the device pool (``MHATokenToKVPool``) on the GPU, the host pool
+pinned (``MHATokenToKVPoolHost`` pins when CUDA is available); per io backend, the per-layer load
+H2D (``load_to_device_per_layer`` over all layers, as the controller's load worker calls it) and
+the all-layer backup D2H (``backup_from_device_all_layer``), timed with CUDA events (2 warm-up
+calls, then the median of --reps) against the pinned-memcpy peak: one contiguous pinned tensor
+``copy_(non_blocking=True)`` of the same bytes (cudaMemcpyAsync), H2D or D2H to match, timed
+alternately with every cell. Target: kernel H2D >= 0.9x that peak.
+
+    PYTHONPATH=. python tools/bench_transfer.py --device cuda --geometry llama3-8b \\
+        --page-sizes 1,16,64 --json docs/bench_transfer_gpu.json --png docs/bench_transfer_gpu.png
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.kernels import transfer_all_layer
+from hicache.kernels.transfer import IO_BACKENDS, LAYOUTS
 from hicache.kv_pool import MHATokenToKVPool
 
-LAYERS, HEADS, HEAD_DIM, DTYPE = 30, 3, 64, torch.float32
+
+class Geometry(NamedTuple):
+    """KV shape of one model: per layer, K and V of ``[tokens, heads, head_dim]``."""
+
+    name: str
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def token_bytes(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.layers * self.heads * self.head_dim * self.dtype.itemsize
+
+    def describe(self) -> str:
+        short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        return (f"{self.layers} layers x {self.heads} kv heads x {self.head_dim}, "
+                f"{short.get(self.dtype, str(self.dtype))}")
+
+
+GEOMETRIES = {
+    "smollm2-135m": Geometry("smollm2-135m", 30, 3, 64, torch.float32),
+    "llama3-8b": Geometry("llama3-8b", 32, 8, 128, torch.bfloat16),
+}
 POOL_TOKENS = 8192
 PATTERNS = ("random", "allocator", "fresh")
+TARGET = {"cpu": 0.7, "cuda": 0.9}  # x the reference copy (CPU: plain copy; CUDA: pinned memcpy)
 
 
 def paired_best_seconds(
@@ -58,6 +101,36 @@ def _once(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _cuda_once(fn: Callable[[], object]) -> float:
+    """Seconds between two events around ``fn`` on the current stream (host-side launch work
+    included: the start event fires while the GPU waits for the first launch)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def paired_median_seconds(
+    fn: Callable[[], object], ref: Callable[[], object], reps: int, device: torch.device,
+    warmup: int = 2,
+) -> tuple[float, float]:
+    """Median of ``reps`` for ``fn`` and for the reference copy, run alternately after
+    ``warmup`` calls of each (the first Triton call compiles); CUDA events on CUDA."""
+    once = _cuda_once if device.type == "cuda" else _once
+    for _ in range(warmup):
+        fn()
+        ref()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t_fn, t_ref = [], []
+    for _ in range(reps):
+        t_ref.append(once(ref))
+        t_fn.append(once(fn))
+    return statistics.median(t_fn), statistics.median(t_ref)
 
 
 def scattered_slots(num_tokens: int, page_size: int, first_page: int, g: torch.Generator):
@@ -97,7 +170,8 @@ def allocator_slots(num_tokens: int, page_size: int, rng: random.Random):
     """(device slots, host slots), [num_tokens] int64 each, as the allocators hand them out."""
     dev = TokenToKVPoolAllocator(POOL_TOKENS, page_size, "cpu")
     dev_idx = torch.cat(churned_requests(dev.alloc, dev.free, page_size, rng))[:num_tokens]
-    host = MHATokenToKVPoolHost(POOL_TOKENS, page_size, DTYPE, 1, 1, 1)
+    # only its allocator is used: a 1 x 1 x 1 byte buffer, never pinned
+    host = MHATokenToKVPoolHost(POOL_TOKENS, page_size, torch.float32, 1, 1, 1, pin_memory=False)
     live = churned_requests(host.alloc, host.free, page_size, rng)
     while host.available_size() < num_tokens:
         host.free(live.pop(rng.randrange(len(live))))
@@ -107,7 +181,7 @@ def allocator_slots(num_tokens: int, page_size: int, rng: random.Random):
 
 
 def make_slots(pattern: str, num_tokens: int, page_size: int, seed: int):
-    """(device slots, host slots) of ``pattern``."""
+    """(device slots, host slots) of ``pattern``, on CPU."""
     if pattern == "random":
         g = torch.Generator().manual_seed(seed)
         return (scattered_slots(num_tokens, page_size, 1, g),
@@ -124,19 +198,28 @@ def mean_run(dev_idx: torch.Tensor, host_idx: torch.Tensor, page_size: int) -> f
     return dev_idx.numel() / (int(breaks.sum()) + 1)
 
 
+def make_pools(
+    geom: Geometry, layout: str, page_size: int, device: torch.device
+) -> tuple[MHATokenToKVPool, MHATokenToKVPoolHost]:
+    """Device pool on ``device`` and host pool (pinned when CUDA is available) of ``geom``."""
+    dev = MHATokenToKVPool(POOL_TOKENS, page_size, geom.dtype, geom.heads, geom.head_dim,
+                           geom.layers, device)  # fmt: skip
+    host = MHATokenToKVPoolHost(POOL_TOKENS, page_size, geom.dtype, geom.heads, geom.head_dim,
+                                geom.layers, layout=layout)  # fmt: skip
+    return dev, host
+
+
 def make_cases(
-    layout: str, page_size: int, dev_idx: torch.Tensor, host_idx: torch.Tensor
+    geom: Geometry, layout: str, page_size: int, dev_idx: torch.Tensor, host_idx: torch.Tensor,
+    backends: tuple[str, ...] = IO_BACKENDS,
 ) -> dict[str, Callable[[], object]]:
-    """The timed copies for one host layout, page size and index pattern."""
-    dev = MHATokenToKVPool(POOL_TOKENS, page_size, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu")
-    host = MHATokenToKVPoolHost(
-        POOL_TOKENS, page_size, DTYPE, HEADS, HEAD_DIM, LAYERS, layout=layout
-    )
+    """The timed CPU copies for one host layout, page size and index pattern."""
+    dev, host = make_pools(geom, layout, page_size, torch.device("cpu"))
     host.kv_buffer.normal_()
     flat = host.get_flat_data(host_idx)
 
     def load_all_layers() -> None:
-        for layer in range(LAYERS):
+        for layer in range(geom.layers):
             host.load_to_device_per_layer(dev, host_idx, dev_idx, layer)
 
     def backup_direct() -> None:
@@ -145,27 +228,55 @@ def make_cases(
             "direct",
         )  # fmt: skip
 
-    return {
+    cases: dict[str, Callable[[], object]] = {
         "whole-token gather (get_flat_data)": lambda: host.get_flat_data(host_idx, out=flat),
         "whole-token scatter (set_from_flat_data)": lambda: host.set_from_flat_data(host_idx, flat),
-        "backup device->host, all layers": lambda: host.backup_from_device_all_layer(
-            dev, host_idx, dev_idx
-        ),
-        "backup, direct (run merge)": backup_direct,
-        "load host->device, per layer x30": load_all_layers,
     }
+    if "kernel" in backends:
+        cases["backup device->host, all layers"] = lambda: host.backup_from_device_all_layer(
+            dev, host_idx, dev_idx)
+    if "direct" in backends:
+        cases["backup, direct (run merge)"] = backup_direct
+    if "kernel" in backends:
+        cases[f"load host->device, per layer x{geom.layers}"] = load_all_layers
+    return cases
+
+
+def device_cases(
+    geom: Geometry, dev: MHATokenToKVPool, host: MHATokenToKVPoolHost, dev_idx: torch.Tensor,
+    host_idx: torch.Tensor, backend: str,
+) -> list[tuple[str, str, Callable[[], object]]]:
+    """(path, direction "h2d" / "d2h", copy) of one io backend, as the controller calls them."""
+    # NOTE: the Triton kernels read page ids from device memory, so "kernel" gets both index
+    # tensors on the device (moved once, untimed); "direct" gets them as the allocators hand
+    # them out (host slots on CPU, device slots on the device) and plans its runs on CPU.
+    device_idx = dev_idx.to(dev.device)
+    host_side = host_idx.to(dev.device) if backend == "kernel" else host_idx
+
+    def load_all_layers() -> None:
+        for layer in range(geom.layers):
+            host.load_to_device_per_layer(dev, host_side, device_idx, layer, backend)
+
+    def backup_all_layers() -> None:
+        host.backup_from_device_all_layer(dev, host_side, device_idx, backend)
+
+    return [
+        (f"load host->device, per layer x{geom.layers} ({backend})", "h2d", load_all_layers),
+        (f"backup device->host, all layers ({backend})", "d2h", backup_all_layers),
+    ]
 
 
 Cell = tuple[str, str, int, str]  # (path, host layout, page size, pattern)
 
 
 def run(
-    num_tokens: int, reps: int, page_sizes: tuple[int, ...] = (1, 16)
+    num_tokens: int, reps: int, page_sizes: tuple[int, ...] = (1, 16),
+    geom: Geometry = GEOMETRIES["smollm2-135m"], backends: tuple[str, ...] = IO_BACKENDS,
 ) -> tuple[dict[Cell, tuple[float, float]], dict]:
-    """({cell: (GB/s, x plain copy)}, {(pattern, page size): mean joint run in tokens}); each
-    cell's plain copy is timed alternately with it."""
-    nbytes = 2 * LAYERS * num_tokens * HEADS * HEAD_DIM * DTYPE.itemsize
-    src = torch.randn(nbytes // DTYPE.itemsize)
+    """CPU: ({cell: (GB/s, x plain copy)}, {(pattern, page size): mean joint run in tokens});
+    each cell's plain copy is timed alternately with it."""
+    nbytes = num_tokens * geom.token_bytes()
+    src = torch.randn(nbytes // 4)  # fp32 elements of the same byte count
     dst = torch.empty_like(src)
 
     def plain() -> None:
@@ -175,47 +286,179 @@ def run(
     for page_size in page_sizes:
         slots = {p: make_slots(p, num_tokens, page_size, seed=page_size) for p in PATTERNS}
         runs.update({(p, page_size): mean_run(*s, page_size) for p, s in slots.items()})
-        for layout in ("layer_first", "page_first"):
+        for layout in LAYOUTS:
             for pattern, (dev_idx, host_idx) in slots.items():
-                for name, fn in make_cases(layout, page_size, dev_idx, host_idx).items():
+                cases = make_cases(geom, layout, page_size, dev_idx, host_idx, backends)
+                for name, fn in cases.items():
                     seconds, plain_seconds = paired_best_seconds(fn, plain, reps)
                     cells[(name, layout, page_size, pattern)] = (
                         nbytes / seconds / 1e9, plain_seconds / seconds)
     return cells, runs
 
 
+def run_device(
+    num_tokens: int, reps: int, page_sizes: tuple[int, ...], geom: Geometry,
+    backends: tuple[str, ...], device: torch.device,
+) -> tuple[dict[Cell, tuple[float, float]], dict, dict[str, list[float]]]:
+    """``--device cuda``: ({cell: (GB/s, x pinned memcpy)}, mean joint runs, {"h2d" / "d2h":
+    the reference's GB/s of every cell}); each cell's reference (a contiguous pinned
+    ``copy_(non_blocking=True)`` of the same bytes, same direction) is timed alternately with
+    it. Runs on CPU too (torch path, perf_counter), which only checks the code path."""
+    nbytes = num_tokens * geom.token_bytes()
+    pin = device.type == "cuda"
+    host_ref = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)  # [bytes] pinned host
+    dev_ref = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [bytes] on device
+    refs: dict[str, Callable[[], object]] = {
+        "h2d": lambda: dev_ref.copy_(host_ref, non_blocking=True),
+        "d2h": lambda: host_ref.copy_(dev_ref, non_blocking=True),
+    }
+    cells, runs = {}, {}
+    peaks: dict[str, list[float]] = {"h2d": [], "d2h": []}
+    for page_size in page_sizes:
+        slots = {p: make_slots(p, num_tokens, page_size, seed=page_size) for p in PATTERNS}
+        runs.update({(p, page_size): mean_run(*s, page_size) for p, s in slots.items()})
+        for layout in LAYOUTS:
+            dev, host = make_pools(geom, layout, page_size, device)
+            assert host.kv_buffer.is_pinned() or not pin, "host pool not pinned"
+            host.kv_buffer.view(torch.uint8).fill_(1)  # values do not matter; bytes resident
+            for pattern, (dev_idx, host_idx) in slots.items():
+                for backend in backends:
+                    for name, way, fn in device_cases(geom, dev, host, dev_idx, host_idx,
+                                                      backend):  # fmt: skip
+                        seconds, ref_seconds = paired_median_seconds(fn, refs[way], reps, device)
+                        peaks[way].append(nbytes / ref_seconds / 1e9)
+                        cells[(name, layout, page_size, pattern)] = (
+                            nbytes / seconds / 1e9, ref_seconds / seconds)
+            del dev, host
+    return cells, runs, peaks
+
+
+def print_table(cells: dict[Cell, tuple[float, float]], ratio: str) -> None:
+    head = " | ".join(f"{p} GB/s | {ratio}" for p in PATTERNS)
+    print(f"\n| path | host layout | page size | {head} |\n|---|---|---|" + "---|---|" * 3)
+    for name, layout, page_size in dict.fromkeys(k[:3] for k in cells):  # in run order
+        by = [cells[(name, layout, page_size, p)] for p in PATTERNS]
+        print(f"| {name} | {layout} | {page_size} | "
+              + " | ".join(f"{gbps:.1f} | {r:.2f}" for gbps, r in by) + " |")
+
+
+def write_json(path: str, meta: dict, cells: dict[Cell, tuple[float, float]], runs: dict) -> None:
+    res = dict(meta)
+    res["mean_joint_run_tokens"] = [{"pattern": p, "page_size": ps, "tokens": r}
+                                    for (p, ps), r in runs.items()]  # fmt: skip
+    res["cells"] = [{"path": n, "layout": lay, "page_size": ps, "pattern": pat, "gbps": g,
+                     "x_ref": r} for (n, lay, ps, pat), (g, r) in cells.items()]  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {path}")
+
+
+def plot(path: str, cells: dict[Cell, tuple[float, float]], title: str, ref: str,
+         target: float) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no {path}")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(dict.fromkeys(k[:3] for k in cells))
+    height = 0.8 / len(PATTERNS)
+    fig, ax = plt.subplots(figsize=(10, 1.5 + 0.3 * len(rows)))
+    for i, pattern in enumerate(PATTERNS):
+        ax.barh([r + i * height for r in range(len(rows))],
+                [cells[(*row, pattern)][1] for row in rows], height=height, label=pattern)
+    ax.axvline(target, color="k", ls="--", lw=1, label=f"target {target}x")
+    ax.set_yticks([r + height for r in range(len(rows))])
+    ax.set_yticklabels([f"{n} | {lay} | page {ps}" for n, lay, ps in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"x {ref}")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--geometry", default="smollm2-135m", choices=sorted(GEOMETRIES))
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=1,
                     help="passes over the table; each cell reports its median-ratio pass")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--page-sizes", default="1,16", help="comma list, e.g. 1,16,64")
+    ap.add_argument("--io-backends", default="kernel,direct",
+                    help="comma list of device<->host io backends to time (kernel, direct)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--png", default=None, help="also plot the ratios here (needs matplotlib)")
     args = ap.parse_args()
     page_sizes = tuple(int(p) for p in args.page_sizes.split(","))
+    backends = tuple(b for b in args.io_backends.split(",") if b)
+    if not backends or any(b not in IO_BACKENDS for b in backends):
+        ap.error(f"--io-backends {args.io_backends!r}: a comma list of {', '.join(IO_BACKENDS)}")
+    if not 0 < args.tokens <= POOL_TOKENS // 2 or any(args.tokens % p for p in page_sizes):
+        ap.error(f"--tokens must be in 1..{POOL_TOKENS // 2} and a multiple of every page size")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: no CUDA device here (torch {torch.__version__}, "
+                 "torch.cuda.is_available() is False)")
+    geom = GEOMETRIES[args.geometry]
     if args.threads:
         # NOTE: on a busy 2-core machine, intra-op threads that wait on each other can be 10x slower
         torch.set_num_threads(args.threads)
-    passes = [run(args.tokens, args.reps, page_sizes) for _ in range(args.rounds)]
+    nbytes = args.tokens * geom.token_bytes()
+    meta = {"device": args.device, "geometry": geom.name, "layers": geom.layers,
+            "kv_heads": geom.heads, "head_dim": geom.head_dim, "dtype": str(geom.dtype),
+            "tokens": args.tokens, "bytes_per_op": nbytes, "page_sizes": list(page_sizes),
+            "io_backends": list(backends), "reps": args.reps, "rounds": args.rounds,
+            "torch": torch.__version__, "target_x_ref": TARGET[args.device]}  # fmt: skip
+    if args.device == "cuda":
+        device = torch.device("cuda")
+        passes = [run_device(args.tokens, args.reps, page_sizes, geom, backends, device)
+                  for _ in range(args.rounds)]  # fmt: skip
+        peaks = {way: sorted(g for p in passes for g in p[2][way]) for way in ("h2d", "d2h")}
+        peak = {way: v[len(v) // 2] for way, v in peaks.items()}
+        name = torch.cuda.get_device_name(device)
+        ref, ratio = "pinned memcpy (cudaMemcpyAsync, same direction)", "x memcpy"
+        print(f"{args.tokens} tokens ({nbytes / 1e6:.0f} MB per copy), {geom.describe()}, {name}, "
+              f"torch {torch.__version__}, CUDA events, median of {args.reps} after 2 warm-ups, "
+              f"median of {args.rounds} passes; pinned memcpy peak H2D {peak['h2d']:.1f} GB/s "
+              f"({peaks['h2d'][0]:.1f}..{peaks['h2d'][-1]:.1f}), D2H {peak['d2h']:.1f} GB/s "
+              f"({peaks['d2h'][0]:.1f}..{peaks['d2h'][-1]:.1f}); target: kernel H2D >= "
+              f"{TARGET['cuda']}x memcpy")  # fmt: skip
+        meta.update({"device_name": name, "reference": ref,
+                     "timing": f"CUDA events, median of {args.reps} after 2 warm-ups",
+                     "peak_gbps": peak,
+                     "index_placement": "kernel: host and device slots on the GPU; direct: "
+                                        "host slots on CPU, device slots on the GPU"})
+    else:
+        passes = [(*run(args.tokens, args.reps, page_sizes, geom, backends), {})
+                  for _ in range(args.rounds)]  # fmt: skip
+        ref, ratio = "plain contiguous copy", "x"
+        meta.update({"reference": "dst.copy_(src) of the same bytes",
+                     "timing": f"best of {args.reps}", "threads": torch.get_num_threads()})
     runs = passes[0][1]
     cells = {k: sorted((p[0][k] for p in passes), key=lambda c: c[1])[len(passes) // 2]
              for k in passes[0][0]}  # fmt: skip
-    plain = sorted(gbps / ratio for gbps, ratio in cells.values())
-    print(f"{args.tokens} tokens, {LAYERS} layers x {HEADS} kv heads x {HEAD_DIM}, fp32, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}, "
-          f"median of {args.rounds} passes, load average {os.getloadavg()[0]:.1f}; plain "
-          f"contiguous copy {plain[len(plain) // 2]:.1f} GB/s (median; "
-          f"{plain[0]:.1f}..{plain[-1]:.1f})")  # fmt: skip
+    if args.device == "cpu":
+        plain = sorted(gbps / r for gbps, r in cells.values())
+        print(f"{args.tokens} tokens, {geom.describe()}, "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}, "
+              f"median of {args.rounds} passes, load average {os.getloadavg()[0]:.1f}; plain "
+              f"contiguous copy {plain[len(plain) // 2]:.1f} GB/s (median; "
+              f"{plain[0]:.1f}..{plain[-1]:.1f})")  # fmt: skip
     by_page = sorted(runs.items(), key=lambda item: item[0][1])
     print("mean joint run (tokens): "
           + ", ".join(f"{p} page {ps}: {r:.1f}" for (p, ps), r in by_page))
-    head = " | ".join(f"{p} GB/s | x" for p in PATTERNS)
-    print(f"\n| path | host layout | page size | {head} |\n|---|---|---|" + "---|---|" * 3)
-    for name, layout, page_size in dict.fromkeys(k[:3] for k in cells):  # in run order
-        by = [cells[(name, layout, page_size, p)] for p in PATTERNS]
-        print(f"| {name} | {layout} | {page_size} | "
-              + " | ".join(f"{gbps:.1f} | {ratio:.2f}" for gbps, ratio in by) + " |")
+    print_table(cells, ratio)
+    if args.json:
+        write_json(args.json, meta, cells, runs)
+    if args.png:
+        plot(args.png, cells, f"{geom.name}, {args.tokens} tokens, {args.device}", ref,
+             TARGET[args.device])
 
 
 if __name__ == "__main__":
