@@ -15,6 +15,8 @@ Invariant: ``available + pending + in use == size`` (in slots).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hicache.kernels import transfer
@@ -38,6 +40,24 @@ def host_pool_size(
     else:
         tokens = int(device_size * hicache_ratio)
     return tokens // page_size * page_size
+
+
+HOST_MEMORY_RESERVE = 2 << 30  # bytes left to the rest of the process (weights, activations)
+
+
+def available_host_memory() -> int | None:
+    """Bytes the kernel could give this process now (``MemAvailable``), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class MHATokenToKVPoolHost:
@@ -77,6 +97,16 @@ class MHATokenToKVPoolHost:
             shape = (2, layer_num, size, head_num, head_dim)
         else:
             shape = (2, size, layer_num, head_num, head_dim)
+        nbytes = 2 * layer_num * size * head_num * head_dim * self.store_dtype.itemsize
+        available = available_host_memory() if self.device.type == "cpu" else None
+        if available is not None and nbytes > available - HOST_MEMORY_RESERVE:
+            # NOTE: refuse up front: an oversized (pinned) host pool would get the process
+            # OOM-killed later, or stall the whole machine, instead of failing with a reason.
+            raise ValueError(
+                f"host KV pool of {size} tokens needs {nbytes / 2**30:.1f} GiB but only "
+                f"{available / 2**30:.1f} GiB of host memory is available (keeping "
+                f"{HOST_MEMORY_RESERVE / 2**30:.0f} GiB free); lower hicache_ratio or set "
+                f"hicache_size")
         # [2, L, size, H, D] (layer_first) or [2, size, L, H, D] (page_first) on host
         self.kv_buffer = torch.empty(
             shape, dtype=self.store_dtype, device=self.device, pin_memory=pin_memory

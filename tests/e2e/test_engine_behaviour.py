@@ -172,3 +172,10 @@ def test_detokenizer_failure_still_finishes_the_request(llama_dir):
         out = e.generate([5, 6, 7, 8], GREEDY)
         assert out.token_ids == ref.token_ids and out.text == ""
         assert out.finish_reason == "length"
+
+
+def test_engine_with_oversized_host_pool_fails_clearly(tiny_llama_dir):
+    """A host (L2) pool larger than the machine's free memory is refused at start, with the
+    option to change, instead of an OOM kill later (hicache_size 1e7 GB = 10 PB)."""
+    with pytest.raises(ValueError, match="lower hicache_ratio or set hicache_size"):
+        Engine(tiny_llama_dir, enable_hierarchical_cache=True, hicache_size=1e7)

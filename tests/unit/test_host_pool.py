@@ -126,3 +126,12 @@ def test_backup_then_load_roundtrip(layout, page_size, io_backend):
     assert torch.equal(p.get_flat_data(other), flat)
     other_layout = "page_first" if layout == "layer_first" else "layer_first"
     assert p.storage_fingerprint() != pool(other_layout, page_size=page_size).storage_fingerprint()
+
+
+def test_oversized_host_pool_is_refused_before_allocating(monkeypatch):
+    monkeypatch.setattr("hicache.host_pool.available_host_memory", lambda: 3 << 30)
+    # 2 (K, V) x 4 layers x 2**22 tokens x 8 x 16 x 4 B = 16 GiB > 3 GiB - 2 GiB reserve
+    with pytest.raises(ValueError, match="host KV pool of 4194304 tokens needs 16.0 GiB but only "
+                                         "3.0 GiB .* lower hicache_ratio or set hicache_size"):
+        MHATokenToKVPoolHost(1 << 22, 1, torch.float32, 8, 16, 4)
+    MHATokenToKVPoolHost(1 << 10, 1, torch.float32, 8, 16, 4)  # 32 MiB fits
