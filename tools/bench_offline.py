@@ -213,7 +213,7 @@ def main() -> None:
                  "torch.cuda.is_available() is False)")
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    backend = args.attention_backend or default_backend(device)
+    backend = args.attention_backend or default_backend(device, dtype)
     torch.set_num_threads(os.cpu_count() or 2)
     # transformers first: with dummy weights it briefly holds a second copy of the model,
     # and on CUDA the engine sizes its KV pool from the memory left
