@@ -158,6 +158,11 @@ def match_prefix(scheduler: Any, key: list[int], namespace: str | None = None) -
         drop = min(skip, n)  # the namespace's own tokens are not part of the prompt
         skip -= drop
         per_tier[_node_tier(node)] += n - drop
+    in_storage = getattr(tree, "storage_prefix_len", None)
+    if in_storage is not None:
+        # L3 holds whole objects from the root; count what it adds beyond L1 + L2
+        matched = per_tier["l1"] + per_tier["l2"]
+        per_tier["l3"] = max(0, in_storage(list(key), namespace) - matched)
     return MatchInfo(sum(per_tier.values()), per_tier, tree.page_size)
 
 
@@ -368,6 +373,8 @@ def inspect_tree(
         return [], 0
     pinned = pin_table(scheduler).pinned_node_ids()
     storage_has = getattr(tree, "node_in_storage", None)
+    # NOTE: a namespaced key folds the namespace into every token id; the preview shows tokens.
+    split_key = getattr(tree, "split_key", lambda key: (None, list(key)))
     order: list[tuple[Any, int, int]] = []  # (node, depth, prefix_len)
     stack = [(c, 1, 0) for c in reversed(list(tree.root_node.children.values()))]
     while stack:
@@ -393,7 +400,7 @@ def inspect_tree(
                 depth,
                 len(node.key),
                 plen,
-                list(node.key[:preview_tokens]),
+                split_key(tuple(node.key[:preview_tokens]))[1],
                 residency,
                 node.lock_ref,
                 node.id in pinned,

@@ -26,6 +26,9 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs | lof | random
     schedule_conservativeness: float = 1.0
+    # lpm / dfs-weight: a request waiting longer than this is served in arrival order ahead of
+    # better-cached ones (no starvation); <= 0 disables aging
+    schedule_aging_s: float = 2.0
     # Prefix cache
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu
@@ -49,7 +52,16 @@ class ServerArgs:
     hicache_storage_backend: str | None = None  # file
     hicache_storage_dir: str | None = None
     hicache_storage_size_gb: float = 16.0
-    hicache_storage_prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout
+    # Tokens per L3 object, a multiple of page_size; None = 64 rounded up to a multiple of
+    # page_size. A tail shorter than one object is not stored.
+    hicache_storage_page_size: int | None = None
+    # best_effort | wait_complete | timeout. NOTE: SGLang defaults to best_effort, which admits a
+    # request with whatever arrived when it is scheduled: on an idle server that is nothing.
+    # timeout admits as soon as the prefetch is complete, at most base + per-1k-token later.
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_prefetch_timeout_base: float = 1.0  # seconds
+    hicache_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1,024 prefetched tokens
+    hicache_prefetch_threshold: int = 256  # minimum L3 hit (tokens) worth a prefetch
     # Debug
     debug_check_invariants: bool = False  # check KV accounting after every scheduler step
 
@@ -82,6 +94,16 @@ class ServerArgs:
             raise ValueError(
                 f"unknown hicache_storage_prefetch_policy {self.hicache_storage_prefetch_policy!r}"
             )
+        if self.hicache_storage_page_size is None:
+            self.hicache_storage_page_size = -(-64 // self.page_size) * self.page_size
+        sps = self.hicache_storage_page_size
+        if sps < 1 or sps % self.page_size:
+            raise ValueError(f"hicache_storage_page_size must be a positive multiple of page_size "
+                             f"({self.page_size}), got {sps}")
+        if self.hicache_prefetch_timeout_base < 0 or self.hicache_prefetch_timeout_per_ki_token < 0:
+            raise ValueError("hicache_prefetch_timeout_base / _per_ki_token must be >= 0")
+        if self.hicache_prefetch_threshold < 0:
+            raise ValueError("hicache_prefetch_threshold must be >= 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -169,7 +169,7 @@ class Engine:
             self.runner.device,
             namespace,
         )
-        self.scheduler.inbox.put(("req", req))
+        self.scheduler.submit(req)
         return RequestHandle(req.rid, req, self._thread.is_alive)
 
     def generate(
@@ -213,7 +213,7 @@ class Engine:
                 self.abort(handle.rid)
 
     def abort(self, rid: str) -> None:
-        self.scheduler.inbox.put(("abort", rid))
+        self.scheduler.request_abort(rid)
 
     # --- cache and introspection -------------------------------------------------------------
     def call_in_scheduler(self, fn: Callable[[Scheduler], T], timeout: float | None = 60.0) -> T:
@@ -232,6 +232,7 @@ class Engine:
             return
         self._closed = True
         self._stop.set()
+        self.scheduler.wake()
         self._thread.join(timeout=30)
         close = getattr(self.scheduler.tree_cache, "shutdown", None)
         if close is not None:

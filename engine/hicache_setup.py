@@ -17,11 +17,12 @@ DEFAULT_STORAGE_DIR = os.path.join("~", ".cache", "hicache", "kv")
 log = logging.getLogger(__name__)
 
 
-def model_fingerprint(hf_config: Any, dtype: Any, page_size: int) -> str:
-    """Hash of the model config, KV dtype and page size: L3 pages of another model never match."""
+def model_fingerprint(hf_config: Any, dtype: Any, object_size: int) -> str:
+    """Hash of the model config, KV dtype and L3 object size: objects of another model (or
+    another object size) never match."""
     to_json = getattr(hf_config, "to_json_string", None)
     cfg = to_json(use_diff=False) if to_json is not None else repr(hf_config)
-    return hashlib.sha256(f"{cfg}|{dtype}|P{page_size}".encode()).hexdigest()[:32]
+    return hashlib.sha256(f"{cfg}|{dtype}|S{object_size}".encode()).hexdigest()[:32]
 
 
 def build_storage(args: ServerArgs) -> Any:
@@ -32,7 +33,10 @@ def build_storage(args: ServerArgs) -> Any:
     from hicache.storage.file import FileStorageBackend
 
     directory = os.path.expanduser(args.hicache_storage_dir or DEFAULT_STORAGE_DIR)
-    return FileStorageBackend(directory, int(args.hicache_storage_size_gb * (1 << 30)))
+    # NOTE: no rescan inside stats() (it runs on the scheduler thread): the L3 backup thread
+    # rescans when idle (hicache.storage_io)
+    return FileStorageBackend(directory, int(args.hicache_storage_size_gb * (1 << 30)),
+                              reconcile_interval_s=None)
 
 
 def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
@@ -49,11 +53,16 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
     host_pool = MHATokenToKVPoolHost(
         size, ps, kv_pool.dtype, kv_pool.head_num, kv_pool.head_dim, kv_pool.layer_num,
         layout=args.hicache_mem_layout)  # fmt: skip
+    sps = args.hicache_storage_page_size
     controller = HiCacheController(
         kv_pool, host_pool, allocator, io_backend=args.hicache_io_backend,
         storage=build_storage(args),
-        model_fingerprint=model_fingerprint(runner.hf_config, kv_pool.dtype, ps),
-        prefetch_policy=args.hicache_storage_prefetch_policy)  # fmt: skip
+        model_fingerprint=model_fingerprint(runner.hf_config, kv_pool.dtype, sps),
+        storage_object_size=sps)  # fmt: skip
     return HiRadixCache(runner.req_to_token_pool, allocator, ps, host_pool, controller,
                         write_policy=args.hicache_write_policy,
-                        eviction_policy=args.radix_eviction_policy)
+                        eviction_policy=args.radix_eviction_policy,
+                        prefetch_threshold=args.hicache_prefetch_threshold,
+                        prefetch_policy=args.hicache_storage_prefetch_policy,
+                        prefetch_timeout_base=args.hicache_prefetch_timeout_base,
+                        prefetch_timeout_per_ki_token=args.hicache_prefetch_timeout_per_ki_token)

@@ -76,8 +76,10 @@ class Req:
         # Accounting (first prefill only)
         self.cached_tokens = 0
         self.cached_tokens_per_tier: dict[str, int] = {"l1": 0, "l2": 0, "l3": 0}
-        self.host_hit_length = 0
-        self.l3_seen = 0  # most tokens any prefix match fetched from L3 for this request
+        self.host_hit_length = 0  # tokens of the match on host (L2), loaded back at admission
+        self.match_result: Any = None  # the tree's last match for this request ...
+        self.match_version: int | None = None  # ... valid while tree_cache.version is this
+        self.l3_tokens = 0  # tokens this request's own L3 prefetch put in the tree
         self.finished_reason: FinishReason | None = None
         self.to_abort = False
         # Streaming
@@ -111,6 +113,7 @@ class Req:
         self.extend_len = 0
         self.is_chunked = False
         self.req_pool_idx = None
+        self.match_result = None
         self.retractions += 1
 
     def check_finished(self, max_context_len: int) -> None:

@@ -35,6 +35,7 @@ class ChunkCache:
         self.root_node = TreeNode()
         self.root_node.value = self._empty()
         self.root_node.lock_ref = 1
+        self.version = 0  # nothing is ever cached: a match never goes stale
 
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -43,8 +44,11 @@ class ChunkCache:
         pass
 
     def match_prefix(self, key: list[int] | tuple[int, ...],
-                     namespace: str | None = None) -> MatchResult:
+                     namespace: str | None = None, touch: bool = True) -> MatchResult:
         return MatchResult(self._empty(), self.root_node, self.root_node)
+
+    def record_hit(self, node: TreeNode) -> None:
+        pass
 
     def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor) -> int:
         return 0

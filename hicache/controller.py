@@ -1,14 +1,17 @@
 """HiCacheController: the only code that moves KV bytes between tiers (seed 001).
 
-    tree --write(device_indices)--> write_queue --start_writing--> write worker: D->H all layers,
-         (host slots allocated+protected)                          then H->L3 pages (optional)
-                                                                   --> ack_write_queue
+    tree --write(device_indices)--> write_queue --start_writing--> write worker: D->H all
+         (host slots allocated+protected)                          layers --> ack_write_queue
     tree --load(host_indices)-----> load_queue --start_loading---> load worker: H->D layer by
          (device slots allocated, host protected)                  layer, LayerDoneCounter ticks
                                                                    --> ack_load_queue
-NOTE: worker threads only copy bytes. Host protection is released, and every allocator is
-touched, on the caller's (scheduler) thread in ``drain_write_acks`` / ``drain_load_acks``.
-L3 reads (``prefetch``) run on the caller's thread; see ``hicache.prefetch``.
+    tree --backup / prefetch------> StorageIO (hicache.storage_io): L2 -> L3 and L3 -> L2 on
+                                    their own threads, reading / writing host slots only
+
+NOTE: a device->host write is acknowledged as soon as its host bytes landed; L3 never holds a
+device page. Worker threads only copy bytes: host protection is released, and every allocator
+is touched, on the caller's (scheduler) thread in ``drain_write_acks`` / ``drain_load_acks``.
+Every ack calls ``notify`` so a scheduler blocked on its inbox wakes up.
 """
 
 from __future__ import annotations
@@ -16,15 +19,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hicache.copy_stream import CopyStream
-from hicache.storage.base import StorageBackend, page_hashes, prefix_hash_seed
+from hicache.storage.base import StorageBackend
+from hicache.storage_io import StorageIO
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +89,6 @@ class CacheOperation:
     device_indices: torch.Tensor  # [n] int64 device slots
     node_ids: list[int]
     priority: int = 0
-    # L3 backup of a write: (namespace, full token path up to the node's end, node tokens)
-    storage_paths: list[tuple[str | None, list[int], int]] = field(default_factory=list)
     ok: bool = True
     ready: Any = None  # CUDA: compute-stream event the copy must start after (CopyStream)
 
@@ -97,8 +98,7 @@ class CacheOperation:
             return ops[0]
         return CacheOperation(
             torch.cat([o.host_indices for o in ops]), torch.cat([o.device_indices for o in ops]),
-            [i for o in ops for i in o.node_ids], max(o.priority for o in ops),
-            [p for o in ops for p in o.storage_paths])  # fmt: skip
+            [i for o in ops for i in o.node_ids], max(o.priority for o in ops))  # fmt: skip
 
 
 class HiCacheController:
@@ -114,10 +114,8 @@ class HiCacheController:
         storage: StorageBackend | None = None,
         model_fingerprint: str = "",
         layer_hook: Callable[[int], None] | None = None,
-        prefetch_policy: str = "best_effort",
-        prefetch_timeout_s: float = 2.0,
+        storage_object_size: int | None = None,
     ) -> None:
-        self.prefetch_policy, self.prefetch_timeout_s = prefetch_policy, prefetch_timeout_s
         self.device_pool, self.host_pool = device_pool, host_pool
         self.device_allocator = device_allocator
         self.io_backend = io_backend
@@ -125,6 +123,11 @@ class HiCacheController:
         self.page_size = host_pool.page_size
         self.storage = storage
         self.model_fingerprint = model_fingerprint
+        self.notify: Callable[[], None] | None = None  # set by the owner (scheduler wake-up)
+        self.storage_io: StorageIO | None = None
+        if storage is not None:
+            self.storage_io = StorageIO(storage, host_pool, storage_object_size or 64,
+                                        model_fingerprint, notify=self._notify)
         self.layer_hook = layer_hook  # test instrumentation: called after each loaded layer
         self.bytes_per_token = device_pool.bytes_per_token()
         # CUDA: one side stream per direction, so copies overlap the forward (CPU: no-ops)
@@ -135,8 +138,7 @@ class HiCacheController:
         self.ack_write_queue: queue.Queue[CacheOperation] = queue.Queue()
         self.ack_load_queue: queue.Queue[CacheOperation] = queue.Queue()
         self.current_load = LayerDoneCounter(self.layer_num, done=self.layer_num)
-        self.stats = {"bytes_d2h": 0, "bytes_h2d": 0, "errors": 0, "l3_backup_pages": 0,
-                      "l3_backup_errors": 0, "l3_prefetch_pages": 0, "l3_prefetch_errors": 0}
+        self.stats = {"bytes_d2h": 0, "bytes_h2d": 0, "errors": 0}
         self._inflight_writes = 0
         self._inflight_loads = 0
         self._idle = threading.Condition()
@@ -151,9 +153,8 @@ class HiCacheController:
             t.start()
         self._closed = False
 
-    # ---- writes: device -> host (-> storage) -------------------------------------------------
-    def write(self, device_indices: torch.Tensor, node_id: int, priority: int = 0,
-              storage_path: tuple[str | None, list[int], int] | None = None
+    # ---- writes: device -> host ---------------------------------------------------------------
+    def write(self, device_indices: torch.Tensor, node_id: int, priority: int = 0
               ) -> torch.Tensor | None:
         """Allocate and protect host slots for ``device_indices`` and queue the copy; None when
         the host pool is full (the caller may evict host and retry)."""
@@ -161,9 +162,8 @@ class HiCacheController:
         if host_indices is None:
             return None
         self.host_pool.protect(host_indices)
-        paths = [storage_path] if storage_path is not None and self.storage is not None else []
         self.write_queue.append(CacheOperation(host_indices, device_indices.clone(), [node_id],
-                                               priority, paths))
+                                               priority))
         return host_indices
 
     def start_writing(self) -> None:
@@ -218,7 +218,8 @@ class HiCacheController:
 
     # ---- sync points -------------------------------------------------------------------------
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until every started write and load (storage backups included) finished."""
+        """Block until every started device<->host write and load finished (L3 backups and
+        prefetches are not waited for: see ``wait_storage_idle``)."""
         with self._idle:
             return self._idle.wait_for(
                 lambda: self._inflight_writes == 0 and self._inflight_loads == 0, timeout)
@@ -230,58 +231,21 @@ class HiCacheController:
         self.start_writing()
         self.start_loading()
         self.wait_idle(timeout=60)
+        if self.storage_io is not None:
+            self.storage_io.shutdown()
         self._closed = True
         self._write_jobs.put(None)
         self._load_jobs.put(None)
         for t in self._threads:
             t.join(timeout=10)
 
-    # ---- L3 keys -----------------------------------------------------------------------------
-    def storage_keys(self, token_ids: list[int], namespace: str | None) -> list[str]:
-        """One L3 key per full page of ``token_ids`` (a full path from the root)."""
-        fp = self.model_fingerprint + "|" + self.host_pool.storage_fingerprint()
-        return page_hashes(token_ids, self.page_size, prefix_hash_seed(fp, namespace))
+    def wait_storage_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued L3 backup and prefetch finished (acks not drained)."""
+        return self.storage_io is None or self.storage_io.wait_idle(timeout)
 
-    def storage_hits(self, keys: list[str]) -> int:
-        """Leading ``keys`` present in L3 (0 on error)."""
-        if self.storage is None or not keys:
-            return 0
-        try:
-            return self.storage.batch_exists(keys)
-        except Exception:
-            log.exception("L3 exists failed")
-            self.stats["l3_prefetch_errors"] += 1
-            return 0
-
-    def prefetch(self, keys: list[str], host_indices: torch.Tensor) -> int:
-        """Read L3 pages ``keys`` into host slots ``host_indices`` ([len(keys)*page] int64),
-        page by page on the caller's thread, per ``prefetch_policy``: ``wait_complete`` reads
-        every page, ``best_effort`` / ``timeout`` stop at ``prefetch_timeout_s``. Returns the
-        leading pages read; a miss or corrupt page stops the prefetch (counted, not raised)."""
-        assert self.storage is not None
-        deadline = (None if self.prefetch_policy == "wait_complete"
-                    else time.monotonic() + self.prefetch_timeout_s)
-        done = 0
-        for i, key in enumerate(keys):
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            try:
-                value = self.storage.get(key)
-                if value is None:
-                    break
-                host = host_indices[i * self.page_size: (i + 1) * self.page_size]
-                data = value if isinstance(value, torch.Tensor) else torch.frombuffer(
-                    bytearray(value), dtype=self.host_pool.store_dtype)
-                expected = self.host_pool.get_flat_data(host)
-                self.host_pool.set_from_flat_data(host, data.view(expected.dtype)
-                                                  .reshape(expected.shape))
-            except Exception:
-                log.exception("L3 prefetch failed")
-                self.stats["l3_prefetch_errors"] += 1
-                break
-            done += 1
-        self.stats["l3_prefetch_pages"] += done
-        return done
+    def _notify(self) -> None:
+        if self.notify is not None:
+            self.notify()
 
     # ---- workers -----------------------------------------------------------------------------
     def _drain(self, q: queue.Queue[CacheOperation]) -> list[CacheOperation]:
@@ -301,6 +265,7 @@ class HiCacheController:
             else:
                 self._inflight_loads -= 1
             self._idle.notify_all()
+        self._notify()
 
     def _write_worker(self) -> None:
         while (op := self._write_jobs.get()) is not None:
@@ -308,36 +273,15 @@ class HiCacheController:
                 with self.write_stream.running(after=op.ready):
                     self.host_pool.backup_from_device_all_layer(
                         self.device_pool, op.host_indices, op.device_indices, self.io_backend)
-                self.write_stream.synchronize()  # host bytes complete before ack / L3 backup
+                self.write_stream.synchronize()  # host bytes complete before the ack
                 self.stats["bytes_d2h"] += len(op.host_indices) * self.bytes_per_token
             except Exception:
                 log.exception("device->host write failed")
                 self.stats["errors"] += 1
                 op.ok = False
                 self.write_stream.synchronize()  # nothing still in flight once acked
-            if op.ok and op.storage_paths:
-                self._backup_to_storage(op)
             self.ack_write_queue.put(op)
             self._done("write")
-
-    def _backup_to_storage(self, op: CacheOperation) -> None:
-        """Write the pages of each node of ``op`` to L3 (errors counted, never raised)."""
-        assert self.storage is not None
-        pos = 0
-        for namespace, path, num_tokens in op.storage_paths:
-            try:
-                keys = self.storage_keys(path, namespace)[-(num_tokens // self.page_size):]
-                host = op.host_indices[pos: pos + num_tokens]
-                values = [self.host_pool.get_flat_data(host[i * self.page_size:
-                                                            (i + 1) * self.page_size])
-                          for i in range(len(keys))]
-                ok = self.storage.batch_set(keys, values)
-                self.stats["l3_backup_pages"] += sum(ok)
-                self.stats["l3_backup_errors"] += len(ok) - sum(ok)
-            except Exception:
-                log.exception("L3 backup failed")
-                self.stats["l3_backup_errors"] += 1
-            pos += num_tokens
 
     def _load_worker(self) -> None:
         while (job := self._load_jobs.get()) is not None:

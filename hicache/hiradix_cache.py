@@ -10,7 +10,12 @@ A node's KV lives on device (``value``), on host (``host_value``) or both:
 NOTE invariants: descendants of a host-only node are host-only, so every root path is a device
 part followed by a host part; a node with an in-flight write or load is locked (lock_ref > 0);
 every device slot is free / in ``node.value`` / held by a request; every host slot is free /
-in ``node.host_value`` / pending free behind an in-flight copy.
+in ``node.host_value`` / pending free behind an in-flight copy (D<->H, L3 backup or prefetch).
+
+L3 (``hicache.hiradix_storage``): a written node's objects are backed up from its host slots
+after the write is acknowledged; a waiting request's L3 hit is prefetched into host slots on
+the controller's threads and inserted as a host-only node. ``version`` changes whenever the
+cached tokens or their tiers change, so callers can keep a match until the tree changed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 
 from hicache.controller import HiCacheController
+from hicache.hiradix_storage import StorageMixin
 from hicache.radix_cache import MatchResult, RadixCache, TreeNode
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -40,7 +46,7 @@ def _result(device_indices: torch.Tensor, last_device: TreeNode, last_host: Tree
     return res
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(StorageMixin, RadixCache):
     def __init__(
         self,
         req_to_token_pool: Any,
@@ -53,6 +59,9 @@ class HiRadixCache(RadixCache):
         load_back_threshold: int = 0,
         prefetch_threshold: int | None = None,
         event_log: Any = None,
+        prefetch_policy: str = "timeout",
+        prefetch_timeout_base: float = 1.0,
+        prefetch_timeout_per_ki_token: float = 0.25,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write_policy {write_policy!r}")
@@ -61,11 +70,12 @@ class HiRadixCache(RadixCache):
         self.storage = controller.storage
         self.write_policy = write_policy
         self.load_back_threshold = load_back_threshold
-        self.prefetch_threshold = page_size if prefetch_threshold is None else prefetch_threshold
         self.ongoing_write: dict[int, TreeNode] = {}
         self.ongoing_load: dict[int, list[TreeNode]] = {}
         self.counters = {"evictions": 0, "demotions": 0, "promotions": 0, "host_evictions": 0,
-                         "l3_prefetch_tokens": 0, "load_errors": 0}
+                         "load_errors": 0}
+        self._init_storage(prefetch_policy, prefetch_timeout_base, prefetch_timeout_per_ki_token,
+                           page_size if prefetch_threshold is None else prefetch_threshold)
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size,
                          eviction_policy=eviction_policy)
         self.event_log = event_log
@@ -74,21 +84,30 @@ class HiRadixCache(RadixCache):
     def reset(self) -> None:
         """Drop the tree and every host slot (device slots: clear the allocator alongside)."""
         if hasattr(self, "ongoing_write"):
+            self.cancel_all_prefetches()
             self.controller.start_writing()
             self.controller.wait_idle()
+            self.check()
+            self.controller.wait_storage_idle()
             self.check()
             self.host_pool.clear()
         super().reset()
 
     def shutdown(self) -> None:
-        """Stop the copy workers after flushing queued writes (and their L3 backups)."""
+        """Stop the copy workers after flushing queued writes and their L3 backups."""
+        self.cancel_all_prefetches()
+        self.controller.start_writing()
+        self.controller.wait_idle(timeout=60)
+        self.check()  # acknowledged writes queue their L3 backups
         self.controller.shutdown()
         self.check()
 
     def check(self) -> None:
-        """Drain finished writes and loads (scheduler thread); safe to call every step."""
+        """Drain finished writes, loads, L3 backups and prefetches (scheduler thread); safe to
+        call every step."""
         self.writing_check()
         self.loading_check()
+        self.storage_check()
 
     def writing_check(self) -> None:
         for op in self.controller.drain_write_acks():
@@ -98,8 +117,10 @@ class HiRadixCache(RadixCache):
                     continue
                 if not op.ok and node.host_value is not None:
                     self.host_pool.free(node.host_value)
-                    node.host_value = None
+                    self._set_host(node, None)
                 self.dec_lock_ref(node)
+                if op.ok:
+                    self.backup_to_storage(node)
 
     def loading_check(self) -> None:
         for op in self.controller.drain_load_acks():
@@ -130,13 +151,19 @@ class HiRadixCache(RadixCache):
         return delta
 
     def _set_value(self, node: TreeNode, value: torch.Tensor) -> None:
+        self._bump()
         node.value = value
         if node.lock_ref > 0:
             self._protected_size += len(value)
         else:
             self._evictable_size += len(value)
 
+    def _set_host(self, node: TreeNode, host_value: torch.Tensor | None) -> None:
+        self._bump()
+        node.host_value = host_value
+
     def _drop_value(self, node: TreeNode) -> None:
+        self._bump()
         if node.lock_ref > 0:
             self._protected_size -= len(node.key)
         else:
@@ -145,29 +172,36 @@ class HiRadixCache(RadixCache):
 
     # ---- match / insert ----------------------------------------------------------------------
     def match_prefix(self, key: list[int] | tuple[int, ...],
-                     namespace: str | None = None) -> HiMatchResult:
+                     namespace: str | None = None, touch: bool = True) -> HiMatchResult:
+        """L1 + L2 match (no L3 I/O: see ``start_prefetch``). ``touch`` counts a hit and, for
+        ``write_through_selective``, backs up nodes that reached two hits."""
         self.check()
         key = self._align(self.key_of(key, namespace))
         tiers = {"l1": 0, "l2": 0, "l3": 0}
         if self.disable or not key:
             return _result(self._empty(), self.root_node, self.root_node, 0, tiers)
-        _, last_node, matched = self._match_helper(key)
+        _, last_node, matched = self._match_helper(key, hit=True if touch else None)
         path = self._path(last_node)
         device = [n for n in path if n.value is not None]
-        for node in device:
-            self._maybe_backup(node)
-        self.controller.start_writing()
+        if touch:
+            self._backup_hot(device)
         host_len = sum(len(n.key) for n in path[len(device):])
         tiers["l1"], tiers["l2"] = matched - host_len, host_len
-        if self.storage is not None and matched < len(key):
-            new = self._prefetch_from_storage(last_node, key, matched)
-            if new is not None:
-                last_node, tiers["l3"] = new, len(new.key)
-                host_len += len(new.key)
         values = [n.value for n in device]
         device_indices = torch.cat(values) if values else self._empty()
         last_device = device[-1] if device else self.root_node
         return _result(device_indices, last_device, last_node, host_len, tiers)
+
+    def record_hit(self, node: TreeNode) -> None:
+        """One admission used the prefix ending at ``node`` (see RadixCache.record_hit)."""
+        super().record_hit(node)
+        path = self._path(node)
+        self._backup_hot([n for n in path if n.value is not None])
+
+    def _backup_hot(self, device: list[TreeNode]) -> None:
+        for node in device:
+            self._maybe_backup(node)
+        self.controller.start_writing()
 
     def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor) -> int:
         """As RadixCache.insert; host-only nodes on the path take the caller's slots (revive),
@@ -180,7 +214,7 @@ class HiRadixCache(RadixCache):
             child = node.children.get(self._page_key(key[pos:]))
             if child is None:
                 break
-            self._touch(child)
+            self._touch(child, hit=False)
             plen = self._key_match(child.key, key[pos:])
             if plen < len(child.key):
                 child = self._split_node(child, plen)
@@ -276,17 +310,13 @@ class HiRadixCache(RadixCache):
         """Queue a D->H copy of ``node`` (locked until acknowledged); False when no host room."""
         if node.value is None or node.host_value is not None or node.id in self.ongoing_write:
             return False
-        path = None
-        if self.storage is not None:
-            ns, tokens = self.split_key(self._path_key(node))
-            path = (ns, tokens, len(node.key))
-        host_indices = self.controller.write(node.value, node.id, storage_path=path)
+        host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
             self.evict_host(len(node.key) - self.host_pool.available_size())
-            host_indices = self.controller.write(node.value, node.id, storage_path=path)
+            host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
             return False
-        node.host_value = host_indices
+        self._set_host(node, host_indices)
         self.ongoing_write[node.id] = node
         self.inc_lock_ref(node)
         return True
@@ -299,6 +329,10 @@ class HiRadixCache(RadixCache):
     def _is_device_leaf(self, n: TreeNode) -> bool:
         return (n is not self.root_node and n.value is not None and n.lock_ref == 0
                 and all(c.value is None for c in n.children.values()))
+
+    def _host_protected_below(self, node: TreeNode) -> bool:
+        """A pending prefetch anchors on ``node`` or a host-only descendant."""
+        return any(d.host_ref > 0 for d in self._subtree(node))
 
     def evict(self, num_tokens: int) -> int:
         """Free >= ``num_tokens`` device slots if possible: backed-up leaves are demoted to host,
@@ -322,6 +356,8 @@ class HiRadixCache(RadixCache):
                 self.writing_check()
             if node.host_value is not None:
                 num_evicted += self._demote(node)
+            elif self._host_protected_below(node):
+                continue  # deleting would drop a waiting request's prefetch anchor
             else:
                 num_evicted += self._delete_subtree(node)
             if self._is_device_leaf(parent):
@@ -349,7 +385,7 @@ class HiRadixCache(RadixCache):
         for d in self._subtree(node)[1:]:
             if d.host_value is not None:
                 self.host_pool.free(d.host_value)
-                d.host_value = None
+                self._set_host(d, None)
                 self._emit("removed", "l2", len(d.key), d)
         node.children = {}
         return self._evict_leaf(node)
@@ -368,7 +404,7 @@ class HiRadixCache(RadixCache):
                 continue
             parent = node.parent
             self.host_pool.free(node.host_value)
-            node.host_value = None
+            self._set_host(node, None)
             self._delete_leaf(node)
             freed += len(node.key)
             self._emit("removed", "l2", len(node.key), node)
@@ -379,45 +415,7 @@ class HiRadixCache(RadixCache):
 
     def _is_host_leaf(self, n: TreeNode) -> bool:
         return (n is not self.root_node and n.value is None and n.host_value is not None
-                and not n.children and n.lock_ref == 0)
-
-    # ---- L3 ----------------------------------------------------------------------------------
-    def _prefetch_from_storage(self, last_node: TreeNode, key: tuple[int, ...],
-                               matched: int) -> TreeNode | None:
-        """Read the L3 pages after ``key[:matched]`` into host slots; they become a host-only
-        child of ``last_node``. Returns it, or None on a miss / no room."""
-        ns, tokens = self.split_key(key)
-        keys = self.controller.storage_keys(tokens, ns)[matched // self.page_size:]
-        num_pages = self.controller.storage_hits(keys)
-        need = num_pages * self.page_size
-        if need == 0 or need < self.prefetch_threshold:
-            return None
-        if self.host_pool.available_size() < need:
-            self.inc_lock_ref(last_node)  # keep the path (host-only nodes too) out of eviction
-            self.evict_host(need - self.host_pool.available_size())
-            self.dec_lock_ref(last_node)
-        host_indices = self.host_pool.alloc(need)
-        if host_indices is None:
-            return None
-        got = self.controller.prefetch(keys[:num_pages], host_indices) * self.page_size
-        if got < need:
-            self.host_pool.free(host_indices[got:])
-        if got == 0:
-            return None
-        node = TreeNode(key[matched: matched + got])
-        node.host_value = host_indices[:got]
-        node.parent = last_node
-        last_node.children[self._page_key(node.key)] = node
-        self.counters["l3_prefetch_tokens"] += got
-        self._emit("stored", "l2", got, node)
-        return node
-
-    def node_in_storage(self, node: TreeNode) -> bool:
-        if self.storage is None:
-            return False
-        ns, tokens = self.split_key(self._path_key(node))
-        keys = self.controller.storage_keys(tokens, ns)[-(len(node.key) // self.page_size):]
-        return self.controller.storage_hits(keys) == len(keys)
+                and not n.children and n.lock_ref == 0 and n.host_ref == 0)
 
     # ---- admin -------------------------------------------------------------------------------
     def flush_tier(self, tier: str) -> int:
@@ -431,14 +429,14 @@ class HiRadixCache(RadixCache):
         if tier == "l2":
             freed = self.evict_host(1 << 62)
             for n in self._all_nodes():
-                if n.value is not None and n.host_value is not None and n.lock_ref == 0:
+                if (n.value is not None and n.host_value is not None and n.lock_ref == 0
+                        and n.host_ref == 0):
                     self.host_pool.free(n.host_value)
-                    n.host_value = None
+                    self._set_host(n, None)
                     freed += len(n.key)
             return freed
         if tier == "l3" and self.storage is not None:
-            self.storage.clear()
-            return 0
+            return self.clear_storage()
         raise ValueError(f"tier {tier!r} is not enabled")
 
     def clear(self, tiers: list[str] | tuple[str, ...] = ("l1", "l2", "l3")) -> int:
@@ -462,19 +460,7 @@ class HiRadixCache(RadixCache):
         }
         out: dict[str, dict[str, Any]] = {"l2": l2}
         if self.storage is not None:
-            l3: dict[str, Any] = dict(self.storage.stats())
-            # Pages are the storage's unit; tokens are what the other tiers report.
-            page_tokens, page_bytes = self.page_size, self.page_size * self.controller.bytes_per_token
-            if "objects" in l3:
-                l3["used_tokens"] = l3["objects"] * page_tokens
-            if "capacity_bytes" in l3:
-                l3["capacity_tokens"] = l3["capacity_bytes"] // page_bytes * page_tokens
-            l3["backup_pages"] = s["l3_backup_pages"]
-            l3["prefetch_pages"] = s["l3_prefetch_pages"]
-            l3["prefetch_tokens"] = c["l3_prefetch_tokens"]
-            l3["errors"] = (l3.get("errors", 0) + s["l3_backup_errors"]
-                            + s["l3_prefetch_errors"])
-            out["l3"] = l3
+            out["l3"] = self.storage_stats()
         return out
 
     def check_integrity(self) -> None:

@@ -187,9 +187,11 @@ class MHATokenToKVPoolHost:
     # ---- bytes -----------------------------------------------------------------------------
     def storage_fingerprint(self) -> str:
         """What decides the flat (L3) byte format; fold it into the L3 hash seed."""
+        # NOTE: the device page size is not part of it: an object's flat bytes are the same
+        # whichever page size wrote them.
         return (
             f"{self.layout}:{self.store_dtype}:L{self.layer_num}:H{self.head_num}"
-            f":D{self.head_dim}:P{self.page_size}"
+            f":D{self.head_dim}"
         )
 
     @property
@@ -203,6 +205,13 @@ class MHATokenToKVPoolHost:
         out) as one contiguous host tensor in the layout's order (see ``flat_token_dim``), for
         L3 backup."""
         return transfer.gather_tokens(self.kv_buffer, indices, self.layout, out, self.page_size)
+
+    def get_flat_data_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of ``get_flat_data`` for ``num_tokens`` tokens."""
+        L, H, D = self.layer_num, self.head_num, self.head_dim
+        if self.layout == "layer_first":
+            return (2, L, num_tokens, H, D)
+        return (2, num_tokens, L, H, D)
 
     def set_from_flat_data(self, indices: torch.Tensor, data: torch.Tensor) -> None:
         """Write ``data`` (the ``get_flat_data`` form for ``len(indices)`` tokens) at ``indices``."""

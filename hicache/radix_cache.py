@@ -36,6 +36,8 @@ class TreeNode:
         self.key = key  # token ids, len % page_size == 0
         self.value = value  # [len(key)] int64 slots on device; None = not on device
         self.host_value: torch.Tensor | None = None  # HiRadixCache: [len(key)] int64 host slots
+        self.host_ref = 0  # HiRadixCache: protections against host eviction (prefetch anchors)
+        self.in_storage = False  # HiRadixCache: the L3 objects ending inside this node are stored
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent: TreeNode | None = None
         self.lock_ref = 0
@@ -88,6 +90,7 @@ class RadixCache:
     # ---- public API -------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop the whole tree. NOTE: slots are not freed; clear the allocator alongside."""
+        self._bump()
         self.root_node = TreeNode()
         self.root_node.value = self._empty()
         self.root_node.lock_ref = 1  # the root is never evicted
@@ -125,12 +128,15 @@ class RadixCache:
         return ns, [t & 0xFFFFFFFF for t in key]
 
     def match_prefix(self, key: list[int] | tuple[int, ...],
-                     namespace: str | None = None) -> MatchResult:
-        """Longest cached page-aligned prefix of ``key``; splits the node the match ends inside."""
+                     namespace: str | None = None, touch: bool = True) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key``; splits the node the match ends inside.
+        ``touch``: count a hit on the matched nodes (access time, hit count). The scheduler
+        matches waiting requests with ``touch=False`` and counts the hit once, at admission
+        (``record_hit``), so re-matching never skews LRU / LFU."""
         key = self._align(self.key_of(key, namespace))
         if self.disable or not key:
             return MatchResult(self._empty(), self.root_node, self.root_node)
-        values, node, _ = self._match_helper(key)
+        values, node, _ = self._match_helper(key, hit=True if touch else None)
         device_indices = torch.cat(values) if values else self._empty()
         return MatchResult(device_indices, node, node)
 
@@ -140,7 +146,7 @@ class RadixCache:
         key = self._align(key)
         if self.disable or not key:
             return 0
-        _, node, prefix_len = self._match_helper(key)
+        _, node, prefix_len = self._match_helper(key, hit=False)
         if prefix_len < len(key):
             self._add_leaf(node, key[prefix_len:], value[prefix_len: len(key)].to(torch.int64))
         return prefix_len
@@ -189,7 +195,8 @@ class RadixCache:
         old_prefix_len = len(req.prefix_indices)
         new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
         self._free_duplicates(kv_indices, old_prefix_len, new_prefix_len)
-        new_indices, new_last_node, _, _ = self.match_prefix(token_ids[:aligned_len])
+        new_indices, new_last_node, _, _ = self.match_prefix(token_ids[:aligned_len],
+                                                             touch=False)
         if len(new_indices) != aligned_len:
             raise AssertionError(f"re-match found {len(new_indices)} of {aligned_len} tokens")
         start = min(old_prefix_len, aligned_len) // self.page_size * self.page_size
@@ -198,6 +205,16 @@ class RadixCache:
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = torch.cat((new_indices, kv_indices[aligned_len:]))
         req.last_node = new_last_node
+
+    def record_hit(self, node: TreeNode) -> None:
+        """One admission used the prefix ending at ``node``: touch every node of its path."""
+        while node is not None and node is not self.root_node:
+            self._touch(node, hit=True)
+            node = node.parent
+
+    def _bump(self) -> None:
+        """The set of cached tokens or their tiers changed: cached matches are stale."""
+        self.version = getattr(self, "version", 0) + 1
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock ``node`` and its ancestors; returns the change of evictable_size (<= 0)."""
@@ -315,25 +332,30 @@ class RadixCache:
             i += 1
         return i // self.page_size * self.page_size
 
-    def _touch(self, node: TreeNode) -> None:
+    def _touch(self, node: TreeNode, hit: bool = True) -> None:
         node.last_access_time = next(_clock)
-        node.hit_count += 1
+        if hit:
+            node.hit_count += 1
 
     def _priority(self, node: TreeNode) -> tuple[int, ...]:
         if self.eviction_policy == "lfu":
             return (node.hit_count, node.last_access_time)
         return (node.last_access_time,)
 
-    def _match_helper(self, key: tuple[int, ...]) -> tuple[list[torch.Tensor], TreeNode, int]:
+    def _match_helper(self, key: tuple[int, ...], hit: bool | None = True
+                      ) -> tuple[list[torch.Tensor], TreeNode, int]:
         """Walk ``key`` down from the root, splitting the node the match ends inside; returns
-        the matched nodes' values, the deepest matched node and the matched length."""
+        the matched nodes' values, the deepest matched node and the matched length.
+        ``hit``: True touches and counts a hit, False only refreshes the access time, None
+        leaves the nodes as they are."""
         values: list[torch.Tensor] = []
         node, matched = self.root_node, 0
         while matched < len(key):
             child = node.children.get(self._page_key(key[matched:]))
             if child is None:
                 break
-            self._touch(child)
+            if hit is not None:
+                self._touch(child, hit)
             prefix_len = self._key_match(child.key, key[matched:])
             node = child if prefix_len == len(child.key) else self._split_node(child, prefix_len)
             values.append(node.value)
@@ -351,6 +373,7 @@ class RadixCache:
             child.host_value = child.host_value[split_len:]
         new_node.parent, new_node.lock_ref = child.parent, child.lock_ref
         new_node.last_access_time, new_node.hit_count = child.last_access_time, child.hit_count
+        new_node.in_storage = child.in_storage  # objects ending in either part were stored
         child.key = child.key[split_len:]
         child.value = None if child.value is None else child.value[split_len:]
         new_node.children = {self._page_key(child.key): child}
@@ -359,7 +382,9 @@ class RadixCache:
         return new_node
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor) -> TreeNode:
+        self._bump()
         node = TreeNode(key, value)
+        node.hit_count = 1  # the request that computed it used it once
         node.parent = parent
         parent.children[self._page_key(key)] = node
         self._evictable_size += len(key)
@@ -381,6 +406,7 @@ class RadixCache:
         return num_tokens
 
     def _delete_leaf(self, node: TreeNode) -> None:
+        self._bump()
         del node.parent.children[self._page_key(node.key)]
         if node.value is not None:
             self._evictable_size -= len(node.key)

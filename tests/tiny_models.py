@@ -35,10 +35,10 @@ def make_tokenizer(vocab_size: int = 384):
 def make_config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=2048, rms_norm_eps=1e-6, eos_token_id=0,
-                  bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    common = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "eos_token_id": 0,
+                  "bos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": False}
     common.update(overrides)
     if arch == "llama":
         return LlamaConfig(rope_theta=10000.0, **common)

@@ -1,8 +1,15 @@
-"""SchedulePolicy: the order in which waiting requests are considered (seed 004)."""
+"""SchedulePolicy: the order in which waiting requests are considered (seed 004).
+
+Aging (``lpm``, ``dfs-weight``): a request that has waited ``aging_s`` goes ahead of the
+cache-ordered rest, in arrival order. Cache-aware orders serve well-cached requests first,
+which wins on the median but, without aging, lets follow-up turns overtake a first turn
+forever; aging bounds that wait while the young requests keep the cache order.
+"""
 
 from __future__ import annotations
 
 import random
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -16,12 +23,13 @@ IN_BATCH_PREFIX_THRESHOLD = 32
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: Any, seed: int = 0):
+    def __init__(self, policy: str, tree_cache: Any, seed: int = 0, aging_s: float = 0.0):
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        self.aging_s = aging_s
 
-    def calc_priority(self, waiting: list[Req], match_fn) -> set[str]:
+    def calc_priority(self, waiting: list[Req], match_fn, now: float | None = None) -> set[str]:
         """Sorts `waiting` in place; returns rids deprioritized by in-batch prefix dedup.
         match_fn(req) computes req.prefix_indices / req.last_node from the tree."""
         policy = self.policy
@@ -30,11 +38,20 @@ class SchedulePolicy:
         for r in waiting:
             match_fn(r)
         deprioritized = self._in_batch_dedup(waiting)
+        now = time.monotonic() if now is None else now
+        aging = self.aging_s > 0 and policy in ("lpm", "dfs-weight")
+
+        def aged(r: Req) -> bool:
+            return aging and now - r.created >= self.aging_s
+
         if policy == "lpm":
-            waiting.sort(key=lambda r: (r.rid in deprioritized, -len(r.prefix_indices)))
+            # cached = device + host part (a load-back is far cheaper than a recompute)
+            waiting.sort(key=lambda r: (0, r.created, 0) if aged(r) else (
+                1, r.rid in deprioritized, -(len(r.prefix_indices) + r.host_hit_length)))
         elif policy == "dfs-weight":
             self._sort_dfs_weight(waiting)
-            waiting.sort(key=lambda r: r.rid in deprioritized)  # stable: keeps DFS order
+            # stable: keeps DFS order among the young
+            waiting.sort(key=lambda r: (0, r.created) if aged(r) else (1, r.rid in deprioritized))
         elif policy == "lof":
             waiting.sort(key=lambda r: (r.rid in deprioritized, -r.max_new_tokens))
         elif policy == "random":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 from engine.request import Req
@@ -33,6 +34,7 @@ class PrefillAdder:
         page_size: int,
     ):
         self.tree_cache = tree_cache
+        self.allocator = allocator
         self.page_size = page_size
         reserved = sum(
             int(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * new_token_ratio)
@@ -45,10 +47,9 @@ class PrefillAdder:
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
 
-    def _lock(self, req: Req) -> None:
-        # Locking moves the prefix from evictable to protected: that space is no longer ours.
-        if req.last_node is not None:
-            self.rem_total_tokens += self.tree_cache.inc_lock_ref(req.last_node) or 0  # delta <= 0
+    def _room(self) -> int:
+        """Device tokens a prefill could still get: free + evictable."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
 
     def _take(self, req: Req, remaining: int, reserve: int) -> AddResult:
         """Schedules `remaining` prompt tokens of req (chunked if needed)."""
@@ -71,28 +72,50 @@ class PrefillAdder:
         return AddResult.CONTINUE
 
     def add_chunked_req(self, req: Req) -> AddResult:
-        """Continues a request that was cut by the chunk budget last round (already locked)."""
+        """Continues a request that was cut by the chunk budget last round (already locked).
+        The chunk shrinks to what the KV budget holds (whole pages); none fits: NO_TOKEN."""
         req.fill_ids = req.all_ids()  # the tree saw only the computed part
         remaining = len(req.fill_ids) - req.kv_len
+        fits = max(0, self.rem_total_tokens) // self.page_size * self.page_size
+        if fits <= 0:
+            return AddResult.NO_TOKEN
+        if fits < remaining and (self.rem_chunk_tokens is None or fits < self.rem_chunk_tokens):
+            self.rem_chunk_tokens = fits
         return self._take(req, remaining, 0)
 
-    def add_one_req(self, req: Req, num_running: int = 0) -> AddResult:
-        remaining = len(req.fill_ids) - len(req.prefix_indices)
-        reserve = int(min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
-        need = _ceil(remaining, self.page_size) + reserve
+    def add_one_req(self, req: Req, num_running: int = 0,
+                    load_back: Callable[[Req], None] | None = None) -> AddResult:
+        """Admit ``req`` if its KV fits the budget, locking its matched prefix.
+
+        NOTE: the budget is checked *with* the prefix locked (a locked prefix is no longer
+        evictable room), and the host (L2) part of the match counts as tokens to place:
+        ``load_back(req)``, run only once it fits, takes device slots for it. Every change of
+        free + evictable room (slots loaded into, nodes locked) is charged."""
         if self.rem_input_tokens <= 0 or (
             self.rem_chunk_tokens is not None and self.rem_chunk_tokens < self.page_size
         ):
             return AddResult.OTHER
-        if need > self.rem_total_tokens:
+        reserve = int(min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+        # device tokens it needs: the host part to load back + the tokens to compute
+        remaining = len(req.fill_ids) - len(req.prefix_indices)
+        room0 = self._room()
+        locked = req.last_node
+        if locked is not None:
+            self.tree_cache.inc_lock_ref(locked)
+        rem = self.rem_total_tokens - (room0 - self._room())
+        if _ceil(remaining, self.page_size) + reserve > rem:
             # Still admit it when nothing else runs and the prompt alone fits: the decode phase
             # retracts if it must; otherwise a long request could starve forever.
-            if (
-                self.can_run
-                or num_running
-                or _ceil(remaining, self.page_size) > self.rem_total_tokens
-            ):
+            if self.can_run or num_running or _ceil(remaining, self.page_size) > rem:
+                if locked is not None:
+                    self.tree_cache.dec_lock_ref(locked)
                 return AddResult.NO_TOKEN
             reserve = 0
-        self._lock(req)
-        return self._take(req, remaining, reserve)
+        if load_back is not None:
+            load_back(req)
+            if req.last_node is not locked:  # the lock follows the (longer) device prefix
+                self.tree_cache.inc_lock_ref(req.last_node)
+                if locked is not None:
+                    self.tree_cache.dec_lock_ref(locked)
+        self.rem_total_tokens -= room0 - self._room()
+        return self._take(req, len(req.fill_ids) - len(req.prefix_indices), reserve)

@@ -1,6 +1,10 @@
 """Scheduler: waiting queue -> prefill/decode batches -> results (seeds 000, 002, 004).
 
 One thread owns every cache structure; other threads talk to it only through the inbox.
+The loop never spins: when a step does nothing it blocks on the inbox, which new requests,
+aborts, admin calls and every cache-copy acknowledgement (``wake``) feed, with a timeout for
+prefetch deadlines. A waiting request's prefix match is computed on arrival and again only
+when the tree changed (``tree_cache.version``); its L3 prefetch starts once, on arrival.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from engine.scheduler.stats import CacheCounters
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.5  # longest sleep with nothing to do (pin TTLs are checked at this resolution)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
@@ -46,7 +51,8 @@ class Scheduler:
             args.page_size,
             runner.device,
         )
-        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, args.random_seed)
+        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, args.random_seed,
+                                     aging_s=args.schedule_aging_s)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -59,24 +65,60 @@ class Scheduler:
         self._inflight: list[Req] = []  # the extend batch being run (for failure cleanup)
         self._oom_streak = 0  # consecutive prefill batches that did not fit
         self._prefill_cap: int | None = None  # max requests per prefill while recovering
+        self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
+        self._wake_pending = threading.Event()
+        self._inbox_lock = threading.Lock()
+        self._inbox_reqs = 0  # ("req", ...) items in the inbox
+        self._inbox_aborts = 0  # ("abort", ...) items in the inbox
+        controller = getattr(tree_cache, "controller", None)
+        if controller is not None:
+            controller.notify = self.wake  # copy acks wake a sleeping loop
 
     # --- inbox -------------------------------------------------------------------------------
     def num_queued(self) -> int:
-        return len(self.waiting) + self.inbox.qsize()
+        """Requests not yet admitted: waiting, or still in the inbox (not wake-ups, aborts or
+        admin calls)."""
+        # NOTE: an abort still in the inbox frees its place already (the client is gone); for
+        # a running request that undercounts by one until the abort is processed
+        return max(0, len(self.waiting) + self._inbox_reqs - self._inbox_aborts)
+
+    def request_abort(self, rid: str) -> None:
+        """Any thread: abort ``rid`` (waiting or running) at the next loop pass."""
+        with self._inbox_lock:
+            self._inbox_aborts += 1
+        self.inbox.put(("abort", rid))
+
+    def submit(self, req: Req) -> None:
+        """Any thread: hand a new request to the scheduler thread."""
+        with self._inbox_lock:
+            self._inbox_reqs += 1
+        self.inbox.put(("req", req))
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked_req is None
 
-    def process_inbox(self, block: bool, timeout: float = 0.05) -> None:
+    def wake(self) -> None:
+        """Any thread: make a sleeping loop run a step (coalesced)."""
+        if not self._wake_pending.is_set():
+            self._wake_pending.set()
+            self.inbox.put(("wake",))
+
+    def process_inbox(self, block: bool, timeout: float = IDLE_WAIT_S) -> None:
         try:
             item = self.inbox.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return
         while True:
             kind = item[0]
-            if kind == "req":
-                self.waiting.append(item[1])
+            if kind == "wake":
+                self._wake_pending.clear()
+            elif kind == "req":
+                with self._inbox_lock:
+                    self._inbox_reqs -= 1
+                self._on_arrival(item[1])
             elif kind == "abort":
+                with self._inbox_lock:
+                    self._inbox_aborts -= 1
                 self.abort(item[1])
             elif kind == "call":
                 fn, fut = item[1], item[2]
@@ -98,12 +140,24 @@ class Scheduler:
     # --- main loop ---------------------------------------------------------------------------
     def run_loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            self.process_inbox(block=self.is_idle())
+            self.loop_iterations += 1
+            self.process_inbox(block=False)
             try:
-                self.step()
+                worked = self.step()
             except Exception:  # never let one bad batch kill the daemon
                 log.exception("scheduler step failed; aborting every request")
                 self._fail_all("internal error in the scheduler step")
+                worked = True
+            if not worked and not stop.is_set():
+                # NOTE: nothing could run: sleep until a request, an abort, a copy ack or the
+                # next prefetch deadline instead of polling (the copy threads need the GIL).
+                self.process_inbox(block=True, timeout=self._sleep_time())
+
+    def _sleep_time(self) -> float:
+        deadline = getattr(self.tree_cache, "prefetch_deadline", lambda: None)()
+        if deadline is None:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(0.001, deadline - time.monotonic()))
 
     def step(self) -> bool:
         check = getattr(self.tree_cache, "check", None)
@@ -122,19 +176,29 @@ class Scheduler:
             self.check_kv_invariant()
         return True
 
+    def _on_arrival(self, req: Req) -> None:
+        """A new request: match it once and start its L3 prefetch (HiRadixCache + storage)."""
+        self.waiting.append(req)
+        self._match(req)
+        start = getattr(self.tree_cache, "start_prefetch", None)
+        if start is not None:
+            start(req.rid, req.fill_ids[: len(req.fill_ids) - 1], req.cache_namespace,
+                  req.match_result)
+
     def _match(self, req: Req) -> None:
+        """The request's L1 + L2 prefix match, recomputed only when the tree changed. A match
+        does not count as a hit (``record_hit`` at admission does)."""
+        if req.match_result is not None and req.match_version == self.tree_cache.version:
+            return
         req.fill_ids = req.all_ids()
         # Keep at least one token to compute: its logits give the next token.
         key = req.fill_ids[: len(req.fill_ids) - 1]
-        res = self.tree_cache.match_prefix(key, namespace=req.cache_namespace)
+        res = self.tree_cache.match_prefix(key, namespace=req.cache_namespace, touch=False)
         req.prefix_indices = res.device_indices
         req.last_node = res.last_device_node
         req.host_hit_length = getattr(res, "host_hit_length", 0)
         req.match_result = res
-        # NOTE: an L3 prefetch lands in L2, so a later re-match of a still-waiting request sees
-        # those tokens as L2; remember the most L3 tokens any match fetched for it.
-        tiers = getattr(res, "tier_tokens", None) or {}
-        req.l3_seen = max(req.l3_seen, tiers.get("l3", 0))
+        req.match_version = self.tree_cache.version  # after the match: it may drain acks
 
     def get_new_batch_prefill(self) -> list[Req] | None:
         if not self.waiting and self.chunked_req is None:
@@ -164,8 +228,12 @@ class Scheduler:
                     continue
                 if self._prefill_cap is not None and len(adder.can_run) >= self._prefill_cap:
                     break
-                self._load_back(req)
-                if adder.add_one_req(req, num_running=len(self.running)) != AddResult.CONTINUE:
+                if not self._prefetch_ready(req):
+                    continue  # its L3 prefetch policy says wait; later requests may go
+                self._match(req)  # an earlier admission or the prefetch may have changed it
+                res = adder.add_one_req(req, num_running=len(self.running),
+                                        load_back=self._load_back)
+                if res != AddResult.CONTINUE:
                     break
         if not adder.can_run:
             return None
@@ -176,16 +244,24 @@ class Scheduler:
             self._count_hit(req)
         return adder.can_run
 
+    def _prefetch_ready(self, req: Req) -> bool:
+        """HiRadixCache + L3: may ``req`` be admitted now (prefetch policy)?"""
+        poll = getattr(self.tree_cache, "poll_prefetch", None)
+        if poll is None:
+            return True
+        got = poll(req.rid)
+        if got is None:
+            return False
+        req.l3_tokens = got
+        return True
+
     def _load_back(self, req: Req) -> None:
-        """HiRadixCache hook: bring host-resident prefix KV back to the device."""
+        """HiRadixCache hook: bring the host-resident part of ``req``'s match to the device.
+        NOTE: wait=False: the load overlaps the next forward layer by layer (run_extend sets
+        fb.wait_layer); every path that skips that forward calls _wait_pending_loads."""
         init = getattr(self.tree_cache, "init_load_back", None)
-        if init is None:
+        if init is None or not req.host_hit_length:
             return
-        # NOTE: called for every admitted request, host hit or not: an earlier request's load
-        # may have evicted or demoted nodes this request's match points to; init_load_back
-        # re-walks the path and returns the fresh device prefix.
-        # NOTE: wait=False: the load overlaps the next forward layer by layer (run_extend sets
-        # fb.wait_layer); every path that skips that forward calls _wait_pending_loads.
         indices, node = init(req.last_node, req.match_result, wait=False)
         req.prefix_indices, req.last_node = indices, node
 
@@ -199,15 +275,21 @@ class Scheduler:
             wait()
 
     def _count_hit(self, req: Req) -> None:
+        """Admission: the hit counts once (tree access times / hit counts, and our tiers)."""
         if getattr(req, "_counted", False):
-            return
+            return  # a chunk of an admitted request, or a retracted one coming back
         req._counted = True
+        finish = getattr(self.tree_cache, "finish_prefetch", None)
+        if finish is not None:
+            finish(req.rid)
+        if req.last_node is not None:
+            self.tree_cache.record_hit(req.last_node)
         res = req.match_result
         tiers = dict(getattr(res, "tier_tokens", None) or {"l1": len(req.prefix_indices)})
-        if req.l3_seen > tiers.get("l3", 0) and tiers.get("l2", 0):
-            moved = min(req.l3_seen - tiers.get("l3", 0), tiers["l2"])
-            tiers["l2"] -= moved
-            tiers["l3"] = tiers.get("l3", 0) + moved
+        # NOTE: a prefetch lands in L2, so the match sees those tokens as L2: they came from L3
+        moved = min(req.l3_tokens, tiers.get("l2", 0))
+        tiers["l2"] = tiers.get("l2", 0) - moved
+        tiers["l3"] = tiers.get("l3", 0) + moved
         for tier, n in tiers.items():
             req.cached_tokens_per_tier[tier] = n
         req.cached_tokens = len(req.prefix_indices)
@@ -222,7 +304,8 @@ class Scheduler:
             fb = self.builder.prepare_extend(reqs)
         except OutOfKVError as e:
             # The budget was too optimistic: nothing was allocated, so requeue and decode.
-            log.warning("prefill batch of %d did not fit the KV pool; requeued", len(reqs))
+            log.warning("prefill batch of %d did not fit the KV pool (%s); requeued",
+                        len(reqs), e)
             self._wait_pending_loads()  # no forward will wait: land the loads (acked later)
             self._requeue(reqs)
             self._inflight = []
@@ -267,6 +350,7 @@ class Scheduler:
             return
         req = reqs[0]
         self.waiting.remove(req)
+        self._cancel_prefetch(req)
         req.finished_reason = FinishReason(
             "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
         req.emit()
@@ -283,6 +367,7 @@ class Scheduler:
             elif req.last_node is not None:
                 self.tree_cache.dec_lock_ref(req.last_node)
                 req.last_node = None
+            req.match_result = None  # re-match: the locks (and maybe the tree) changed
         self.waiting[:0] = reqs
 
     def _cache_unfinished(self, req: Req) -> None:
@@ -358,10 +443,16 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
     # --- aborts ------------------------------------------------------------------------------
+    def _cancel_prefetch(self, req: Req) -> None:
+        cancel = getattr(self.tree_cache, "cancel_prefetch", None)
+        if cancel is not None:
+            cancel(req.rid)
+
     def abort(self, rid: str) -> None:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
+                self._cancel_prefetch(req)
                 req.finished_reason = FinishReason("abort", message="aborted by the client")
                 req.emit()
                 return
@@ -395,6 +486,10 @@ class Scheduler:
         for req in self.waiting:
             if req.last_node is not None and req.req_pool_idx is None:
                 req.last_node = None  # matched but never locked
+            try:
+                self._cancel_prefetch(req)
+            except Exception:
+                log.exception("cancelling the prefetch of %s failed", req.rid)
             req.finished_reason = FinishReason("abort", message=message)
             req.emit()
         self.waiting = []

@@ -103,11 +103,11 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                         metrics.request_finished(chunk, t0, t_first, t_last)
                     yield gen_pb2.GenerateResponse(request_id=rid, complete=complete(chunk))
         finally:
+            if not finished:  # client cancel, deadline, or server shutdown: free the KV
+                engine.abort(rid)
             st.active.pop(rid, None)
             if metrics is not None:
                 metrics.stream_ended()
-            if not finished:  # client cancel, deadline, or server shutdown: free the KV
-                engine.abort(rid)
 
     @rpc
     async def Abort(
@@ -158,9 +158,11 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         if st.engine is not None:
             args = st.engine.server_args
             config.update({k: json.dumps(v, default=str) for k, v in args.to_dict().items()})
+            # NOTE: the tree_factory's rules: no radix cache, no lower tiers; no L2, no L3.
+            hier = args.enable_hierarchical_cache and not args.disable_radix_cache
             features += ["radix_cache"] if not args.disable_radix_cache else []
-            features += ["hierarchical_cache"] if args.enable_hierarchical_cache else []
-            features += ["l3_storage"] if args.hicache_storage_backend else []
+            features += ["hierarchical_cache"] if hier else []
+            features += ["l3_storage"] if hier and args.hicache_storage_backend else []
         features += ["cache_events"] if st.event_log is not None else []
         features += ["auth"] if st.settings.token else []
         features += ["admin_auth"] if st.settings.admin_token else []

@@ -53,6 +53,7 @@ class CacheCollector:
                 if isinstance(stats.get(tier), dict) and key in stats[tier]:
                     c.add_metric([tier], float(stats[tier][key]))
             yield c
+        yield from _l3_families(stats.get("l3"))
         yield CounterMetricFamily(
             "hicache_cache_miss_tokens",
             "Prompt tokens computed",
@@ -68,6 +69,35 @@ class CacheCollector:
             "Requests in the running batch",
             value=float(stats.get("running_requests", 0)),
         )
+
+
+# L3 pipeline: stats key -> (metric name, help, counter?)
+_L3 = {
+    "backup_objects": ("hicache_l3_backup_objects", "L3 objects written by backups", True),
+    "prefetch_objects": ("hicache_l3_prefetch_objects", "L3 objects read by prefetches", True),
+    "prefetch_tokens": ("hicache_l3_prefetch_tokens", "Tokens prefetches put in L2", True),
+    "prefetch_started": ("hicache_l3_prefetches", "Prefetches started", True),
+    "prefetch_cancelled": ("hicache_l3_prefetch_cancelled", "Prefetches cancelled", True),
+    "backup_deferred": ("hicache_l3_backup_deferred_nodes",
+                        "Node backups that waited for room (too many in flight)", True),
+    "backup_dropped_nodes": ("hicache_l3_backup_dropped_nodes",
+                             "Deferred node backups dropped: the node left L2 first", True),
+    "repaired_objects": ("hicache_l3_repaired_objects", "Lost objects written again", True),
+    "errors": ("hicache_l3_errors", "L3 errors", True),
+    "vanished": ("hicache_l3_vanished_objects", "Objects found gone or damaged", True),
+    "objects": ("hicache_l3_objects", "Objects in L3", False),
+    "pending_backups": ("hicache_l3_pending_backups", "Backups in flight", False),
+    "pending_prefetches": ("hicache_l3_pending_prefetches", "Prefetches in flight", False),
+}
+
+
+def _l3_families(l3: Any) -> Iterator[Any]:
+    if not isinstance(l3, dict):
+        return
+    for key, (name, doc, counter) in _L3.items():
+        if key in l3:
+            cls = CounterMetricFamily if counter else GaugeMetricFamily
+            yield cls(name, doc, value=float(l3[key]))
 
 
 class Metrics:

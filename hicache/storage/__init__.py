@@ -6,6 +6,7 @@ from hicache.storage.base import (
     StorageBackend,
     StorageStats,
     StorageValue,
+    object_keys,
     page_hashes,
     prefix_hash_seed,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "StorageBackend",
     "StorageStats",
     "StorageValue",
+    "object_keys",
     "page_hashes",
     "prefix_hash_seed",
 ]

@@ -1,45 +1,67 @@
-"""L3 storage: the StorageBackend interface and the per-page key hashing.
+"""L3 storage: the StorageBackend interface and the chained object keys.
 
-A key names one page of KV (all layers, K and V, in the host pool's flat form). Keys chain:
+An L3 *object* holds the KV of ``object_size`` consecutive tokens (``hicache_storage_page_size``,
+a multiple of the device page size): all layers, K and V, in the host pool's flat form. Keys
+chain from the root of the token path:
 
-    seed = sha256("hicache-l3-v1" | model fingerprint | namespace)
-    key[0] = sha256(seed | tokens[0:P])      key[i] = sha256(key[i-1] | tokens[i*P:(i+1)*P])
+    seed   = sha256("hicache-l3-v2" | model fingerprint | namespace)
+    key[0] = sha256(seed | tokens[0:S])      key[i] = sha256(key[i-1] | tokens[i*S:(i+1)*S])
 
-so a key stands for the whole prefix up to its page, and different models / namespaces never
-share keys. Token ids are hashed as little-endian int32 bytes; a partial tail page has no key.
+so a key stands for the whole prefix up to its object, and different models / namespaces never
+share keys. Token ids are hashed as little-endian int32 bytes; a tail shorter than one object has
+no key (it is never stored). ``key[i-1]`` is ``key[i]``'s *parent*: a backend that loses an
+object also forgets every object after it in its chain (they can no longer be reached).
 """
 
 from __future__ import annotations
 
 import hashlib
-import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 StorageValue = torch.Tensor | bytes
+KEY_VERSION = "hicache-l3-v2"
 
 
 def prefix_hash_seed(model_fingerprint: str, namespace: str | None = None) -> str:
     """Seed of the key chain for one model (include the host pool's storage fingerprint) and
     namespace (None = shared)."""
-    parts = ("hicache-l3-v1", model_fingerprint, namespace or "")
+    parts = (KEY_VERSION, model_fingerprint, namespace or "")
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, prefix_hash_seed: str) -> list[str]:
-    """One hex SHA-256 key per full page of ``token_ids``, chained from ``prefix_hash_seed``."""
-    prev = prefix_hash_seed.encode()
+def object_keys(token_ids: Sequence[int], object_size: int, seed: str, start: int = 0,
+                prev: str | None = None) -> list[str]:
+    """One hex SHA-256 key per full object of ``token_ids``, chained from ``seed``.
+
+    ``start`` (a multiple of ``object_size``) and ``prev`` (the key of the object ending at
+    ``start``; None when ``start == 0``) continue a chain computed earlier."""
+    if start % object_size:
+        raise ValueError(f"start {start} is not a multiple of the object size {object_size}")
+    if start and prev is None:
+        raise ValueError("continuing a key chain needs the previous key")
+    num = (len(token_ids) - start) // object_size
+    if num <= 0:
+        return []
+    raw = np.asarray(token_ids[start: start + num * object_size], dtype="<i4").tobytes()
+    step = 4 * object_size
+    h_prev = bytes.fromhex(prev) if prev is not None else seed.encode()
     out: list[str] = []
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        page = token_ids[start : start + page_size]
-        h = hashlib.sha256(prev)
-        h.update(struct.pack(f"<{page_size}i", *page))
-        prev = h.digest()
+    for i in range(num):
+        h = hashlib.sha256(h_prev)
+        h.update(raw[i * step: (i + 1) * step])
+        h_prev = h.digest()
         out.append(h.hexdigest())
     return out
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, seed: str) -> list[str]:
+    """``object_keys`` from the start of the path (kept for callers that name pages)."""
+    return object_keys(token_ids, page_size, seed)
 
 
 @dataclass
@@ -54,6 +76,7 @@ class StorageStats:
     errors: int = 0
     evictions: int = 0
     corrupt: int = 0
+    vanished: int = 0  # objects the index listed that were gone (or dropped with their parent)
     bytes_read: int = 0
     bytes_written: int = 0
 
@@ -62,8 +85,8 @@ class StorageStats:
 
 
 class StorageBackend(ABC):
-    """An L3 key -> page store. Methods never raise on I/O trouble: they report misses / False
-    and count errors. Implementations are safe to call from several threads."""
+    """An L3 key -> object store. Methods never raise on I/O trouble: they report misses /
+    False and count errors. Implementations are safe to call from several threads."""
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> int:
@@ -71,15 +94,18 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def batch_get(self, keys: Sequence[str]) -> list[StorageValue | None]:
-        """Value per key, None for a miss (absent, corrupt or unreadable)."""
+        """Value per key, None for a miss. A key found absent, corrupt or unreadable is
+        forgotten together with every key chained after it (see the module docstring)."""
 
     @abstractmethod
-    def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue]) -> list[bool]:
-        """Store each value; True when it is (now or already) stored."""
+    def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
+                  parents: Sequence[str | None] | None = None) -> list[bool]:
+        """Store each value; True when it is (now or already) stored. ``parents[i]`` is the
+        key chained before ``keys[i]`` (None: the first object of its chain)."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
-        """Remove one key if present."""
+        """Remove one key (and the keys chained after it) if present."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -87,8 +113,17 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def stats(self) -> dict[str, int]:
-        """objects, bytes, capacity_bytes, hits, misses, errors, evictions, bytes_read,
-        bytes_written (and backend extras)."""
+        """objects, bytes, capacity_bytes, hits, misses, errors, evictions, corrupt, vanished,
+        bytes_read, bytes_written (and backend extras)."""
+
+    def reconcile(self) -> int:
+        """Make the index agree with what the store really holds (objects removed or damaged
+        behind this process's back); returns the objects dropped. Default: nothing to do."""
+        return 0
+
+    def exists_mask(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key (not only the leading ones)."""
+        return [self.batch_exists([k]) == 1 for k in keys]
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -96,5 +131,5 @@ class StorageBackend(ABC):
     def get(self, key: str) -> StorageValue | None:
         return self.batch_get([key])[0]
 
-    def set(self, key: str, value: StorageValue) -> bool:
-        return self.batch_set([key], [value])[0]
+    def set(self, key: str, value: StorageValue, parent: str | None = None) -> bool:
+        return self.batch_set([key], [value], [parent])[0]

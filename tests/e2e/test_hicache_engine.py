@@ -55,6 +55,7 @@ def test_restart_hits_l3(tiny_llama_dir, tmp_path):
     prompt = _prompts(1, seed=5, length=50)[0]
     opts = {"enable_hierarchical_cache": True, "max_total_tokens": 256, "page_size": 16,
             "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "kv"),
+            "hicache_storage_page_size": 16, "hicache_prefetch_threshold": 0,
             "debug_check_invariants": True}
     with Engine(tiny_llama_dir, **opts) as eng:
         first = eng.generate(prompt, GREEDY)
@@ -117,7 +118,7 @@ def _second_turn_logits(model_dir: str, conv: list[int], fillers: list[list[int]
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("restart", [True, False])
 def test_prefill_logits_bit_identical_from_l3(tiny_llama_dir, tmp_path, layout, page_size,
                                               restart):
@@ -134,7 +135,9 @@ def test_prefill_logits_bit_identical_from_l3(tiny_llama_dir, tmp_path, layout, 
         tiny_llama_dir, conv, fillers, restart=restart, page_size=page_size,
         max_total_tokens=256, enable_hierarchical_cache=True,
         hicache_mem_layout=layout, hicache_storage_backend="file",
-        hicache_storage_dir=str(tmp_path / "kv"), hicache_storage_prefetch_policy="wait_complete")
+        hicache_storage_dir=str(tmp_path / "kv"), hicache_storage_prefetch_policy="wait_complete",
+        # objects of one page: L3 then holds exactly what a huge L1 caches (page-aligned)
+        hicache_storage_page_size=page_size, hicache_prefetch_threshold=0)
     assert stats["l3"]["hit_tokens"] > 0 and stats["l3"]["errors"] == 0
     assert big.cached_tokens == l3.cached_tokens > 0
     assert l3.cached_tokens_per_tier.get("l3", 0) == l3.cached_tokens  # none left in L1 or L2

@@ -30,18 +30,26 @@ class Rig:
 
     def __init__(self, page_size: int = 1, device_size: int = 32, host_size: int = 64,
                  policy: str = "write_through", layout: str = "layer_first",
-                 storage_dir: str | None = None, layer_hook=None) -> None:
+                 storage_dir: str | None = None, layer_hook=None, storage=None,
+                 object_size: int | None = None, prefetch_policy: str = "wait_complete",
+                 prefetch_timeout_base: float = 1.0) -> None:
         self.page_size = page_size
         self.allocator = TokenToKVPoolAllocator(device_size, page_size, "cpu")
         self.kv_pool = MHATokenToKVPool(device_size, page_size, torch.float32, H, D, L, "cpu")
         self.host_pool = MHATokenToKVPoolHost(host_size, page_size, torch.float32, H, D, L,
                                               layout=layout)
-        storage = FileStorageBackend(storage_dir, 1 << 26) if storage_dir else None
+        if storage is None and storage_dir:
+            storage = FileStorageBackend(storage_dir, 1 << 26)
+        self.object_size = object_size or page_size * 4
         self.controller = HiCacheController(self.kv_pool, self.host_pool, self.allocator,
                                             storage=storage, model_fingerprint="test-model",
-                                            layer_hook=layer_hook)
+                                            layer_hook=layer_hook,
+                                            storage_object_size=self.object_size)
         self.tree = HiRadixCache(None, self.allocator, page_size, self.host_pool,
-                                 self.controller, write_policy=policy)
+                                 self.controller, write_policy=policy, prefetch_threshold=0,
+                                 prefetch_policy=prefetch_policy,
+                                 prefetch_timeout_base=prefetch_timeout_base,
+                                 prefetch_timeout_per_ki_token=0.0)
         self.kv: dict[int, torch.Tensor] = {}  # token id -> [2, L, H, D] bytes written for it
 
     def token_kv(self, token: int) -> torch.Tensor:
@@ -76,8 +84,11 @@ class Rig:
             assert torch.equal(self.kv_pool.v_buffer[layer][indices], want_v)
 
     def settle(self) -> None:
+        """Every write, load and L3 backup landed and acknowledged."""
         self.controller.start_writing()
         self.controller.wait_idle()
+        self.tree.check()
+        self.controller.wait_storage_idle()
         self.tree.check()
 
     def check_invariants(self, held: torch.Tensor | None = None) -> None:
@@ -171,11 +182,12 @@ def test_write_through_selective_backs_up_after_second_hit(rigs):
     key = list(range(20))
     r.insert(key)
     r.settle()
-    assert r.tree.all_host_slots().numel() == 0
-    r.tree.match_prefix(key)
+    assert r.tree.all_host_slots().numel() == 0  # one use: the request that computed it
+    for _ in range(3):
+        r.tree.match_prefix(key, touch=False)  # waiting requests' matches are not hits
     r.settle()
-    assert r.tree.all_host_slots().numel() == 0  # one hit
-    r.tree.match_prefix(key)
+    assert r.tree.all_host_slots().numel() == 0
+    r.tree.match_prefix(key)  # the second use
     r.settle()
     assert r.tree.all_host_slots().numel() == 20
     r.check_invariants()
@@ -239,39 +251,43 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
     key = list(range(1000, 1032))
     r.insert(key)
     r.settle()
-    assert r.controller.stats["l3_backup_pages"] == 32 // page_size
+    S = r.object_size
+    assert r.tree.tier_stats()["l3"]["backup_objects"] == 32 // S
     r.tree.flush_tier("l1")
     r.tree.flush_tier("l2")
     r.check_invariants()
     assert r.tree.total_size() == 0 and r.tree.all_host_slots().numel() == 0
+    assert r.tree.match_prefix(key).host_hit_length == 0  # a match does no L3 I/O
+    assert r.tree.fetch_from_storage(key) == 32
     res = r.tree.match_prefix(key)
-    assert res.tier_tokens["l3"] == 32 and res.host_hit_length == 32
+    assert res.host_hit_length == 32
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
     r.check_invariants()
     l3 = r.tree.tier_stats()["l3"]
-    assert l3["prefetch_pages"] == 32 // page_size
-    # tokens, like the other tiers: 32 tokens stored, capacity whole pages of the byte cap
+    assert l3["prefetch_objects"] == 32 // S and l3["prefetch_tokens"] == 32
+    # tokens, like the other tiers: 32 tokens stored, capacity whole objects of the byte cap
     assert l3["used_tokens"] == 32
-    assert l3["capacity_tokens"] > 32 and l3["capacity_tokens"] % page_size == 0
+    assert l3["capacity_tokens"] > 32 and l3["capacity_tokens"] % S == 0
 
     r2 = rigs(page_size=page_size, storage_dir=d)  # restart: a new cache on the same dir
     r2.kv = r.kv
+    assert r2.tree.fetch_from_storage(key[:16] + [7] * 8) == 16
     res = r2.tree.match_prefix(key[:16] + [7] * 8)
-    assert res.tier_tokens["l3"] == 16
+    assert res.host_hit_length == 16
     indices, _ = r2.tree.init_load_back(res.last_device_node, res)
     r2.assert_device_kv(key[:16], indices)
-    assert r2.tree.match_prefix(key, namespace="other").host_hit_length == 0
+    assert r2.tree.fetch_from_storage(key, namespace="other") == 0
 
     r3 = rigs(page_size=page_size, storage_dir=d)
     files = sorted(glob.glob(os.path.join(d, "**", "*.kv"), recursive=True))
     assert files
-    for f in files:  # corrupt every page: a miss, never wrong bytes
+    for f in files:  # corrupt every object: a miss, never wrong bytes
         with open(f, "r+b") as fh:
             fh.seek(-4, os.SEEK_END)
             fh.write(b"\xff\x00\xff\x00")
-    res = r3.tree.match_prefix(key)
-    assert res.host_hit_length == 0 and res.tier_tokens["l3"] == 0
+    assert r3.tree.fetch_from_storage(key) == 0
+    assert r3.tree.match_prefix(key).host_hit_length == 0
     r3.check_invariants()
 
 

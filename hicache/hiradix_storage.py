@@ -1,0 +1,431 @@
+"""The L3 half of HiRadixCache: which objects to back up, which to prefetch, and how a
+prefetch enters the tree. Bytes move on the controller's StorageIO threads.
+
+Objects are ``S`` = ``object_size`` tokens, aligned from the root of the token path; object
+``i`` covers tokens ``[i*S, (i+1)*S)`` and "ends inside" the node that holds token
+``(i+1)*S - 1``. A tail shorter than S has no object.
+
+    backup   a node's D->H write is acknowledged -> the objects ending inside it are read from
+             the host slots of its path (protected until stored) by the backup thread
+    prefetch a waiting request matched m tokens in L1+L2 and L3 holds objects up to h*S > m:
+             objects m//S .. h-1 are read into fresh host slots by the prefetch thread
+             positions:  0 ........ (m//S)*S ..... m ............... h*S
+                         | tree (L1/L2)          |  new host-only node |
+                         |           | prefetched; the part < m is freed |
+             The request's turn (``poll_prefetch``) or the read's end inserts what landed.
+    repair   L3 lost objects that L2 still holds (deleted, corrupt): the next match of that
+             prefix backs them up again.
+
+NOTE: a pending prefetch holds ``host_ref`` on its anchor node (the end of the tree match, then
+the inserted node), so host eviction cannot take the path it will hang from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.radix_cache import TreeNode
+from hicache.storage_io import BackupJob, PrefetchOperation
+
+log = logging.getLogger(__name__)
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# At most this share of the host pool may be protected by L3 backups in flight; beyond it a
+# node's backup waits in ``deferred_backups`` (submitted as backups land) rather than letting a
+# slow store pin all of L2. A deferred node that leaves L2 before its turn is not backed up.
+MAX_BACKUP_HOST_SHARE = 0.5
+
+
+@dataclass
+class PrefetchState:
+    op: PrefetchOperation
+    anchor: TreeNode | None  # holds host_ref until the request is admitted or goes away
+    key: tuple[int, ...]  # namespaced tree key up to the end of the last object
+    start: int  # token position of the first object (a multiple of S)
+    inserted: int = 0  # tokens the tree took from it
+    collected: bool = False
+
+
+class StorageMixin:
+    """L3 bookkeeping for HiRadixCache (expects its tree, host pool and controller)."""
+
+    def _init_storage(self, policy: str, timeout_base: float, timeout_per_ki_token: float,
+                      threshold: int) -> None:
+        if policy not in PREFETCH_POLICIES:
+            raise ValueError(f"unknown prefetch policy {policy!r}; expected {PREFETCH_POLICIES}")
+        self.prefetch_policy = policy
+        self.prefetch_timeout_base = timeout_base
+        self.prefetch_timeout_per_ki_token = timeout_per_ki_token
+        self.prefetch_threshold = threshold
+        self.storage_io = self.controller.storage_io
+        self.object_size = self.storage_io.object_size if self.storage_io is not None else 0
+        self.ongoing_prefetch: dict[str, PrefetchState] = {}
+        self._prefetch_by_op: dict[int, PrefetchState] = {}
+        self.ongoing_backup: dict[int, tuple[BackupJob, list[TreeNode], str | None]] = {}
+        self._repairing: set[str] = set()  # first missing key of each repair in flight
+        self.deferred_backups: OrderedDict[int, TreeNode] = OrderedDict()  # node id -> node
+        self.backup_host_tokens = 0  # host slots protected by backups in flight
+        self.l3_counters = {"prefetch_started": 0, "prefetch_tokens": 0, "prefetch_skipped": 0,
+                            "prefetch_cancelled": 0, "prefetch_discarded_tokens": 0,
+                            "prefetch_partial": 0, "backup_deferred": 0,
+                            "backup_dropped_nodes": 0, "repaired_objects": 0}
+
+    # ---- keys --------------------------------------------------------------------------------
+    def storage_keys(self, key: tuple[int, ...]) -> list[str]:
+        """Object keys of a (namespaced, aligned) tree key; [] without L3."""
+        if self.storage_io is None:
+            return []
+        ns, tokens = self.split_key(key)
+        return self.storage_io.keys(tokens, ns)
+
+    def storage_hit(self, keys: list[str]) -> int:
+        """Leading ``keys`` present in L3 (0 on error)."""
+        if self.storage is None or not keys:
+            return 0
+        try:
+            return self.storage.batch_exists(keys)
+        except Exception:
+            log.exception("L3 exists failed")
+            self.storage_io.stats["prefetch_errors"] += 1
+            return 0
+
+    def storage_prefix_len(self, key: list[int], namespace: str | None = None) -> int:
+        """Tokens of ``key``'s prefix held by L3 (whole objects; admin MatchPrefix)."""
+        if self.storage_io is None:
+            return 0
+        full = self._align(self.key_of(key, namespace))
+        return self.storage_hit(self.storage_keys(full)) * self.object_size
+
+    # ---- backup (L2 -> L3) -------------------------------------------------------------------
+    def backup_to_storage(self, node: TreeNode) -> bool:
+        """Queue the objects ending inside ``node`` (host slots of its path); False when
+        there is nothing to do or it cannot be done now."""
+        if self.storage_io is None or node.in_storage or node.host_value is None:
+            return False
+        path = self._path(node)
+        if not path or path[-1] is not node:
+            return False  # no longer in the tree
+        end = sum(len(n.key) for n in path)
+        start = end - len(node.key)
+        S = self.object_size
+        first, last = start // S, end // S
+        if last <= first:
+            node.in_storage = True  # no object ends inside it
+            return False
+        if self._backup_full((last - first) * S):
+            if node.id not in self.deferred_backups:
+                self.deferred_backups[node.id] = node
+                self.l3_counters["backup_deferred"] += 1
+            return False
+        return self._submit_backup(path, first, last, [node])
+
+    def _backup_full(self, tokens: int) -> bool:
+        """Would ``tokens`` more host slots in flight exceed the backups' share of L2?"""
+        return (self.backup_host_tokens > 0 and self.backup_host_tokens + tokens
+                > MAX_BACKUP_HOST_SHARE * self.host_pool.size)
+
+    def _submit_deferred(self) -> None:
+        while self.deferred_backups:
+            node_id, node = next(iter(self.deferred_backups.items()))
+            need = len(node.key) + self.object_size  # at most: its objects reach back one
+            if self._backup_full(need):
+                return
+            del self.deferred_backups[node_id]
+            if node.host_value is None or not self._path(node) or self._path(node)[-1] is not node:
+                self.l3_counters["backup_dropped_nodes"] += 1  # left L2 before its turn
+                continue
+            self.backup_to_storage(node)
+
+    def _submit_backup(self, path: list[TreeNode], first: int, last: int,
+                       nodes: list[TreeNode], repair_key: str | None = None) -> bool:
+        S = self.object_size
+        host = self._path_host_slots(path, first * S, last * S)
+        if host is None:
+            return False  # part of it is not in L2 (never written, or dropped)
+        key = tuple(t for n in path for t in n.key)[: last * S]
+        ns, tokens = self.split_key(key)
+        job = BackupJob(ns, tokens, first, host, [n.id for n in nodes])
+        self.host_pool.protect(host)
+        self.backup_host_tokens += len(host)
+        self.ongoing_backup[id(job)] = (job, nodes, repair_key)
+        if repair_key is not None:
+            self._repairing.add(repair_key)
+        self.storage_io.backup(job)
+        return True
+
+    def _path_host_slots(self, path: list[TreeNode], lo: int, hi: int) -> torch.Tensor | None:
+        """Host slots of token positions ``[lo, hi)`` of ``path``; None if one is not on host."""
+        parts, pos = [], 0
+        for n in path:
+            a, b = pos, pos + len(n.key)
+            pos = b
+            if b <= lo or a >= hi:
+                continue
+            if n.host_value is None:
+                return None
+            parts.append(n.host_value[max(lo, a) - a: min(hi, b) - a])
+        return torch.cat(parts) if parts else None
+
+    # ---- prefetch (L3 -> L2) -----------------------------------------------------------------
+    def start_prefetch(self, req_id: str, token_ids: list[int], namespace: str | None,
+                       match: Any) -> int:
+        """Called once when a waiting request first matches ``token_ids`` (``match``: its
+        L1 + L2 match): computes its object keys (once), starts reading the L3 objects beyond
+        the match and returns the tokens that will add; also repairs objects L3 lost that L2
+        still holds."""
+        if self.storage_io is None or req_id in self.ongoing_prefetch:
+            return 0
+        key = self._align(self.key_of(token_ids, namespace))
+        keys = self.storage_keys(key)
+        if not keys:
+            return 0
+        S = self.object_size
+        matched = len(match.device_indices) + match.host_hit_length
+        hit = self.storage_hit(keys)
+        if hit < matched // S and keys[hit] not in self._repairing:
+            self._repair(key, hit, matched // S, keys[hit])
+        first = matched // S
+        new_tokens = hit * S - matched
+        if new_tokens <= 0 or new_tokens < self.prefetch_threshold:
+            return 0
+        anchor = match.last_host_node
+        self._protect_host(anchor)
+        need = (hit - first) * S
+        if self.host_pool.available_size() < need:
+            self.evict_host(need - self.host_pool.available_size())
+        # L2 too full for all of it: the leading objects that fit, if still worth it
+        fit = min(hit - first, self.host_pool.available_size() // S)
+        new_tokens = (first + fit) * S - matched
+        host = self.host_pool.alloc(fit * S) if fit and new_tokens >= max(
+            1, self.prefetch_threshold) else None
+        if host is None:
+            self._release_host(anchor)
+            self.l3_counters["prefetch_skipped"] += 1
+            return 0
+        hit = first + fit
+        self.host_pool.protect(host)
+        op = PrefetchOperation(req_id, keys[first:hit], host)
+        st = PrefetchState(op, anchor, key[: hit * S], first * S)
+        self.ongoing_prefetch[req_id] = st
+        self._prefetch_by_op[id(op)] = st
+        self.l3_counters["prefetch_started"] += 1
+        self.storage_io.prefetch(op)
+        return new_tokens
+
+    def poll_prefetch(self, req_id: str) -> int | None:
+        """At the request's turn: None while the prefetch policy says wait; otherwise the tokens
+        its prefetch put in the tree (0 without one). The tokens stay protected from host
+        eviction until ``finish_prefetch`` (admission) or ``cancel_prefetch``."""
+        st = self.ongoing_prefetch.get(req_id)
+        if st is None:
+            return 0
+        if not st.collected:
+            if not self._can_terminate(st.op):
+                return None
+            self._collect(st)
+        return st.inserted
+
+    def finish_prefetch(self, req_id: str) -> None:
+        """The request was admitted (its path is locked now): drop the prefetch's state."""
+        st = self.ongoing_prefetch.get(req_id)
+        if st is None:
+            return
+        if not st.collected:
+            self._collect(st)
+        self._finish_prefetch(req_id)
+
+    def prefetch_deadline(self) -> float | None:
+        """Earliest time.monotonic() at which a waiting prefetch times out (timeout policy)."""
+        if self.prefetch_policy != "timeout":
+            return None
+        times = [st.op.start_time + self._timeout(st.op)
+                 for st in self.ongoing_prefetch.values() if not st.collected]
+        return min(times) if times else None
+
+    def cancel_prefetch(self, req_id: str) -> None:
+        """The request went away: stop reading, give its host slots back."""
+        st = self.ongoing_prefetch.get(req_id)
+        if st is None:
+            return
+        if not st.collected:
+            st.op.terminate()
+            self.host_pool.free(st.op.host_indices)  # deferred until the thread is done
+            st.collected = True
+            self.l3_counters["prefetch_cancelled"] += 1
+        self._finish_prefetch(req_id)
+
+    def cancel_all_prefetches(self) -> None:
+        for req_id in list(getattr(self, "ongoing_prefetch", {})):
+            self.cancel_prefetch(req_id)
+
+    def fetch_from_storage(self, key: list[int], namespace: str | None = None,
+                           timeout: float | None = 60.0) -> int:
+        """Read ``key``'s L3 objects beyond the tree into L2 now (blocking; admin warm-up and
+        tests). Returns the tokens added."""
+        req_id = f"fetch-{time.monotonic_ns()}"
+        self.start_prefetch(req_id, key, namespace,
+                            self.match_prefix(key, namespace=namespace, touch=False))
+        if req_id not in self.ongoing_prefetch:
+            return 0
+        self.storage_io.wait_idle(timeout)
+        self.storage_check()
+        got = self.ongoing_prefetch[req_id].inserted
+        self.finish_prefetch(req_id)
+        return got
+
+    def _timeout(self, op: PrefetchOperation) -> float:
+        return (self.prefetch_timeout_base
+                + self.prefetch_timeout_per_ki_token * len(op.keys) * self.object_size / 1024)
+
+    def _can_terminate(self, op: PrefetchOperation) -> bool:
+        if op.done or op.complete or self.prefetch_policy == "best_effort":
+            return True
+        if self.prefetch_policy == "wait_complete":
+            return False
+        return time.monotonic() - op.start_time >= self._timeout(op)
+
+    def _collect(self, st: PrefetchState) -> None:
+        """Take the objects that landed into the tree; free the rest."""
+        S = self.object_size
+        n = st.op.terminate()
+        st.collected = True
+        if n < len(st.op.keys):
+            self.l3_counters["prefetch_partial"] += 1
+        end = st.start + n * S
+        host = st.op.host_indices
+        inserted = self._insert_host(st.key[:end], st.start, host[: n * S]) if n else 0
+        if n < len(st.op.keys):
+            self.host_pool.free(host[n * S:])
+        st.inserted = inserted
+        self.l3_counters["prefetch_tokens"] += inserted
+        # the protection moves to the node that now ends the path, until admission
+        new_anchor = self._node_at(st.key[:end]) if inserted else None
+        if new_anchor is not None:
+            self._protect_host(new_anchor)
+        if st.anchor is not None:
+            self._release_host(st.anchor)
+        st.anchor = new_anchor
+
+    def _finish_prefetch(self, req_id: str) -> None:
+        st = self.ongoing_prefetch.pop(req_id)
+        if st.anchor is not None:
+            self._release_host(st.anchor)
+            st.anchor = None
+        if st.op.done:
+            self._prefetch_by_op.pop(id(st.op), None)
+
+    def _insert_host(self, key: tuple[int, ...], start: int, host: torch.Tensor) -> int:
+        """Hang ``key[start:]`` (host slots ``host``) below the tree's match of ``key`` as a
+        host-only node; slots of tokens the tree already has are freed. Returns tokens added."""
+        _, last, matched = self._match_helper(key, hit=None)
+        if matched < start or matched >= len(key):
+            # a gap (the prefix was evicted meanwhile) or everything is there already
+            self.host_pool.free(host)
+            if matched < start:
+                self.l3_counters["prefetch_discarded_tokens"] += len(host)
+            return 0
+        skip = matched - start
+        if skip:
+            self.host_pool.free(host[:skip])
+        node = TreeNode(key[matched:])
+        node.parent = last
+        node.in_storage = True
+        last.children[self._page_key(node.key)] = node
+        self._set_host(node, host[skip:].clone())
+        self._emit("stored", "l2", len(node.key), node)
+        return len(node.key)
+
+    def _node_at(self, key: tuple[int, ...]) -> TreeNode | None:
+        _, node, matched = self._match_helper(key, hit=None)
+        return node if matched == len(key) and node is not self.root_node else None
+
+    def _protect_host(self, node: TreeNode) -> None:
+        node.host_ref += 1
+
+    def _release_host(self, node: TreeNode) -> None:
+        if node.host_ref <= 0:
+            raise AssertionError(f"release_host on unprotected {node!r}")
+        node.host_ref -= 1
+
+    def _repair(self, key: tuple[int, ...], hit: int, end: int, first_key: str) -> None:
+        """L3 holds objects ``< hit`` of ``key``; L2 has them up to ``end``: store them again."""
+        if self._backup_full((end - hit) * self.object_size):
+            return  # the next match of this prefix tries again
+        _, last, _ = self._match_helper(key[: end * self.object_size], hit=None)
+        path = self._path(last)
+        S, pos, nodes = self.object_size, 0, []
+        for n in path:
+            pos += len(n.key)
+            if pos > hit * S:
+                n.in_storage = False  # some object ending inside it is gone
+                nodes.append(n)
+        if self._submit_backup(path, hit, end, nodes, repair_key=first_key):
+            self.l3_counters["repaired_objects"] += end - hit
+
+    # ---- acks (scheduler thread) ---------------------------------------------------------------
+    def storage_check(self) -> None:
+        """Drain L3 acks: release backup host slots, collect finished prefetches."""
+        if getattr(self, "storage_io", None) is None:
+            return
+        for job in self.storage_io.drain_backup_acks():
+            _, nodes, repair_key = self.ongoing_backup.pop(id(job))
+            self._repairing.discard(repair_key)
+            self.host_pool.release(job.host_indices)
+            self.backup_host_tokens -= len(job.host_indices)
+            if job.failed == 0:
+                for n in nodes:
+                    n.in_storage = True
+        self._submit_deferred()
+        for op in self.storage_io.drain_prefetch_acks():
+            self.host_pool.release(op.host_indices)
+            st = self._prefetch_by_op.pop(id(op), None)
+            if st is not None and not st.collected:
+                # NOTE: collected now, not when the queue scan reaches the request: a waiting
+                # request sees its tokens in L2 at its next match.
+                self._collect(st)
+
+    def clear_storage(self) -> int:
+        """Empty L3 (after pending backups landed); returns 0 (tokens are not counted)."""
+        self.controller.wait_storage_idle()
+        self.storage_check()
+        self.storage.clear()
+        for n in self._all_nodes():
+            n.in_storage = False
+        self._bump()
+        return 0
+
+    def node_in_storage(self, node: TreeNode) -> bool:
+        """Are the L3 objects ending inside ``node`` stored (asks the backend)?"""
+        if self.storage_io is None:
+            return False
+        path = self._path(node)
+        if not path or path[-1] is not node:
+            return False
+        key = tuple(t for n in path for t in n.key)
+        start, S = len(key) - len(node.key), self.object_size
+        keys = self.storage_keys(key)[start // S:]
+        return bool(keys) and all(self.storage.exists_mask(keys))
+
+    def storage_stats(self) -> dict[str, Any]:
+        l3: dict[str, Any] = dict(self.storage.stats())
+        S, io = self.object_size, self.storage_io
+        object_bytes = S * self.controller.bytes_per_token
+        if "objects" in l3:
+            l3["used_tokens"] = l3["objects"] * S
+        if "capacity_bytes" in l3:
+            l3["capacity_tokens"] = l3["capacity_bytes"] // object_bytes * S
+        l3["object_tokens"] = S
+        l3["prefetch_policy"] = self.prefetch_policy
+        l3.update({k: v for k, v in io.stats.items() if k != "backup_errors"})
+        l3.update(self.l3_counters)
+        l3["pending_backups"] = len(self.ongoing_backup)
+        l3["pending_prefetches"] = len(self.ongoing_prefetch)
+        l3["errors"] = (l3.get("errors", 0) + io.stats["backup_errors"]
+                        + io.stats["prefetch_errors"])
+        return l3

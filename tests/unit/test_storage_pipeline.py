@@ -1,0 +1,249 @@
+"""The L3 pipeline of HiRadixCache + HiCacheController (no model): device->host writes are
+acknowledged without waiting for L3, backups and prefetches run on their own threads over host
+slots only, prefetch policies, cancellation, anchors, and repair of objects L3 lost."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hicache.storage.file import FileStorageBackend
+from tests.storage_fakes import GatedStorage
+from tests.unit.test_hiradix_cache import Rig
+
+
+@pytest.fixture
+def gated_rig(tmp_path):
+    made: list[tuple[Rig, GatedStorage]] = []
+
+    def make(**kw) -> tuple[Rig, GatedStorage]:
+        store = GatedStorage(FileStorageBackend(tmp_path / f"kv{len(made)}", 1 << 26))
+        rig = Rig(storage=store, **kw)
+        made.append((rig, store))
+        return rig, store
+
+    yield make
+    for rig, store in made:
+        store.release_all()
+        rig.close()
+
+
+def _land_writes(r: Rig) -> None:
+    """Device->host writes landed and acknowledged (L3 not waited for)."""
+    r.controller.start_writing()
+    r.controller.wait_idle()
+    r.tree.check()
+
+
+def test_blocked_l3_never_holds_device_pages(gated_rig):
+    r, store = gated_rig(device_size=32, host_size=256, object_size=4)
+    store.writes.close()  # L3 accepts nothing, ever (until the test ends)
+    first = list(range(100, 124))
+    r.insert(first)
+    _land_writes(r)
+    assert store.writes.wait_blocked(1)
+    node = r.tree.match_prefix(first, touch=False).last_device_node
+    assert node.lock_ref == 0 and r.tree.evictable_size() == 24  # unlocked once on host
+    assert r.tree.tier_stats()["l3"]["pending_backups"] >= 1
+    # device eviction and new inserts go on while the backup hangs
+    for i in range(4):
+        r.insert(list(range(200 + 30 * i, 224 + 30 * i)))
+        _land_writes(r)
+        r.check_invariants()
+    assert r.tree.counters["demotions"] > 0
+    res = r.tree.match_prefix(first)
+    assert res.host_hit_length == 24  # demoted, still served from L2
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(first, indices)
+    store.writes.open()
+    r.settle()
+    r.check_invariants()
+    assert store.inner.batch_exists(r.tree.storage_keys(tuple(first))) == 6
+
+
+def test_one_backup_job_writes_many_objects_in_one_batch(gated_rig):
+    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
+    r.insert(list(range(300, 332)))  # one node, 8 objects
+    r.settle()
+    assert store.set_calls == 1
+    assert store.inner.stats()["objects"] == 8
+    r.insert(list(range(300, 332)) + list(range(900, 903)))  # a tail shorter than one object
+    r.settle()
+    assert store.inner.stats()["objects"] == 8 and store.set_calls == 1  # nothing to store
+
+
+def test_backup_of_a_node_spanning_objects_uses_its_parents_host_slots(gated_rig):
+    r, store = gated_rig(object_size=8)
+    a = list(range(10, 22))  # 12 tokens: object 0 ends inside it
+    r.insert(a)
+    r.settle()
+    r.insert(a + list(range(50, 62)))  # +12 tokens: objects 1 (tokens 8..15) and 2 end inside
+    r.settle()
+    keys = r.tree.storage_keys(tuple(a + list(range(50, 62))))
+    assert len(keys) == 3 and store.inner.batch_exists(keys) == 3
+    r.tree.flush_tier("l1")
+    r.tree.flush_tier("l2")
+    assert r.tree.fetch_from_storage(a + list(range(50, 62))) == 24
+    res = r.tree.match_prefix(a + list(range(50, 62)))
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(a + list(range(50, 62)), indices)
+
+
+def _stored_then_flushed(r: Rig, key: list[int]) -> None:
+    r.insert(key)
+    r.settle()
+    r.tree.flush_tier("l1")
+    r.tree.flush_tier("l2")
+    r.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_policies(gated_rig, policy):
+    """12 objects of 4 tokens, read 4 per batch; the first batch lands, the rest hang."""
+    r, store = gated_rig(object_size=4, prefetch_policy=policy, prefetch_timeout_base=0.5,
+                         device_size=64, host_size=128)
+    key = list(range(400, 448))
+    _stored_then_flushed(r, key)
+    store.reads.close()
+    match = r.tree.match_prefix(key, touch=False)
+    assert r.tree.start_prefetch("req", key, None, match) == 48
+    if policy == "best_effort":
+        assert r.tree.poll_prefetch("req") == 0  # admitted now, with what arrived: nothing
+    else:
+        store.reads.allow(1)
+        assert store.reads.wait_passed(1)
+        t0 = time.monotonic()
+        while r.tree.ongoing_prefetch["req"].op.completed < 4:
+            time.sleep(0.01)
+        assert r.tree.poll_prefetch("req") is None  # neither complete nor timed out
+        if policy == "wait_complete":
+            store.reads.open()
+            r.controller.wait_storage_idle()
+            r.tree.check()  # the finished read is collected at once
+            assert r.tree.poll_prefetch("req") == 48
+        else:
+            deadline = r.tree.prefetch_deadline()
+            assert deadline is not None and deadline >= t0
+            time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
+            assert r.tree.poll_prefetch("req") == 16  # what landed before the timeout
+    r.tree.finish_prefetch("req")
+    store.reads.open()
+    r.settle()
+    r.check_invariants()
+    got = r.tree.poll_prefetch("req")
+    assert got == 0  # forgotten after admission
+    res = r.tree.match_prefix(key)
+    want = {"best_effort": 0, "wait_complete": 48, "timeout": 16}[policy]
+    assert res.host_hit_length == want
+    if want:
+        indices, _ = r.tree.init_load_back(res.last_device_node, res)
+        r.assert_device_kv(key[:want], indices)
+
+
+def test_cancel_gives_back_every_host_slot(gated_rig):
+    r, store = gated_rig(object_size=4)
+    key = list(range(500, 532))
+    _stored_then_flushed(r, key)
+    store.reads.close()
+    r.tree.start_prefetch("req", key, None, r.tree.match_prefix(key, touch=False))
+    assert store.reads.wait_blocked(1)
+    assert r.host_pool.available_size() == r.host_pool.size - 32
+    r.tree.cancel_prefetch("req")
+    store.reads.open()
+    r.settle()
+    r.check_invariants()
+    assert r.host_pool.available_size() == r.host_pool.size  # nothing leaked
+    assert r.tree.match_prefix(key).host_hit_length == 0
+    assert r.tree.tier_stats()["l3"]["prefetch_cancelled"] == 1
+
+
+def test_prefetch_anchor_survives_host_eviction(gated_rig):
+    r, store = gated_rig(object_size=4, device_size=32, host_size=64)
+    key = list(range(600, 632))
+    _stored_then_flushed(r, key)
+    r.tree.fetch_from_storage(key[:8])  # the first 8 tokens are back in L2
+    store.reads.close()
+    match = r.tree.match_prefix(key, touch=False)
+    assert match.host_hit_length == 8
+    assert r.tree.start_prefetch("req", key, None, match) == 24
+    assert r.tree.evict_host(1 << 30) == 0  # the anchor (and so its path) is protected
+    store.reads.open()
+    r.controller.wait_storage_idle()
+    r.tree.check()
+    assert r.tree.poll_prefetch("req") == 24
+    assert r.tree.evict_host(1 << 30) == 0  # protected until admission
+    r.tree.finish_prefetch("req")
+    res = r.tree.match_prefix(key)
+    assert res.host_hit_length == 32
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(key, indices)
+    r.check_invariants()
+
+
+def test_l2_repairs_objects_l3_lost(gated_rig):
+    r, store = gated_rig(object_size=4)
+    key = list(range(700, 732))
+    r.insert(key)
+    r.settle()
+    keys = r.tree.storage_keys(tuple(key))
+    assert store.inner.batch_exists(keys) == 8
+    store.inner.delete(keys[3])  # lost behind our back: it and everything after it
+    assert store.inner.batch_exists(keys) == 3
+    r.tree.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
+    r.settle()
+    assert store.inner.batch_exists(keys) == 8  # written again from L2
+    assert r.tree.tier_stats()["l3"]["repaired_objects"] == 5
+    r.tree.cancel_prefetch("req")
+
+
+def test_waiting_matches_do_not_count_hits(gated_rig):
+    r, _ = gated_rig()
+    key = list(range(800, 816))
+    r.insert(key)
+    r.settle()
+    node = r.tree.match_prefix(key, touch=False).last_device_node
+    before = (node.hit_count, node.last_access_time)
+    for _ in range(5):
+        r.tree.match_prefix(key, touch=False)
+    assert (node.hit_count, node.last_access_time) == before
+    r.tree.record_hit(node)
+    assert node.hit_count == before[0] + 1 and node.last_access_time > before[1]
+
+
+def test_version_changes_only_with_the_cached_tokens(gated_rig):
+    r, _ = gated_rig()
+    key = list(range(850, 866))
+    v0 = r.tree.version
+    r.insert(key)
+    r.settle()
+    v1 = r.tree.version
+    assert v1 > v0
+    r.tree.match_prefix(key, touch=False)
+    node = r.tree.match_prefix(key, touch=False).last_device_node
+    r.tree.inc_lock_ref(node)
+    r.tree.dec_lock_ref(node)
+    assert r.tree.version == v1  # matching and locking change nothing cached
+    r.tree.evict(16)
+    assert r.tree.version > v1
+
+
+def test_flat_objects_do_not_depend_on_the_device_page_size(tmp_path):
+    """Objects written at page size 1 are read back at page size 4 (same object size)."""
+    d = str(tmp_path / "kv")
+    a = Rig(page_size=1, storage_dir=d, object_size=8)
+    key = list(range(900, 932))
+    try:
+        a.insert(key)
+        a.settle()
+    finally:
+        a.close()
+    b = Rig(page_size=4, storage_dir=d, object_size=8)
+    b.kv = a.kv
+    try:
+        assert b.tree.fetch_from_storage(key) == 32
+        res = b.tree.match_prefix(key)
+        indices, _ = b.tree.init_load_back(res.last_device_node, res)
+        b.assert_device_kv(key, indices)
+    finally:
+        b.close()
