@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The daemon's defaults: L1 + L2 + the file L3 in $XDG_CACHE_HOME/hicache/kv (else
+# ~/.cache/hicache/kv), created on the first start; README.md "Defaults" turns tiers off.
 run: $(STAMP)
 	$(VENV)/bin/hicache serve
 

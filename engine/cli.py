@@ -22,10 +22,11 @@ def _serve(ns: argparse.Namespace) -> int:
     import logging
 
     from engine.server.app import Daemon
-    from engine.server.settings import load
+    from engine.server.settings import ensure_storage_dir, load
 
     try:
         settings, server_args = load(ns)
+        ensure_storage_dir(server_args)
     except (ValueError, TypeError, OSError) as e:
         print(f"hicache serve: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -199,7 +200,9 @@ def _prefetch(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _unary(ns: argparse.Namespace, call: Callable[[Any], Any]) -> int:
+def _unary(
+    ns: argparse.Namespace, call: Callable[[Any], Any], more: Callable[[Any], None] | None = None
+) -> int:
     from engine.cli_output import print_json, to_dict
 
     with _client(ns) as c:
@@ -209,7 +212,19 @@ def _unary(ns: argparse.Namespace, call: Callable[[Any], Any]) -> int:
     else:
         for k, v in to_dict(r).items():
             print(f"{k}:{','.join(map(str, v)) if isinstance(v, list) else v}")
+        if more is not None:
+            more(r)
     return EXIT_OK
+
+
+def _print_tiers(info: Any) -> None:
+    """`tiers:` for `hicache info`, once the engine options are known (the model is loaded)."""
+    import json
+
+    from engine.server.settings import describe_tiers
+
+    if "enable_hierarchical_cache" in info.config:
+        print(f"tiers:{describe_tiers({k: json.loads(v) for k, v in info.config.items()})}")
 
 
 def _events(ns: argparse.Namespace) -> int:
@@ -275,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
             ),
             "unpin": lambda ns: _unary(ns, lambda c: c.unpin(None if ns.all else ns.pin_id)),
             "flush": lambda ns: _unary(ns, lambda c: c.flush(ns.tier or None, ns.wait)),
-            "info": lambda ns: _unary(ns, lambda c: c.server_info()),
+            "info": lambda ns: _unary(ns, lambda c: c.server_info(), _print_tiers),
             "model": lambda ns: _unary(ns, lambda c: c.model_info()),
             "health": _health,
         },

@@ -29,7 +29,7 @@ from engine.server.auth import AuthInterceptor
 from engine.server.generation import GenerationServicer
 from engine.server.metrics import Metrics
 from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
-from engine.server.settings import DaemonSettings
+from engine.server.settings import DaemonSettings, describe_tiers
 from engine.server.state import DaemonState
 from hicache.events import CacheEventLog
 
@@ -55,6 +55,7 @@ class Daemon:
         engine_factory: Callable[[], Any] | None = None,
     ):
         self.settings = settings
+        self.server_args = server_args  # None with a custom engine_factory
         self.factory = engine_factory or default_engine_factory(server_args or ServerArgs())
         self.state = DaemonState(
             settings, ThreadPoolExecutor(settings.bridge_threads, thread_name_prefix="hicache-rpc")
@@ -119,6 +120,8 @@ class Daemon:
             self.state.metrics = None
         asyncio.get_running_loop().create_task(self._load())
         log.info("listening on %s:%d (%s)", s.host, self.port, "TLS" if s.tls_cert else "plaintext")
+        if self.server_args is not None:
+            log.info("cache tiers: %s", describe_tiers(self.server_args.to_dict()))
         return self.port
 
     def _stats_for_metrics(self) -> dict[str, Any] | None:

@@ -1,8 +1,12 @@
-"""Daemon settings: flags > HICACHE_* env vars > TOML file > defaults, mapped in this one place
-onto DaemonSettings (the gRPC side) and engine.config.ServerArgs (the engine side).
+"""Daemon settings: flags > HICACHE_* env vars > TOML file > daemon defaults > field defaults,
+mapped in this one place onto DaemonSettings (the gRPC side) and engine.config.ServerArgs (the
+engine side).
 
 TOML (--config / HICACHE_CONFIG): keys at the top level or under [server] / [engine]; names are
 the flag names with `_` or `-` (`page_size`, `max-total-tokens`, `port`, `token`, ...).
+
+The daemon runs the whole hierarchy by default (DAEMON_ENGINE_DEFAULTS: L1 + L2 + file L3 under
+$XDG_CACHE_HOME/hicache/kv); `Engine()` keeps ServerArgs' SGLang-compatible defaults (L1 only).
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ else:  # pragma: no cover
 
 ENV_PREFIX = "HICACHE_"
 _SECRET = ("token", "admin_token")
+
+# Engine options whose daemon default differs from ServerArgs' (= Engine()'s) default; they apply
+# below TOML / env / flags. NOTE: the L3 entries apply only when the hierarchy resolves on (L3
+# sits below L2), and hicache_storage_dir defaults to default_storage_dir() with a file backend.
+DAEMON_ENGINE_DEFAULTS: dict[str, Any] = {
+    "enable_hierarchical_cache": True,
+    "hicache_storage_backend": "file",
+}
+_DAEMON_DEFAULT_HELP = {
+    "enable_hierarchical_cache": "; daemon default: on (L1 + L2)",
+    "hicache_storage_backend": "; daemon default: file with the hierarchy on; none = L3 off",
+    "hicache_storage_dir": "; daemon default: $XDG_CACHE_HOME/hicache/kv or ~/.cache/hicache/kv",
+}
 
 
 @dataclass(frozen=True)
@@ -105,24 +122,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name == "model_path":
             continue
         flag = "--" + name.replace("_", "-")
+        note = _DAEMON_DEFAULT_HELP.get(name, "")
         if str(typ) == "bool":
             parser.add_argument(
                 flag,
                 dest=name,
                 default=None,
                 action=argparse.BooleanOptionalAction,
-                help=f"({owner})",
+                help=f"({owner}{note})",
             )
         else:
             parser.add_argument(
-                flag, dest=name, default=None, metavar=name.upper(), help=f"({owner}, {typ})"
+                flag,
+                dest=name,
+                default=None,
+                metavar=name.upper(),
+                help=f"({owner}, {typ}{note})",
             )
+
+
+def default_storage_dir(env: Mapping[str, str]) -> str:
+    """$XDG_CACHE_HOME/hicache/kv, or ~/.cache/hicache/kv (a relative XDG_CACHE_HOME is ignored,
+    as the XDG spec asks)."""
+    xdg = env.get("XDG_CACHE_HOME", "")
+    root = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "hicache", "kv")
+
+
+def _apply_daemon_defaults(values: dict[str, Any], env: Mapping[str, str]) -> None:
+    """Fills the engine options the user left unset (absent from `values`) with the daemon's
+    defaults; an explicit L3 backend with the hierarchy off is an error."""
+    if "enable_hierarchical_cache" not in values:
+        # NOTE: with the radix cache off the tree is a ChunkCache, which has no lower tiers.
+        on = DAEMON_ENGINE_DEFAULTS["enable_hierarchical_cache"]
+        values["enable_hierarchical_cache"] = on and not values.get("disable_radix_cache", False)
+    if not values["enable_hierarchical_cache"]:
+        if values.get("hicache_storage_backend"):
+            raise ValueError(
+                f"hicache_storage_backend={values['hicache_storage_backend']!r} needs the "
+                "hierarchical cache (L3 sits below L2): turn it on (--enable-hierarchical-cache) "
+                "or L3 off (--hicache-storage-backend none)"
+            )
+        return
+    values.setdefault("hicache_storage_backend", DAEMON_ENGINE_DEFAULTS["hicache_storage_backend"])
+    if values["hicache_storage_backend"] == "file" and not values.get("hicache_storage_dir"):
+        values["hicache_storage_dir"] = default_storage_dir(env)
 
 
 def load(
     ns: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
 ) -> tuple[DaemonSettings, ServerArgs]:
-    """Resolves every option: flag > HICACHE_<NAME> env var > TOML > default."""
+    """Resolves every option: flag > HICACHE_<NAME> env var > TOML > DAEMON_ENGINE_DEFAULTS >
+    the dataclass defaults. Pure: creates nothing (see ensure_storage_dir)."""
     env = os.environ if env is None else env
     fields = _fields()
     values: dict[str, Any] = {}
@@ -149,6 +200,50 @@ def load(
         v = getattr(ns, name, None) if ns is not None else None
         if v is not None:
             values[name] = _convert("--" + name.replace("_", "-"), typ, v)
+    _apply_daemon_defaults(values, env)
     daemon = DaemonSettings(**{k: v for k, v in values.items() if fields[k][0] == "daemon"})
     engine = ServerArgs.from_kwargs(**{k: v for k, v in values.items() if fields[k][0] == "engine"})
     return daemon, engine
+
+
+def ensure_storage_dir(args: ServerArgs) -> str | None:
+    """Creates the file L3 directory before the daemon starts, the parts it creates user-only
+    (0700); returns it, or None without a file L3. Raises ValueError naming the option when the
+    directory cannot be created or written."""
+    if not (args.enable_hierarchical_cache and args.hicache_storage_backend == "file"):
+        return None
+    if not args.hicache_storage_dir:
+        return None  # the engine's own default (engine/hicache_setup.py)
+    path = Path(os.path.expanduser(args.hicache_storage_dir))
+    try:
+        for p in reversed([path, *path.parents]):
+            if p.exists() and not p.is_dir():
+                raise NotADirectoryError(20, f"{p} is not a directory")
+            if not p.is_dir():
+                p.mkdir(mode=0o700)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise ValueError(
+            f"cannot use {path} as the L3 storage directory ({e.strerror or e}): set "
+            "--hicache-storage-dir (HICACHE_HICACHE_STORAGE_DIR) to a writable directory, or turn "
+            "L3 off with --hicache-storage-backend none"
+        ) from None
+    return str(path)
+
+
+def describe_tiers(args: Mapping[str, Any]) -> str:
+    """The active cache tiers in one line, from ServerArgs.to_dict() (or GetServerInfo's config)."""
+    if args.get("disable_radix_cache"):
+        return "l1 device (no prefix cache); l2, l3 off"
+    if not args.get("enable_hierarchical_cache"):
+        return "l1 device; l2, l3 off"
+    size = float(args.get("hicache_size") or 0.0)
+    l2 = f"{size:g} GB" if size > 0 else f"{float(args.get('hicache_ratio') or 0):g}x l1"
+    out = f"l1 device + l2 host ({l2})"
+    backend = args.get("hicache_storage_backend")
+    if not backend:
+        return out + "; l3 off"
+    where = f" {args['hicache_storage_dir']}" if args.get("hicache_storage_dir") else ""
+    cap = float(args.get("hicache_storage_size_gb") or 0)
+    return out + f" + l3 {backend}{where} (cap {cap:g} GB)"

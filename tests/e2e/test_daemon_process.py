@@ -1,4 +1,5 @@
-"""`hicache serve` as a subprocess: the CLI commands and their exit codes, /metrics, grpcurl,
+"""`hicache serve` as a subprocess, with the daemon's default tiers (L1 + L2 + file L3 under
+$XDG_CACHE_HOME, a tmp dir here): the CLI commands and their exit codes, /metrics, grpcurl,
 a bounded queue -> RESOURCE_EXHAUSTED, and SIGTERM draining in-flight streams."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ import grpc
 import pytest
 
 from engine.client import HicacheClient
+from engine.config import ServerArgs
 from engine.server.pb import gen_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,9 +33,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
+def server(tiny_llama_dir, tmp_path_factory):
     port, metrics = _free_port(), _free_port()
-    env = dict(os.environ, HICACHE_LOG_LEVEL="warning", HICACHE_MAX_TOTAL_TOKENS="4096")
+    xdg = tmp_path_factory.mktemp("xdg_cache")  # NOTE: never the real user cache
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
+    env.update(XDG_CACHE_HOME=str(xdg), HICACHE_LOG_LEVEL="warning",
+               HICACHE_MAX_TOTAL_TOKENS="4096")
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "serve", "--model", tiny_llama_dir, "--port",
          str(port), "--metrics-port", str(metrics), "--max-running-requests", "1",
@@ -50,7 +57,7 @@ def server(tiny_llama_dir):
                 pass
             assert time.monotonic() < deadline, "daemon did not become SERVING"
             time.sleep(0.2)
-    yield {"proc": proc, "addr": addr, "metrics": metrics}
+    yield {"proc": proc, "addr": addr, "metrics": metrics, "l3_dir": xdg / "hicache" / "kv"}
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -72,7 +79,7 @@ def test_cli_commands(server):
     assert r.returncode == 0 and "complete" in lines[-1]
     stats = json.loads(cli("stats", "--json", addr=a).stdout)
     assert [t["tier"] for t in stats["tiers"]] == ["TIER_L1", "TIER_L2", "TIER_L3"]
-    assert stats["tiers"][0]["enabled"] and not stats["tiers"][1]["enabled"]
+    assert all(t["enabled"] for t in stats["tiers"])  # the daemon's defaults: every tier on
     plain = cli("stats", addr=a).stdout  # piped: redis-style sections
     assert "# Tier l1" in plain and "capacity_tokens:4096" in plain
     r = cli("prefetch", "The quick brown fox jumps", "--pin", "--ttl", "60", addr=a)
@@ -89,6 +96,19 @@ def test_cli_commands(server):
     events = cli("events", "--after", "0", "--kind", "cleared", "-c", "1", "--json", addr=a)
     assert json.loads(events.stdout)["event"]["kind"] == "CACHE_EVENT_KIND_CLEARED"
     assert cli("health", addr=a).stdout.strip() == "SERVING"
+
+
+def test_default_tiers_and_l3_dir(server):
+    l3 = server["l3_dir"]
+    for d in (l3, l3.parent):  # created by the daemon, user-only
+        assert d.is_dir() and stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    r = cli("info", addr=server["addr"])
+    assert r.returncode == 0, r.stderr
+    assert "hierarchical_cache" in r.stdout and "l3_storage" in r.stdout
+    tiers = next(ln for ln in r.stdout.splitlines() if ln.startswith("tiers:"))
+    d = ServerArgs()  # the defaults the daemon does not override
+    assert tiers == (f"tiers:l1 device + l2 host ({d.hicache_ratio:g}x l1) + l3 file {l3} "
+                     f"(cap {d.hicache_storage_size_gb:g} GB)")
 
 
 def test_cli_exit_codes(server):

@@ -126,6 +126,13 @@ def test_inspect_tree_pages_in_depth_first_order(sched):
     assert [n.node_id for n in page1 + page2] == [n.node_id for n in nodes]
 
 
+def test_inspect_tree_previews_token_ids_of_namespaced_nodes():
+    s = FakeScheduler()
+    s.insert(list(s.tree_cache.key_of([5, 6, 7, 8], "warmup")))  # ids + (ns_id << 32)
+    (node,), total = cache_admin.inspect_tree(s, 0, 100, preview_tokens=3)
+    assert total == 1 and node.preview_ids == [5, 6, 7] and node.token_length == 4
+
+
 def test_namespace_key_hook_isolates_and_is_not_counted():
     s = FakeScheduler(page_size=1)
     s.namespace_key = lambda key, ns: ([200 + len(ns or "")] if ns else []) + list(key)

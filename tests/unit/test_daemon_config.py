@@ -1,12 +1,17 @@
-"""Settings precedence (flag > env > TOML > default) and the auth rules."""
+"""Settings precedence (flag > env > TOML > daemon default > default), the daemon's default
+tiers (L1 + L2 + file L3) and how each is turned off, and the auth rules."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 
 import grpc
 import pytest
 
+from engine import cli
+from engine.config import ServerArgs
 from engine.server import auth, settings
 
 
@@ -47,6 +52,127 @@ def test_unknown_toml_key(tmp_path):
     cfg.write_text("pag_size = 4\n")
     with pytest.raises(ValueError, match="unknown option 'pag_size'"):
         settings.load(_parse("--config", str(cfg)), {})
+
+
+def _tiers(e: ServerArgs) -> tuple[bool, str | None, str | None]:
+    return e.enable_hierarchical_cache, e.hicache_storage_backend, e.hicache_storage_dir
+
+
+def test_daemon_defaults_every_tier_engine_keeps_l1_only(tmp_path):
+    _, e = settings.load(_parse(), {"XDG_CACHE_HOME": str(tmp_path)})
+    assert _tiers(e) == (True, "file", str(tmp_path / "hicache" / "kv"))
+    assert e.hicache_storage_size_gb == ServerArgs().hicache_storage_size_gb  # the cap stays
+    assert _tiers(ServerArgs()) == (False, None, None)  # Engine(): SGLang's defaults
+
+
+@pytest.mark.parametrize("xdg", [None, "", "relative/cache"])
+def test_default_l3_dir_falls_back_to_home_cache(xdg, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    env = {} if xdg is None else {"XDG_CACHE_HOME": xdg}
+    _, e = settings.load(_parse(), env)
+    assert e.hicache_storage_dir == str(tmp_path / ".cache" / "hicache" / "kv")
+
+
+L2_OFF = (False, None, None)
+L3_OFF = (True, None, None)
+
+
+@pytest.mark.parametrize("argv,env,toml,want", [
+    (["--no-enable-hierarchical-cache"], {}, "", L2_OFF),
+    ([], {"HICACHE_ENABLE_HIERARCHICAL_CACHE": "false"}, "", L2_OFF),
+    ([], {}, "[engine]\nenable_hierarchical_cache = false\n", L2_OFF),
+    (["--hicache-storage-backend", "none"], {}, "", L3_OFF),
+    ([], {"HICACHE_HICACHE_STORAGE_BACKEND": "none"}, "", L3_OFF),
+    ([], {}, 'hicache-storage-backend = "none"\n', L3_OFF),
+    (["--disable-radix-cache"], {}, "", L2_OFF),  # no radix tree, no lower tiers
+])
+def test_each_tier_turns_off_by_flag_env_or_toml(argv, env, toml, want, tmp_path):
+    if toml:
+        (tmp_path / "c.toml").write_text(toml)
+        argv = [*argv, "--config", str(tmp_path / "c.toml")]
+    _, e = settings.load(_parse(*argv), {"XDG_CACHE_HOME": str(tmp_path), **env})
+    assert _tiers(e) == want
+
+
+def test_tier_precedence_flag_env_toml_daemon_default(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[engine]\nenable_hierarchical_cache = false\nhicache_storage_dir = "/toml"\n')
+    xdg = {"XDG_CACHE_HOME": str(tmp_path)}
+    assert _tiers(settings.load(_parse("--config", str(cfg)), xdg)[1]) == (False, None, "/toml")
+    env = {**xdg, "HICACHE_ENABLE_HIERARCHICAL_CACHE": "1", "HICACHE_HICACHE_STORAGE_DIR": "/env"}
+    assert _tiers(settings.load(_parse("--config", str(cfg)), env)[1]) == (True, "file", "/env")
+    ns = _parse("--config", str(cfg), "--hicache-storage-dir", "/flag")
+    assert _tiers(settings.load(ns, env)[1]) == (True, "file", "/flag")
+    ns = _parse("--config", str(cfg), "--no-enable-hierarchical-cache")
+    assert _tiers(settings.load(ns, env)[1]) == (False, None, "/env")
+    env["HICACHE_HICACHE_STORAGE_BACKEND"] = "none"  # env beats the daemon default
+    ns = _parse("--hicache-storage-backend", "file")  # and the flag beats env
+    assert _tiers(settings.load(_parse(), env)[1])[:2] == (True, None)
+    assert _tiers(settings.load(ns, env)[1])[:2] == (True, "file")
+
+
+def test_docker_storage_dir_env_wins_and_is_harmless_with_l2_off():
+    env = {"HICACHE_HICACHE_STORAGE_DIR": "/var/cache/hicache", "XDG_CACHE_HOME": "/xdg"}
+    _, e = settings.load(_parse(), env)
+    assert _tiers(e) == (True, "file", "/var/cache/hicache")
+    _, e = settings.load(_parse("--no-enable-hierarchical-cache"), env)
+    assert e.enable_hierarchical_cache is False and e.hicache_storage_backend is None
+
+
+@pytest.mark.parametrize("argv,env", [
+    (["--no-enable-hierarchical-cache", "--hicache-storage-backend", "file"], {}),
+    ([], {"HICACHE_ENABLE_HIERARCHICAL_CACHE": "0", "HICACHE_HICACHE_STORAGE_BACKEND": "file"}),
+])
+def test_storage_without_hierarchy_is_an_error(argv, env):
+    with pytest.raises(ValueError, match="hicache_storage_backend='file' needs the hierarchical"):
+        settings.load(_parse(*argv), env)
+
+
+def test_ensure_storage_dir_creates_it_user_only(tmp_path):
+    _, e = settings.load(_parse(), {"XDG_CACHE_HOME": str(tmp_path / "xdg")})
+    path = settings.ensure_storage_dir(e)
+    assert path == str(tmp_path / "xdg" / "hicache" / "kv")
+    for d in (tmp_path / "xdg", tmp_path / "xdg" / "hicache", tmp_path / "xdg" / "hicache" / "kv"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert settings.ensure_storage_dir(e) == path  # an existing dir is fine
+    _, off = settings.load(_parse("--hicache-storage-backend", "none"), {})
+    assert settings.ensure_storage_dir(off) is None
+
+
+def test_uncreatable_storage_dir_fails_serve_naming_the_option(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    e = ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                   hicache_storage_dir=str(blocker / "kv"))
+    with pytest.raises(ValueError, match="--hicache-storage-dir"):
+        settings.ensure_storage_dir(e)
+    # `hicache serve` stops before loading anything: usage error, the message names the option.
+    assert cli.main(["serve", "--hicache-storage-dir", str(blocker / "kv")]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "not a directory" in err and "--hicache-storage-dir" in err and "none" in err
+    assert cli.main(["serve", "--no-enable-hierarchical-cache", "--hicache-storage-backend",
+                     "file"]) == cli.EXIT_USAGE
+    assert "needs the hierarchical cache" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unwritable_storage_dir_is_an_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    e = ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                   hicache_storage_dir=str(ro))
+    with pytest.raises(ValueError, match="--hicache-storage-dir"):
+        settings.ensure_storage_dir(e)
+
+
+def test_describe_tiers():
+    assert settings.describe_tiers(ServerArgs().to_dict()) == "l1 device; l2, l3 off"
+    on = ServerArgs(enable_hierarchical_cache=True, hicache_size=4.0)
+    assert settings.describe_tiers(on.to_dict()) == "l1 device + l2 host (4 GB); l3 off"
+    l3 = ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                    hicache_storage_dir="/kv", hicache_storage_size_gb=8)
+    assert settings.describe_tiers(l3.to_dict()) == (
+        f"l1 device + l2 host ({l3.hicache_ratio:g}x l1) + l3 file /kv (cap 8 GB)")
 
 
 ADMIN = "/hicache.v1.CacheAdminService/Flush"
