@@ -305,9 +305,9 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 def md_multiturn(rows: list[dict]) -> str:
-    lines = ["| config | wall (s) | throughput (tok/s) | output tok/s | mean TTFT (s) | "
+    lines = [("| config | wall (s) | throughput (tok/s) | output tok/s | mean TTFT (s) | "
              "p90 TTFT (s) | L1 hit | L2 hit | L3 hit | total hit | requests done | "
-             "KV requeues |",
+             "KV requeues |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h = r["hit_rate"]

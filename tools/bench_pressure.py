@@ -1,0 +1,742 @@
+"""The hierarchy under pressure: what a user gets from L1 / L2 / L3 when device memory is short.
+
+Mode `sequence` (default), per page size (--page-sizes 1,16,64), options as a new user sets them:
+    Engine(enable_hierarchical_cache=True, max_total_tokens=2600, hicache_ratio=3.0,
+           hicache_storage_backend="file", hicache_storage_dir=<fresh temp dir>, page_size=P)
+Prompts A and B: --prompt-len (2,000) random ids in [1000, 40000), B shares no prefix with A.
+  1 A cold (recompute)   2 A again (L1 hit)   3 B cold: pushes A out of L1 (B under pressure)
+  4 A again (L2 hit)     5 shutdown (it flushes the L3 backups), new Engine on the same dir,
+                           A again (L3 hit)
+  + "B no pressure": a cold prompt of B's size on a fresh Engine with a big device pool.
+Hit steps run --reps times (median): L1 hits back to back; each further L2 rep first runs a fresh
+cold prompt of B's size (pushes A out again; it counts as one more "B under pressure" sample);
+each L3 rep restarts the engine. Every step is checked against cached_tokens_per_tier: a step
+that did not hit the tier it is meant to gets a flag in the table. Each new engine serves a
+16-token warm-up prompt first (not timed). Targets (TTFT): B <= 1.3x B no pressure; L2 <= 1.2x
+L1 and <= 0.05x A cold; L3 <= 0.2x A cold.
+
+Mode `load`: --clients closed-loop chat clients for --duration s, device pool --device-tokens,
+L2 (--l2-ratio) + file L3 in a temp dir, page size --page-size. A client's conversation: turn 1 =
+shared prefix (--shared-prefix, same for all clients) + the client's own system prefix (fixed per
+client, reused by its next conversations) + a --question-len question, --first-len tokens in all;
+turn r+1 = turn r + its answer (--output-len) + a new question. After --rounds turns a new
+conversation starts. The next request is sent when the previous one finished (+ --think-s).
+Requests still running at the deadline finish (up to --drain-s) and count. Runs --policies
+(fcfs, lpm = the default) one Engine at a time on the same workload: TTFT p50/p90/p99/max,
+throughput, failed requests, "did not fit the KV pool; requeued" warnings. Targets: default p50
+TTFT <= 0.5x fcfs's, default max TTFT <= 1.5x fcfs's, no failed request.
+Then (unless --no-tiers) radix off / L1 / L1+L2 / L1+L2+L3 for --tier-duration s each with L2 =
+--tier-l2-ratio x L1 (the working set should exceed L1+L2; the tool prints both): throughput and
+per-tier hit rates (cache_stats deltas: hit tokens / prompt tokens).
+
+Both modes write <out-dir>/bench_pressure_<mode>.json and .png and print a markdown table with a
+header (command, machine, load average before / after). Exit status 1 when a step or a config
+failed (it is reported with its error; the tool goes on with the next one).
+
+    PYTHONPATH=. python tools/bench_pressure.py [--mode sequence] [--page-sizes 16,64 --reps 3]
+    PYTHONPATH=. python tools/bench_pressure.py --mode load [--clients 16 --duration 180]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import queue
+import random
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, NamedTuple
+
+_TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_TOOLS))
+sys.path.insert(0, _TOOLS)
+
+from bench_multiturn import REQUEUES, TIERS, pct, rand_tokens, stats_snapshot
+
+from engine import Engine
+
+NAN = float("nan")
+WARMUP = rand_tokens(random.Random(7), 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# logging: count warnings / errors, keep tracebacks (bench_multiturn silences the scheduler's
+# logger to count its requeue warnings; its other records are echoed here)
+# ----------------------------------------------------------------------------------------------
+class _Tally(logging.Handler):
+    def __init__(self, echo: bool) -> None:
+        super().__init__(logging.WARNING)
+        self.echo = echo
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "did not fit the KV pool" in record.getMessage():
+            return  # counted by REQUEUES
+        key = f"{record.levelname} {record.name}: {str(record.msg)[:90]}"
+        LOGS["counts"][key] = LOGS["counts"].get(key, 0) + 1
+        if record.exc_info and len(LOGS["tracebacks"]) < 5:
+            LOGS["tracebacks"].append(self.format(record))
+        if self.echo:
+            print(self.format(record), file=sys.stderr, flush=True)
+
+
+LOGS: dict[str, Any] = {"counts": {}, "tracebacks": []}
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+logging.getLogger().addHandler(_Tally(echo=False))
+logging.getLogger("engine.scheduler.scheduler").addHandler(_Tally(echo=True))
+
+
+def reset_logs() -> None:
+    REQUEUES.requeues = 0
+    LOGS["counts"], LOGS["tracebacks"] = {}, []
+
+
+def log_summary() -> dict:
+    c = LOGS["counts"]
+    return {"kv_requeue_warnings": REQUEUES.requeues, "warnings": dict(c),
+            "logged_warnings": sum(v for k, v in c.items() if k.startswith("WARNING")),
+            "logged_errors": sum(v for k, v in c.items() if not k.startswith("WARNING")),
+            "tracebacks": list(LOGS["tracebacks"])}
+
+
+# ----------------------------------------------------------------------------------------------
+# one streamed request
+# ----------------------------------------------------------------------------------------------
+class Outcome(NamedTuple):
+    ttft_s: float
+    total_s: float
+    output_ids: list[int]
+    tiers: dict[str, int]  # cached_tokens_per_tier of the last chunk
+    cached: int
+    error: str | None  # None: finished normally
+
+
+def timed_request(eng: Engine, ids: list[int], max_new: int, timeout_s: float) -> Outcome:
+    """Submit and stream; TTFT = the first chunk with a token. Never raises: errors, aborts,
+    a dead scheduler thread and timeouts (the request is then aborted) come back in .error."""
+    t0 = time.perf_counter()
+    try:
+        h = eng.submit(ids, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True})
+    except Exception as e:  # noqa: BLE001
+        return Outcome(NAN, NAN, [], {}, 0, f"submit: {type(e).__name__}: {e}")
+    ttft, out, last = None, [], None
+    while last is None or not last.finished:
+        try:
+            c = h.chunks.get(timeout=1.0)
+        except queue.Empty:
+            if not h.alive():
+                return Outcome(NAN, NAN, out, {}, 0, "the scheduler thread stopped")
+            if time.perf_counter() - t0 > timeout_s:
+                eng.abort(h.rid)
+                return Outcome(NAN, NAN, out, {}, 0, f"no result after {timeout_s:.0f} s "
+                                                     "(aborted)")
+            continue
+        if ttft is None and c.token_ids:
+            ttft = time.perf_counter() - t0
+        out += c.token_ids
+        last = c
+    total = time.perf_counter() - t0
+    err = last.error or ("aborted" if last.finish_reason == "abort" else None)
+    return Outcome(ttft if ttft is not None else total, total, out,
+                   dict(last.cached_tokens_per_tier or {}), last.cached_tokens, err)
+
+
+def tiers_str(t: dict) -> str:
+    return ",".join(f"{k}={t.get(k, 0)}" for k in TIERS)
+
+
+def med(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else NAN
+
+
+def extra_opts(a: argparse.Namespace) -> dict:
+    """--model / --device / --opt KEY=VALUE: passed to every Engine."""
+    opts: dict[str, Any] = {"model": a.model, "device": a.device}
+    for kv in a.opt:
+        k, _, v = kv.partition("=")
+        try:
+            opts[k] = json.loads(v)
+        except json.JSONDecodeError:
+            opts[k] = v
+    return opts
+
+
+# ----------------------------------------------------------------------------------------------
+# mode sequence
+# ----------------------------------------------------------------------------------------------
+STEPS = ("a_cold", "l1_hit", "b_pressure", "b_no_pressure", "l2_hit", "l3_hit")
+STEP_LABEL = {"a_cold": "A cold", "l1_hit": "L1 hit", "b_pressure": "B", "b_no_pressure":
+              "B no pressure", "l2_hit": "L2 hit", "l3_hit": "L3 hit"}
+# step -> the tier its prompt must come from (None: nothing cached)
+STEP_TIER = {"a_cold": None, "l1_hit": "l1", "b_pressure": None, "b_no_pressure": None,
+             "l2_hit": "l2", "l3_hit": "l3"}
+
+
+def distinct_prompt(seed: int, n: int, avoid: list[list[int]]) -> list[int]:
+    """n random ids whose first token starts no other prompt here (no shared prefix)."""
+    rng = random.Random(seed)
+    while True:
+        p = rand_tokens(rng, n)
+        if all(p[0] != q[0] for q in avoid):
+            return p
+
+
+def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
+    n = a.prompt_len
+    A = distinct_prompt(1, n, [WARMUP])
+    B = distinct_prompt(2, n, [WARMUP, A])
+    fresh = [distinct_prompt(10 + i, n, [WARMUP, A, B]) for i in range(a.reps)]
+    opts = {**extra_opts(a), "enable_hierarchical_cache": True,
+            "max_total_tokens": a.device_tokens, "hicache_ratio": a.l2_ratio,
+            "hicache_storage_backend": "file",
+            "hicache_storage_dir": os.path.join(tmp, f"l3_page{P}"), "page_size": P}
+    res: dict[str, Any] = {"page_size": P, "prompt_tokens": n,
+                           "engine_opts": {k: v for k, v in opts.items()
+                                           if k != "hicache_storage_dir"},
+                           "samples": {s: [] for s in STEPS}, "errors": []}
+    samples = res["samples"]
+
+    def step(eng: Engine, name: str, ids: list[int]) -> Outcome:
+        o = timed_request(eng, ids, a.output_len, a.request_timeout)
+        samples[name].append({"ttft_s": o.ttft_s, "total_s": o.total_s, "tiers": o.tiers,
+                              "cached": o.cached, "error": o.error})
+        print(f"  page {P} {STEP_LABEL[name]:>13}: TTFT {o.ttft_s * 1e3:8.1f} ms, total "
+              f"{o.total_s * 1e3:8.1f} ms, {tiers_str(o.tiers)}"
+              f"{'  ERROR ' + o.error if o.error else ''}", flush=True)
+        if o.error:
+            res["errors"].append(f"{STEP_LABEL[name]}: {o.error}")
+        return o
+
+    def guarded(what: str, fn) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            tb = traceback.format_exc()
+            print(f"  page {P} {what} FAILED: {type(e).__name__}: {e}\n{tb}", flush=True)
+            res["errors"].append(f"{what}: {type(e).__name__}: {e}")
+            res.setdefault("tracebacks", []).append(tb)
+            return None
+
+    def pressure_engine() -> None:
+        eng = Engine(**opts)
+        try:
+            timed_request(eng, WARMUP, 1, a.request_timeout)
+            step(eng, "a_cold", A)
+            for _ in range(a.reps):
+                step(eng, "l1_hit", A)
+            for i in range(a.reps):
+                step(eng, "b_pressure", B if i == 0 else fresh[i])  # pushes A out of L1
+                step(eng, "l2_hit", A)
+            res["l3_before_shutdown"] = eng.cache_stats().get("l3")
+        finally:
+            t0 = time.perf_counter()
+            eng.shutdown()  # flushes the pending L3 backups
+            res["shutdown_s"] = time.perf_counter() - t0
+        res["l3_files_after_shutdown"] = sum(
+            f.endswith(".kv") for _, _, fs in os.walk(opts["hicache_storage_dir"]) for f in fs)
+
+    def l3_engine() -> None:
+        eng = Engine(**opts)
+        try:
+            timed_request(eng, WARMUP, 1, a.request_timeout)
+            step(eng, "l3_hit", A)
+            res.setdefault("l3_after_hit", []).append(eng.cache_stats().get("l3"))
+        finally:
+            eng.shutdown()
+
+    def no_pressure_engine() -> None:
+        big = {**opts, "max_total_tokens": (a.reps + 2) * (n + a.output_len + 2 * P),
+               "hicache_storage_dir": os.path.join(tmp, f"l3_page{P}_nopressure")}
+        eng = Engine(**big)
+        try:
+            timed_request(eng, WARMUP, 1, a.request_timeout)
+            for i in range(a.reps):
+                step(eng, "b_no_pressure", B if i == 0 else fresh[i])
+        finally:
+            eng.shutdown()
+
+    t0 = time.perf_counter()
+    guarded("pressure engine (steps 1-4)", pressure_engine)
+    for _ in range(a.reps):
+        guarded("restart + L3 hit (step 5)", l3_engine)
+    guarded("no-pressure engine", no_pressure_engine)
+    res["wall_s"] = time.perf_counter() - t0
+    check_sequence(res, opts)
+    return res
+
+
+def check_sequence(res: dict, opts: dict) -> None:
+    """Medians, tier checks (flags) and target ratios."""
+    n, P = res["prompt_tokens"], res["page_size"]
+    S = opts.get("hicache_storage_page_size") or -(-64 // P) * P
+    unit = {"l1": P, "l2": P, "l3": S}
+    ttft = {s: med([x["ttft_s"] for x in res["samples"][s] if not x["error"]]) for s in STEPS}
+    total = {s: med([x["total_s"] for x in res["samples"][s] if not x["error"]]) for s in STEPS}
+    flags = []
+    for s in STEPS:
+        xs = res["samples"][s]
+        if not xs:
+            flags.append(f"{STEP_LABEL[s]}: not run")
+            continue
+        if any(x["error"] for x in xs):
+            flags.append(f"{STEP_LABEL[s]}: error")
+        tier = STEP_TIER[s]
+        for x in xs:
+            if x["error"]:
+                continue
+            if tier is None and x["cached"] > 0:
+                flags.append(f"{STEP_LABEL[s]}: {x['cached']} tokens cached (should be cold)")
+                break
+            if tier is not None:
+                want = (n - 1) // unit[tier] * unit[tier]
+                if x["tiers"].get(tier, 0) < want:
+                    flags.append(f"{STEP_LABEL[s]}: {tiers_str(x['tiers'])}, want "
+                                 f"{tier}>={want}")
+                    break
+    r = ttft
+
+    def ratio(num: str, den: str, limit: float) -> dict:
+        v = r[num] / r[den] if r[den] and not math.isnan(r[den]) else NAN
+        return {"ratio": v, "limit": limit, "met": bool(v <= limit)}
+
+    res.update(ttft_s=ttft, total_s=total, flags=flags, targets={
+        "b_le_1.3x_no_pressure": ratio("b_pressure", "b_no_pressure", 1.3),
+        "l2_le_1.2x_l1": ratio("l2_hit", "l1_hit", 1.2),
+        "l2_le_0.05x_recompute": ratio("l2_hit", "a_cold", 0.05),
+        "l3_le_0.2x_recompute": ratio("l3_hit", "a_cold", 0.2)})
+
+
+def ms(x: float) -> str:
+    return "—" if math.isnan(x) else f"{x * 1e3:.0f}"
+
+
+def fmt_target(t: dict) -> str:
+    if math.isnan(t["ratio"]):
+        return "— (n/a)"
+    return f"{t['ratio']:.3f} {'pass' if t['met'] else '**FAIL**'}"
+
+
+def md_sequence(rows: list[dict]) -> str:
+    lines = [("| page | A cold | L1 hit | B | B no pressure | L2 hit | L3 hit | B / B no press. "
+             "(<=1.3) | L2 / L1 (<=1.2) | L2 / cold (<=0.05) | L3 / cold (<=0.2) | flags |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, g = r["ttft_s"], r["targets"]
+        flags = "; ".join(r["flags"]) or "ok"
+        lines.append(f"| {r['page_size']} | " + " | ".join(ms(t[s]) for s in STEPS) + " | "
+                     + " | ".join(fmt_target(v) for v in g.values()) + f" | {flags} |")
+    lines += ["", "Total time per request (TTFT + decode), ms:", "",
+              "| page | " + " | ".join(STEP_LABEL[s] for s in STEPS) + " |",
+              "|---|" + "---|" * len(STEPS)]
+    for r in rows:
+        lines.append(f"| {r['page_size']} | " + " | ".join(ms(r["total_s"][s]) for s in STEPS)
+                     + " |")
+    return "\n".join(lines)
+
+
+def plot_sequence(rows: list[dict], path: str, n: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    w = 0.8 / max(1, len(rows))
+    for i, r in enumerate(rows):
+        v = [r["ttft_s"][s] * 1e3 for s in STEPS]
+        xs = [j + (i - (len(rows) - 1) / 2) * w for j in range(len(STEPS))]
+        bars = ax.bar(xs, [0 if math.isnan(y) else y for y in v], w,
+                      label=f"page {r['page_size']}")
+        for b, y in zip(bars, v):
+            ax.text(b.get_x() + b.get_width() / 2, max(y, 1) if not math.isnan(y) else 1,
+                    "fail" if math.isnan(y) else f"{y:.0f}", ha="center", va="bottom",
+                    fontsize=7)
+    ax.set_xticks(range(len(STEPS)))
+    ax.set_xticklabels([STEP_LABEL[s] for s in STEPS])
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (ms, log)")
+    ax.set_title(f"A / A / B / A / restart+A under pressure ({n}-token prompts)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_sequence_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
+    rows = []
+    for P in [int(x) for x in a.page_sizes.split(",") if x.strip()]:
+        print(f"[sequence] page size {P}", flush=True)
+        reset_logs()
+        r = run_sequence_page(P, a, tmp)
+        r["logs"] = log_summary()
+        if r["logs"]["logged_errors"]:
+            r["flags"].append(f"engine logged {r['logs']['logged_errors']} errors (JSON: logs)")
+            r["errors"].append("engine logged errors")
+        rows.append(r)
+        shutil.rmtree(os.path.join(tmp, f"l3_page{P}"), ignore_errors=True)
+        shutil.rmtree(os.path.join(tmp, f"l3_page{P}_nopressure"), ignore_errors=True)
+    result["sequence"] = rows
+    result["markdown"] = md_sequence(rows)
+    result["png"] = os.path.join(a.out_dir, "bench_pressure_sequence.png")
+    plot_sequence(rows, result["png"], a.prompt_len)
+    return any(r["errors"] for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# mode load
+# ----------------------------------------------------------------------------------------------
+def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> dict:
+    """Closed-loop clients on one Engine for `duration` s; every request is recorded."""
+    reset_logs()
+    shared = rand_tokens(random.Random(a.seed), a.shared_prefix)
+    sys_len = max(0, a.first_len - a.shared_prefix - a.question_len)
+    records: list[dict] = []
+    lock = threading.Lock()
+    eng = Engine(**opts)
+    try:
+        timed_request(eng, WARMUP, 1, a.request_timeout)
+        before = stats_snapshot(eng)
+        t0 = time.perf_counter()
+        deadline = t0 + duration
+
+        def client(cid: int) -> None:
+            rng = random.Random(a.seed * 1000 + cid + 1)  # the same workload in every config
+            system = shared + rand_tokens(rng, sys_len)
+            conv = 0
+            while time.perf_counter() < deadline:
+                prompt = system + rand_tokens(rng, a.question_len)
+                for rnd in range(a.rounds):
+                    if rnd:
+                        prompt = prompt + rand_tokens(rng, a.question_len)
+                    if time.perf_counter() >= deadline:
+                        break
+                    start = time.perf_counter() - t0
+                    o = timed_request(eng, prompt, a.output_len,
+                                      deadline + a.drain_s - time.perf_counter())
+                    with lock:
+                        records.append({
+                            "client": cid, "conversation": conv, "round": rnd, "start_s": start,
+                            "end_s": time.perf_counter() - t0, "prompt_tokens": len(prompt),
+                            "output_tokens": len(o.output_ids), "ttft_s": o.ttft_s,
+                            "e2e_s": o.total_s, "cached_per_tier": o.tiers, "error": o.error})
+                    if o.error:
+                        break  # the conversation is lost; start a new one
+                    prompt = prompt + o.output_ids
+                    if a.think_s:
+                        time.sleep(a.think_s)
+                conv += 1
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True)
+                   for i in range(a.clients)]
+        for t in threads:
+            t.start()
+        next_beat = time.perf_counter() + 30
+        while any(t.is_alive() for t in threads):
+            if time.perf_counter() > deadline + a.drain_s + 30:
+                break  # every request has its own timeout; this is the last guard
+            for t in threads:
+                t.join(0.5)
+            if time.perf_counter() > next_beat:
+                next_beat += 30
+                with lock:
+                    done = len(records)
+                    bad = sum(1 for r in records if r["error"])
+                print(f"  [{name}] {time.perf_counter() - t0:.0f} s: {done} requests done, "
+                      f"{bad} failed", flush=True)
+        stuck = sum(t.is_alive() for t in threads)
+        after = stats_snapshot(eng)
+    finally:
+        eng.shutdown()
+    with lock:
+        recs = sorted(records, key=lambda r: r["start_s"])
+    ok = [r for r in recs if not r["error"]]
+    wall = max([r["end_s"] for r in recs] + [duration])
+    d = {k: after[k] - before[k] for k in (*TIERS, "miss", "prompt")}
+    ttfts = [r["ttft_s"] for r in ok]
+    e2e = [r["e2e_s"] for r in ok]
+    ptoks = sum(r["prompt_tokens"] for r in ok)
+    otoks = sum(r["output_tokens"] for r in ok)
+    prompt_d = d["prompt"] or 1
+    errors: dict[str, int] = {}
+    for r in recs:
+        if r["error"]:
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    return {
+        "config": name, "engine_opts": {k: v for k, v in opts.items()
+                                        if k != "hicache_storage_dir"},
+        "duration_s": duration, "wall_s": wall, "requests": len(recs), "ok": len(ok),
+        "failed": len(recs) - len(ok) + stuck, "stuck_clients": stuck, "errors": errors,
+        "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9),
+        "ttft_p99_s": pct(ttfts, 0.99), "ttft_max_s": max(ttfts, default=NAN),
+        "e2e_p50_s": pct(e2e, 0.5), "e2e_p99_s": pct(e2e, 0.99),
+        "prompt_tokens": ptoks, "output_tokens": otoks,
+        "throughput_tok_s": (ptoks + otoks) / wall, "requests_s": len(ok) / wall,
+        "hit_tokens": {t: d[t] for t in TIERS}, "miss_tokens": d["miss"],
+        "stats_prompt_tokens": d["prompt"],
+        "hit_rate": {t: d[t] / prompt_d for t in TIERS},
+        "hit_rate_total": sum(d[t] for t in TIERS) / prompt_d,
+        **log_summary(), "final_stats": after["raw"], "records": recs,
+    }
+
+
+def failed_run(name: str, opts: dict, e: BaseException) -> dict:
+    tb = traceback.format_exc()
+    print(f"  [{name}] FAILED: {type(e).__name__}: {e}\n{tb}", flush=True)
+    return {"config": name, "engine_opts": {k: v for k, v in opts.items()
+                                            if k != "hicache_storage_dir"},
+            "error": f"{type(e).__name__}: {e}", "traceback": tb, **log_summary()}
+
+
+def load_configs(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
+    base = {**extra_opts(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
+    out = []
+    for pol in [p.strip() for p in a.policies.split(",") if p.strip()]:
+        label = f"{pol} (default)" if pol == "lpm" else pol
+        out.append((label, {**base, "schedule_policy": pol, "enable_hierarchical_cache": True,
+                            "hicache_ratio": a.l2_ratio, "hicache_storage_backend": "file",
+                            "hicache_storage_dir": os.path.join(tmp, f"load_{pol}")}))
+    return out
+
+
+def tier_configs(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
+    base = {**extra_opts(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
+    hi = {**base, "enable_hierarchical_cache": True, "hicache_ratio": a.tier_l2_ratio}
+    return [("radix off", {**base, "disable_radix_cache": True}), ("L1", dict(base)),
+            ("L1+L2", hi), ("L1+L2+L3", {**hi, "hicache_storage_backend": "file",
+                                         "hicache_storage_dir": os.path.join(tmp, "tiers_l3")})]
+
+
+def s2(x: float) -> str:
+    return "—" if math.isnan(x) else f"{x:.2f}"
+
+
+def md_load(rows: list[dict]) -> str:
+    lines = [("| policy | requests ok | failed | TTFT p50 (s) | p90 | p99 | max | e2e p50 (s) | "
+             "tok/s | req/s | L1 / L2 / L3 hit | KV requeues | warnings / errors logged |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | FAILED: {r['error']} |" + " |" * 11)
+            continue
+        h = r["hit_rate"]
+        lines.append(
+            f"| {r['config']} | {r['ok']} | {r['failed']} | {s2(r['ttft_p50_s'])} | "
+            f"{s2(r['ttft_p90_s'])} | {s2(r['ttft_p99_s'])} | {s2(r['ttft_max_s'])} | "
+            f"{s2(r['e2e_p50_s'])} | {r['throughput_tok_s']:.0f} | {r['requests_s']:.2f} | "
+            f"{h['l1']:.0%} / {h['l2']:.0%} / {h['l3']:.0%} | {r['kv_requeue_warnings']} | "
+            f"{r['logged_warnings']} / {r['logged_errors']} |")
+    return "\n".join(lines)
+
+
+def load_targets(rows: list[dict]) -> dict:
+    by = {r["config"].split()[0]: r for r in rows if "error" not in r}
+    out: dict[str, Any] = {"zero_failed": {"met": bool(by) and len(by) == len(rows)
+                                           and all(r["failed"] == 0 for r in by.values())}}
+    if "fcfs" in by and "lpm" in by:
+        f, d = by["fcfs"], by["lpm"]
+        for key, col, lim in (("p50_le_0.5x_fcfs", "ttft_p50_s", 0.5),
+                              ("max_le_1.5x_fcfs", "ttft_max_s", 1.5)):
+            v = d[col] / f[col] if f[col] else NAN
+            out[key] = {"ratio": v, "limit": lim, "met": bool(v <= lim)}
+    return out
+
+
+def md_tiers(rows: list[dict]) -> str:
+    lines = [("| config | requests ok | failed | tok/s | req/s | TTFT p50 (s) | p99 | L1 hit | "
+             "L2 hit | L3 hit | total hit | KV requeues | warnings / errors logged |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | FAILED: {r['error']} |" + " |" * 11)
+            continue
+        h = r["hit_rate"]
+        lines.append(
+            f"| {r['config']} | {r['ok']} | {r['failed']} | {r['throughput_tok_s']:.0f} | "
+            f"{r['requests_s']:.2f} | {s2(r['ttft_p50_s'])} | {s2(r['ttft_p99_s'])} | "
+            f"{h['l1']:.1%} | {h['l2']:.1%} | {h['l3']:.1%} | {r['hit_rate_total']:.1%} | "
+            f"{r['kv_requeue_warnings']} | {r['logged_warnings']} / {r['logged_errors']} |")
+    return "\n".join(lines)
+
+
+def plot_load(rows: list[dict], tiers: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    ok = [r for r in rows if "error" not in r]
+    tok = [r for r in tiers if "error" not in r]
+    fig, ax = plt.subplots(1, 4 if tiers else 2, figsize=(18 if tiers else 10, 4))
+    for r in ok:
+        xs = sorted(x["ttft_s"] for x in r["records"] if not x["error"])
+        ax[0].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["config"])
+    ax[0].set_xscale("log")
+    ax[0].xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax[0].set_xlabel("TTFT (s, log)")
+    ax[0].set_title("TTFT CDF")
+    ax[0].legend()
+    w = 0.8 / max(1, len(ok))
+    for i, r in enumerate(ok):
+        v = [r[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_max_s")]
+        ax[1].bar([j + (i - (len(ok) - 1) / 2) * w for j in range(4)], v, w, label=r["config"])
+    ax[1].set_xticks(range(4))
+    ax[1].set_xticklabels(["p50", "p90", "p99", "max"])
+    ax[1].set_ylabel("TTFT (s)")
+    ax[1].set_title("TTFT by policy")
+    ax[1].legend()
+    if tiers:
+        names = [r["config"] for r in tok]
+        ax[2].bar(names, [r["throughput_tok_s"] for r in tok], color="tab:blue")
+        ax[2].set_title("throughput (prompt+output tok/s)")
+        bottom = [0.0] * len(tok)
+        for t, c in zip(TIERS, ("tab:green", "tab:purple", "tab:brown")):
+            v = [r["hit_rate"][t] * 100 for r in tok]
+            ax[3].bar(names, v, bottom=bottom, color=c, label=t.upper())
+            bottom = [b + y for b, y in zip(bottom, v)]
+        ax[3].set_ylim(0, 100)
+        ax[3].set_title("prompt tokens hit, by tier (%)")
+        ax[3].legend()
+        for x in ax[2:]:
+            x.tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
+    per_conv = a.first_len + (a.rounds - 1) * (a.output_len + a.question_len) + a.output_len
+    result["workload"] = {"max_context_tokens": per_conv, "working_set_tokens":
+                          a.clients * per_conv, "device_tokens": a.device_tokens}
+    rows = []
+    for name, opts in load_configs(a, tmp):
+        print(f"[load] {name}: {a.clients} clients, {a.duration:.0f} s", flush=True)
+        try:
+            r = run_load(name, opts, a, a.duration)
+        except Exception as e:  # noqa: BLE001
+            r = failed_run(name, opts, e)
+        rows.append(r)
+        if "error" not in r:
+            print(f"  [{name}] {r['ok']} ok, {r['failed']} failed, TTFT p50 "
+                  f"{r['ttft_p50_s']:.2f} s max {r['ttft_max_s']:.2f} s, "
+                  f"{r['throughput_tok_s']:.0f} tok/s", flush=True)
+    result["load"], result["load_targets"] = rows, load_targets(rows)
+    md = [md_load(rows), ""]
+    for k, v in result["load_targets"].items():
+        ratio = f"ratio {v['ratio']:.2f} (limit {v['limit']}) " if "ratio" in v else ""
+        md.append(f"- target {k}: {ratio}-> {'met' if v['met'] else '**NOT met**'}")
+    tiers: list[dict] = []
+    if a.tiers:
+        l1l2 = int(a.device_tokens * (1 + a.tier_l2_ratio))
+        ws = a.clients * per_conv
+        note = (f"working set ~{ws} tokens ({a.clients} clients x {per_conv}) vs L1+L2 = "
+                f"{l1l2} tokens")
+        if ws <= l1l2:
+            note += " -- NOT larger: raise --clients or lower --tier-l2-ratio"
+        print(f"[tiers] {note}", flush=True)
+        result["workload"]["tiers_l1_plus_l2_tokens"] = l1l2
+        for name, opts in tier_configs(a, tmp):
+            print(f"[tiers] {name}: {a.tier_duration:.0f} s", flush=True)
+            try:
+                r = run_load(name, opts, a, a.tier_duration)
+            except Exception as e:  # noqa: BLE001
+                r = failed_run(name, opts, e)
+            tiers.append(r)
+        result["tiers"] = tiers
+        md += ["", f"Tier configs ({note}; L2 = {a.tier_l2_ratio} x L1):", "", md_tiers(tiers)]
+    result["markdown"] = "\n".join(md)
+    result["png"] = os.path.join(a.out_dir, "bench_pressure_load.png")
+    plot_load(rows, tiers, result["png"])
+    return any("error" in r or r["failed"] or r["logged_errors"] for r in rows + tiers)
+
+
+# ----------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["sequence", "load"], default="sequence")
+    ap.add_argument("--out-dir", default="docs", help="for bench_pressure_<mode>.json / .png")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra Engine option for every engine (value parsed as JSON if it "
+                         "can be), e.g. --opt hicache_storage_prefetch_policy=wait_complete")
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="new tokens per request (default: 8 sequence, 16 load)")
+    ap.add_argument("--device-tokens", type=int, default=None,
+                    help="L1 size, max_total_tokens (default: 2600 sequence, 3000 load)")
+    ap.add_argument("--request-timeout", type=float, default=1800.0,
+                    help="sequence: give up on (and abort) one request after this many s")
+    g = ap.add_argument_group("sequence")
+    g.add_argument("--page-sizes", default="1,16,64")
+    g.add_argument("--prompt-len", type=int, default=2000)
+    g.add_argument("--l2-ratio", type=float, default=None,
+                   help="hicache_ratio (default: 3.0 sequence, 2.0 = engine default for load)")
+    g.add_argument("--reps", type=int, default=3)
+    g = ap.add_argument_group("load")
+    g.add_argument("--clients", type=int, default=16)
+    g.add_argument("--duration", type=float, default=180.0)
+    g.add_argument("--first-len", type=int, default=1000)
+    g.add_argument("--shared-prefix", type=int, default=0)
+    g.add_argument("--question-len", type=int, default=100)
+    g.add_argument("--rounds", type=int, default=4)
+    g.add_argument("--think-s", type=float, default=0.0)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--policies", default="fcfs,lpm")
+    g.add_argument("--drain-s", type=float, default=300.0,
+                   help="after the deadline, requests still running get this long (then they "
+                        "are aborted and count as failed)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tiers", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--tier-duration", type=float, default=90.0)
+    g.add_argument("--tier-l2-ratio", type=float, default=1.5)
+    a = ap.parse_args()
+    seq = a.mode == "sequence"
+    a.output_len = a.output_len or (8 if seq else 16)
+    a.device_tokens = a.device_tokens or (2600 if seq else 3000)
+    a.l2_ratio = a.l2_ratio or (3.0 if seq else 2.0)
+    os.makedirs(a.out_dir, exist_ok=True)
+
+    import torch
+
+    command = " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable)] + sys.argv)
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
+               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+               "loadavg_start": os.getloadavg()}
+    print(f"Command: `{command}`\nMachine: {machine['platform']}, {machine['cpus']} CPUs, torch "
+          f"{machine['torch']}; load average at start {machine['loadavg_start']}", flush=True)
+    result: dict[str, Any] = {"command": command, "args": vars(a), "machine": machine}
+    tmp = tempfile.mkdtemp(prefix="hicache_pressure_")
+    try:
+        failed = (run_sequence_mode if seq else run_load_mode)(a, result, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    machine["loadavg_end"] = os.getloadavg()
+    path = os.path.join(a.out_dir, f"bench_pressure_{a.mode}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    la0 = ", ".join(f"{x:.2f}" for x in machine["loadavg_start"])
+    la1 = ", ".join(f"{x:.2f}" for x in machine["loadavg_end"])
+    print(f"\nCommand: `{command}`  \nMachine: {machine['platform']}, {machine['cpus']} CPUs, "
+          f"torch {machine['torch']} ({machine['torch_threads']} threads); load average (1/5/15 "
+          f"min) {la0} before, {la1} after. Results: `{path}`, plot `{result['png']}`.\n")
+    print(result["markdown"] + "\n", flush=True)
+    if failed:
+        print("SOME STEPS / CONFIGS FAILED (see the table and the JSON)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
