@@ -26,9 +26,9 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs | lof | random
     schedule_conservativeness: float = 1.0
-    # lpm / dfs-weight: a request waiting longer than this is served in arrival order ahead of
-    # better-cached ones (no starvation); <= 0 disables aging
-    schedule_aging_s: float = 2.0
+    # lpm / dfs-weight: a waiting request that this many later arrivals have overtaken goes
+    # first, in arrival order (no starvation); 0 disables aging
+    schedule_max_bypass: int = 32
     # Prefix cache
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu
@@ -72,6 +72,8 @@ class ServerArgs:
             raise ValueError(f"unknown schedule_policy {self.schedule_policy!r}")
         if self.radix_eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown radix_eviction_policy {self.radix_eviction_policy!r}")
+        if self.schedule_max_bypass < 0:
+            raise ValueError(f"schedule_max_bypass must be >= 0, got {self.schedule_max_bypass}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.cuda_graph_max_bs < 1:

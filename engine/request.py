@@ -80,6 +80,10 @@ class Req:
         self.match_result: Any = None  # the tree's last match for this request ...
         self.match_version: int | None = None  # ... valid while tree_cache.version is this
         self.l3_tokens = 0  # tokens this request's own L3 prefetch put in the tree
+        self.l3_keys: list[str] | None = None  # its L3 object keys (hashed once)
+        self.matched_seen = 0  # longest L1 + L2 match seen while waiting
+        self.l3_hit = 0  # tokens of its prefix L3 held when last asked
+        self.bypassed = 0  # later arrivals admitted before it (aging)
         self.finished_reason: FinishReason | None = None
         self.to_abort = False
         # Streaming

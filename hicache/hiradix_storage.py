@@ -26,7 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,6 +40,11 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # node's backup waits in ``deferred_backups`` (submitted as backups land) rather than letting a
 # slow store pin all of L2. A deferred node that leaves L2 before its turn is not backed up.
 MAX_BACKUP_HOST_SHARE = 0.5
+
+
+class PrefetchStart(NamedTuple):
+    tokens: int  # tokens the prefetch will add beyond the L1 + L2 match (0: none started)
+    in_l3: int  # tokens of the request's prefix L3 holds (whole objects from the root)
 
 
 @dataclass
@@ -173,27 +178,33 @@ class StorageMixin:
         return torch.cat(parts) if parts else None
 
     # ---- prefetch (L3 -> L2) -----------------------------------------------------------------
+    def prefetch_keys(self, token_ids: list[int], namespace: str | None) -> list[str]:
+        """The object keys of a request's tokens (compute once per request)."""
+        return self.storage_keys(self._align(self.key_of(token_ids, namespace)))
+
     def start_prefetch(self, req_id: str, token_ids: list[int], namespace: str | None,
-                       match: Any) -> int:
-        """Called once when a waiting request first matches ``token_ids`` (``match``: its
-        L1 + L2 match): computes its object keys (once), starts reading the L3 objects beyond
-        the match and returns the tokens that will add; also repairs objects L3 lost that L2
-        still holds."""
+                       match: Any, keys: list[str] | None = None) -> PrefetchStart:
+        """A waiting request matched ``token_ids`` (``match``: its L1 + L2 match; ``keys``:
+        ``prefetch_keys`` of them, computed once by the caller): start reading the L3 objects
+        beyond the match. Returns the tokens that will add and L3's prefix of the request.
+        Also repairs objects L3 lost that L2 still holds. No-op while the request has a
+        prefetch."""
         if self.storage_io is None or req_id in self.ongoing_prefetch:
-            return 0
+            return PrefetchStart(0, 0)
         key = self._align(self.key_of(token_ids, namespace))
-        keys = self.storage_keys(key)
+        keys = self.storage_keys(key) if keys is None else keys[: len(key) // self.object_size]
         if not keys:
-            return 0
+            return PrefetchStart(0, 0)
         S = self.object_size
         matched = len(match.device_indices) + match.host_hit_length
         hit = self.storage_hit(keys)
+        in_l3 = hit * S
         if hit < matched // S and keys[hit] not in self._repairing:
             self._repair(key, hit, matched // S, keys[hit])
         first = matched // S
         new_tokens = hit * S - matched
         if new_tokens <= 0 or new_tokens < self.prefetch_threshold:
-            return 0
+            return PrefetchStart(0, in_l3)
         anchor = match.last_host_node
         self._protect_host(anchor)
         need = (hit - first) * S
@@ -207,7 +218,7 @@ class StorageMixin:
         if host is None:
             self._release_host(anchor)
             self.l3_counters["prefetch_skipped"] += 1
-            return 0
+            return PrefetchStart(0, in_l3)
         hit = first + fit
         self.host_pool.protect(host)
         op = PrefetchOperation(req_id, keys[first:hit], host)
@@ -216,7 +227,7 @@ class StorageMixin:
         self._prefetch_by_op[id(op)] = st
         self.l3_counters["prefetch_started"] += 1
         self.storage_io.prefetch(op)
-        return new_tokens
+        return PrefetchStart(new_tokens, in_l3)
 
     def poll_prefetch(self, req_id: str) -> int | None:
         """At the request's turn: None while the prefetch policy says wait; otherwise the tokens

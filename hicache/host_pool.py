@@ -111,6 +111,11 @@ class MHATokenToKVPoolHost:
         self.kv_buffer = torch.empty(
             shape, dtype=self.store_dtype, device=self.device, pin_memory=pin_memory
         )
+        if not pin_memory:
+            # NOTE: touch every page now: a fresh page faults on its first write, which made
+            # the first device->host write into each host region ~6x slower (measured: 92 MB in
+            # 60 ms instead of 9 ms) while the written device pages stayed locked.
+            self.kv_buffer.zero_()
         self.num_pages = size // page_size
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
         self.clear()

@@ -52,7 +52,7 @@ class Scheduler:
             runner.device,
         )
         self.policy = SchedulePolicy(args.schedule_policy, tree_cache, args.random_seed,
-                                     aging_s=args.schedule_aging_s)
+                                     max_bypass=args.schedule_max_bypass)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -177,13 +177,23 @@ class Scheduler:
         return True
 
     def _on_arrival(self, req: Req) -> None:
-        """A new request: match it once and start its L3 prefetch (HiRadixCache + storage)."""
+        """A new request: its match, its L3 prefetch."""
         self.waiting.append(req)
         self._match(req)
+        self._start_prefetch(req)
+
+    def _start_prefetch(self, req: Req) -> int:
+        """Read what L3 holds beyond the request's match into L2 (its object keys are hashed
+        once per request); returns the tokens the started prefetch will add."""
         start = getattr(self.tree_cache, "start_prefetch", None)
-        if start is not None:
-            start(req.rid, req.fill_ids[: len(req.fill_ids) - 1], req.cache_namespace,
-                  req.match_result)
+        if start is None or getattr(self.tree_cache, "storage_io", None) is None:
+            return 0
+        key = req.fill_ids[: len(req.fill_ids) - 1]
+        if req.l3_keys is None:
+            req.l3_keys = self.tree_cache.prefetch_keys(key, req.cache_namespace)
+        res = start(req.rid, key, req.cache_namespace, req.match_result, keys=req.l3_keys)
+        req.l3_hit = res.in_l3
+        return res.tokens
 
     def _match(self, req: Req) -> None:
         """The request's L1 + L2 prefix match, recomputed only when the tree changed. A match
@@ -199,6 +209,11 @@ class Scheduler:
         req.host_hit_length = getattr(res, "host_hit_length", 0)
         req.match_result = res
         req.match_version = self.tree_cache.version  # after the match: it may drain acks
+        matched = len(res.device_indices) + req.host_hit_length
+        if matched < req.matched_seen:
+            # NOTE: its prefix was evicted while it waited: L3 may still hold it
+            self._start_prefetch(req)
+        req.matched_seen = max(req.matched_seen, matched)
 
     def get_new_batch_prefill(self) -> list[Req] | None:
         if not self.waiting and self.chunked_req is None:
@@ -218,6 +233,7 @@ class Scheduler:
             self.args.chunked_prefill_size,
             self.page_size,
         )
+        cont = id(self.chunked_req)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         if adder.new_chunked_req is None:
@@ -239,6 +255,8 @@ class Scheduler:
             return None
         picked = {id(r) for r in adder.can_run}
         self.waiting = [r for r in self.waiting if id(r) not in picked]
+        # a chunked request's next chunk is no new overtake
+        self.policy.count_bypasses(self.waiting, [r for r in adder.can_run if id(r) != cont])
         self.chunked_req = adder.new_chunked_req
         for req in adder.can_run:
             self._count_hit(req)
@@ -252,6 +270,12 @@ class Scheduler:
         got = poll(req.rid)
         if got is None:
             return False
+        if got == 0 and req.l3_hit > len(req.prefix_indices) + req.host_hit_length:
+            # L3 holds more than the tree and nothing is being read (L2 was full when it
+            # last tried): try now; the policy then decides how long to wait for it
+            self._match(req)
+            if self._start_prefetch(req):
+                return False
         req.l3_tokens = got
         return True
 

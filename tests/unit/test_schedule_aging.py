@@ -1,5 +1,6 @@
-"""SchedulePolicy aging: cache-aware orders keep their order among young requests, but a
-request that waited ``aging_s`` goes first (in arrival order), so no request starves."""
+"""SchedulePolicy aging: cache-aware orders keep their order among requests that have not been
+overtaken much, but a request that ``max_bypass`` later arrivals overtook goes first (in
+arrival order), so no request starves however long the queue is."""
 
 from __future__ import annotations
 
@@ -13,61 +14,86 @@ from hypothesis import strategies as st
 from engine.scheduler.policy import SchedulePolicy
 
 
-def req(rid: str, cached: int, created: float, host: int = 0):
+def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0,
+        l3: int = 0):
     return SimpleNamespace(rid=rid, prefix_indices=torch.zeros(cached, dtype=torch.int64),
                            host_hit_length=host, fill_ids=list(range(1000, 1000 + cached + 50)),
                            cache_namespace=rid, created=created, last_node=None,
-                           max_new_tokens=8)
+                           max_new_tokens=8, bypassed=bypassed, l3_hit=l3)
 
 
-def order(policy: SchedulePolicy, waiting: list, now: float) -> list[str]:
-    policy.calc_priority(waiting, lambda r: None, now=now)
+def order(policy: SchedulePolicy, waiting: list) -> list[str]:
+    policy.calc_priority(waiting, lambda r: None)
     return [r.rid for r in waiting]
 
 
-def test_lpm_orders_young_requests_by_cached_prefix_including_host():
-    p = SchedulePolicy("lpm", tree_cache=None, aging_s=2.0)
-    w = [req("cold", 0, 10.0), req("l1", 500, 10.1), req("l2", 100, 10.2, host=600)]
-    assert order(p, w, now=10.5) == ["l2", "l1", "cold"]
+def test_lpm_orders_by_cached_prefix_including_host_and_l3():
+    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=4)
+    w = [req("cold", 0, 10.0), req("l1", 500, 10.1), req("l2", 100, 10.2, host=600),
+         req("l3", 0, 10.3, l3=640)]
+    assert order(p, w) == ["l2", "l3", "l1", "cold"]
 
 
-def test_lpm_aged_request_goes_first():
-    p = SchedulePolicy("lpm", tree_cache=None, aging_s=2.0)
-    w = [req("warm-b", 900, 11.5), req("first-turn", 0, 9.0), req("warm-a", 800, 11.0),
-         req("older-first-turn", 0, 8.0)]
-    assert order(p, w, now=11.6) == ["older-first-turn", "first-turn", "warm-b", "warm-a"]
+def test_lpm_overtaken_request_goes_first_in_arrival_order():
+    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=4)
+    w = [req("warm-b", 900, 11.5), req("first-turn", 0, 9.0, bypassed=4),
+         req("warm-a", 800, 11.0), req("older-first-turn", 0, 8.0, bypassed=7),
+         req("young-cold", 0, 7.0, bypassed=3)]
+    assert order(p, w) == ["older-first-turn", "first-turn", "warm-b", "warm-a", "young-cold"]
 
 
 def test_aging_off_keeps_plain_lpm():
-    p = SchedulePolicy("lpm", tree_cache=None, aging_s=0.0)
-    w = [req("old-cold", 0, 0.0), req("warm", 10, 100.0)]
-    assert order(p, w, now=1000.0) == ["warm", "old-cold"]
+    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=0)
+    w = [req("old-cold", 0, 0.0, bypassed=10**6), req("warm", 10, 100.0)]
+    assert order(p, w) == ["warm", "old-cold"]
 
 
 def test_fcfs_is_arrival_order_whatever_aging():
-    p = SchedulePolicy("fcfs", tree_cache=None, aging_s=1.0)
-    w = [req("a", 0, 1.0), req("b", 900, 2.0), req("c", 5, 3.0)]
-    assert order(p, w, now=10.0) == ["a", "b", "c"]
+    p = SchedulePolicy("fcfs", tree_cache=None, max_bypass=1)
+    w = [req("a", 0, 1.0), req("b", 900, 2.0, bypassed=5), req("c", 5, 3.0)]
+    assert order(p, w) == ["a", "b", "c"]
+
+
+def test_bypasses_count_only_later_arrivals():
+    waiting = [req("old", 0, 1.0), req("mid", 0, 5.0), req("new", 0, 9.0)]
+    admitted = [req("x", 500, 4.0), req("y", 500, 6.0), req("z", 500, 0.5)]
+    SchedulePolicy.count_bypasses(waiting, admitted)
+    assert [r.bypassed for r in waiting] == [2, 1, 0]
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 1000), st.floats(0, 100)), min_size=1, max_size=20),
-       st.floats(0.1, 10))
-def test_no_young_request_ever_precedes_an_aged_one(specs, aging):
-    p = SchedulePolicy("lpm", tree_cache=None, aging_s=aging)
-    now = 120.0
-    w = [req(f"r{i}", c, t) for i, (c, t) in enumerate(specs)]
-    out = order(p, w, now)
+@given(st.lists(st.tuples(st.integers(0, 1000), st.floats(0, 100), st.integers(0, 10)),
+                min_size=1, max_size=20), st.integers(1, 8))
+def test_no_fresh_request_ever_precedes_an_aged_one(specs, max_bypass):
+    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=max_bypass)
+    w = [req(f"r{i}", c, t, bypassed=b) for i, (c, t, b) in enumerate(specs)]
+    out = order(p, w)
     by = {r.rid: r for r in w}
-    aged = [now - by[r].created >= aging for r in out]
-    assert aged == sorted(aged, reverse=True)  # every aged request before every young one
+    aged = [by[r].bypassed >= max_bypass for r in out]
+    assert aged == sorted(aged, reverse=True)  # every aged request before every fresh one
     aged_times = [by[r].created for r, a in zip(out, aged) if a]
     assert aged_times == sorted(aged_times)  # aged ones in arrival order
+
+
+def test_starvation_is_bounded_in_a_stream_of_cached_arrivals():
+    """A cold request among a stream of well-cached later arrivals, one admitted per round:
+    it is admitted after at most max_bypass of them."""
+    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=5)
+    cold = req("cold", 0, 0.0)
+    rounds = 0
+    while True:
+        w = [cold, req(f"warm{rounds}", 1000, 1.0 + rounds)]
+        first = order(p, w)[0]
+        rounds += 1
+        if first == "cold":
+            break
+        SchedulePolicy.count_bypasses([cold], [r for r in w if r.rid == first])
+    assert rounds == 6
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 def test_aging_applies_to_cache_aware_policies(policy):
     tree = SimpleNamespace(root_node=SimpleNamespace(children={}, parent=None))
-    p = SchedulePolicy(policy, tree_cache=tree, aging_s=1.0)
-    w = [req("young", 50, 9.9), req("old", 0, 5.0)]
-    assert order(p, w, now=10.0)[0] == "old"
+    p = SchedulePolicy(policy, tree_cache=tree, max_bypass=1)
+    w = [req("young", 50, 9.9), req("old", 0, 5.0, bypassed=1)]
+    assert order(p, w)[0] == "old"

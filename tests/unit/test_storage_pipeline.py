@@ -107,7 +107,7 @@ def test_prefetch_policies(gated_rig, policy):
     _stored_then_flushed(r, key)
     store.reads.close()
     match = r.tree.match_prefix(key, touch=False)
-    assert r.tree.start_prefetch("req", key, None, match) == 48
+    assert r.tree.start_prefetch("req", key, None, match) == (48, 48)
     if policy == "best_effort":
         assert r.tree.poll_prefetch("req") == 0  # admitted now, with what arrived: nothing
     else:
@@ -166,7 +166,7 @@ def test_prefetch_anchor_survives_host_eviction(gated_rig):
     store.reads.close()
     match = r.tree.match_prefix(key, touch=False)
     assert match.host_hit_length == 8
-    assert r.tree.start_prefetch("req", key, None, match) == 24
+    assert r.tree.start_prefetch("req", key, None, match) == (24, 32)
     assert r.tree.evict_host(1 << 30) == 0  # the anchor (and so its path) is protected
     store.reads.open()
     r.controller.wait_storage_idle()
