@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hicache.controller import HiCacheController
-from hicache.hiradix_storage import StorageMixin
+from hicache.hiradix_storage import STORAGE_SETTLE_S, StorageMixin
 from hicache.radix_cache import MatchResult, RadixCache, TreeNode
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -88,7 +88,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             self.controller.start_writing()
             self.controller.wait_idle()
             self.check()
-            self.controller.wait_storage_idle()
+            self.controller.wait_storage_idle(STORAGE_SETTLE_S)
             self.check()
             self.host_pool.clear()
         super().reset()

@@ -40,6 +40,9 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # node's backup waits in ``deferred_backups`` (submitted as backups land) rather than letting a
 # slow store pin all of L2. A deferred node that leaves L2 before its turn is not backed up.
 MAX_BACKUP_HOST_SHARE = 0.5
+# Admin flush / reset let pending L3 work land for at most this long (a hung store must not
+# hang the scheduler thread)
+STORAGE_SETTLE_S = 30.0
 
 
 class PrefetchStart(NamedTuple):
@@ -403,7 +406,7 @@ class StorageMixin:
 
     def clear_storage(self) -> int:
         """Empty L3 (after pending backups landed); returns 0 (tokens are not counted)."""
-        self.controller.wait_storage_idle()
+        self.controller.wait_storage_idle(STORAGE_SETTLE_S)
         self.storage_check()
         self.storage.clear()
         for n in self._all_nodes():
