@@ -129,6 +129,10 @@ def test_metrics_endpoint(server):
             if ln.startswith("hicache_time_to_first_token_seconds_count")]
     assert ttft and float(ttft[0].split()[-1]) >= 1
     assert "hicache_time_per_output_token_seconds_bucket" in body
+    # the daemon's default L3: its pipeline's gauges and counters
+    for name in ("hicache_l3_objects", "hicache_l3_pending_backups", "hicache_l3_prefetches_total",
+                 "hicache_l3_backup_objects_total", "hicache_l3_errors_total"):
+        assert any(ln.startswith(name + " ") for ln in body.splitlines()), name
 
 
 def test_grpcurl(server):
