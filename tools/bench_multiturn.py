@@ -331,6 +331,17 @@ def md_ttft(t: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_tier_hits(ax, names: list, rows: list[dict]) -> None:
+    """Stacked bars: per-tier hit rate (% of prompt tokens) of each config."""
+    bottom = [0.0] * len(rows)
+    for t, c in zip(TIERS, ("tab:green", "tab:purple", "tab:brown")):
+        v = [r["hit_rate"][t] * 100 for r in rows]
+        ax.bar(names, v, bottom=bottom, color=c, label=t.upper())
+        bottom = [b + y for b, y in zip(bottom, v)]
+    ax.set_title("prompt tokens hit, by tier (%)")
+    ax.set_ylim(0, 100)
+
+
 def plot_multiturn(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -346,13 +357,7 @@ def plot_multiturn(rows: list[dict], path: str) -> None:
     ax[1].set_title("mean TTFT (s)")
     ax[2].bar(x, [r["ttft_p90_s"] for r in rows], color="tab:red")
     ax[2].set_title("p90 TTFT (s)")
-    bottom = [0.0] * len(rows)
-    for t, c in zip(TIERS, ("tab:green", "tab:purple", "tab:brown")):
-        v = [r["hit_rate"][t] * 100 for r in rows]
-        ax[3].bar(x, v, bottom=bottom, color=c, label=t.upper())
-        bottom = [b + y for b, y in zip(bottom, v)]
-    ax[3].set_title("prompt tokens hit, by tier (%)")
-    ax[3].set_ylim(0, 100)
+    plot_tier_hits(ax[3], x, rows)
     ax[3].legend()
     for a_ in ax:
         a_.set_xticks(list(x))

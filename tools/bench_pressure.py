@@ -61,7 +61,7 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_TOOLS))
 sys.path.insert(0, _TOOLS)
 
-from bench_multiturn import REQUEUES, TIERS, pct, rand_tokens, stats_snapshot
+from bench_multiturn import REQUEUES, TIERS, pct, plot_tier_hits, rand_tokens, stats_snapshot
 
 from engine import Engine
 
@@ -521,22 +521,33 @@ def s2(x: float) -> str:
     return "—" if math.isnan(x) else f"{x:.2f}"
 
 
-def md_load(rows: list[dict]) -> str:
-    lines = [("| policy | requests ok | failed | TTFT p50 (s) | p90 | p99 | max | e2e p50 (s) | "
-             "tok/s | req/s | L1 / L2 / L3 hit | KV requeues | warnings / errors logged |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def md_table(header: list[str], rows: list[dict], row_fn: Any) -> str:
+    """A markdown table: one line per row (``row_fn(row)`` -> its cells after the config);
+    a failed config gets one FAILED cell."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | FAILED: {r['error']} |" + " |" * 11)
-            continue
+            lines.append(f"| {r['config']} | FAILED: {r['error']} |" + " |" * (len(header) - 2))
+        else:
+            lines.append(f"| {r['config']} | {row_fn(r)} |")
+    return "\n".join(lines)
+
+
+def md_load(rows: list[dict]) -> str:
+    header = ["policy", "requests ok", "failed", "TTFT p50 (s)", "p90", "p99", "max",
+              "e2e p50 (s)", "tok/s", "req/s", "L1 / L2 / L3 hit", "KV requeues",
+              "warnings / errors logged"]
+
+    def row(r: dict) -> str:
         h = r["hit_rate"]
-        lines.append(
-            f"| {r['config']} | {r['ok']} | {r['failed']} | {s2(r['ttft_p50_s'])} | "
+        return (
+            f"{r['ok']} | {r['failed']} | {s2(r['ttft_p50_s'])} | "
             f"{s2(r['ttft_p90_s'])} | {s2(r['ttft_p99_s'])} | {s2(r['ttft_max_s'])} | "
             f"{s2(r['e2e_p50_s'])} | {r['throughput_tok_s']:.0f} | {r['requests_s']:.2f} | "
             f"{h['l1']:.0%} / {h['l2']:.0%} / {h['l3']:.0%} | {r['kv_requeue_warnings']} | "
-            f"{r['logged_warnings']} / {r['logged_errors']} |")
-    return "\n".join(lines)
+            f"{r['logged_warnings']} / {r['logged_errors']}")
+
+    return md_table(header, rows, row)
 
 
 def load_targets(rows: list[dict]) -> dict:
@@ -553,20 +564,19 @@ def load_targets(rows: list[dict]) -> dict:
 
 
 def md_tiers(rows: list[dict]) -> str:
-    lines = [("| config | requests ok | failed | tok/s | req/s | TTFT p50 (s) | p99 | L1 hit | "
-             "L2 hit | L3 hit | total hit | KV requeues | warnings / errors logged |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['config']} | FAILED: {r['error']} |" + " |" * 11)
-            continue
+    header = ["config", "requests ok", "failed", "tok/s", "req/s", "TTFT p50 (s)", "p99",
+              "L1 hit", "L2 hit", "L3 hit", "total hit", "KV requeues",
+              "warnings / errors logged"]
+
+    def row(r: dict) -> str:
         h = r["hit_rate"]
-        lines.append(
-            f"| {r['config']} | {r['ok']} | {r['failed']} | {r['throughput_tok_s']:.0f} | "
+        return (
+            f"{r['ok']} | {r['failed']} | {r['throughput_tok_s']:.0f} | "
             f"{r['requests_s']:.2f} | {s2(r['ttft_p50_s'])} | {s2(r['ttft_p99_s'])} | "
             f"{h['l1']:.1%} | {h['l2']:.1%} | {h['l3']:.1%} | {r['hit_rate_total']:.1%} | "
-            f"{r['kv_requeue_warnings']} | {r['logged_warnings']} / {r['logged_errors']} |")
-    return "\n".join(lines)
+            f"{r['kv_requeue_warnings']} | {r['logged_warnings']} / {r['logged_errors']}")
+
+    return md_table(header, rows, row)
 
 
 def plot_load(rows: list[dict], tiers: list[dict], path: str) -> None:
@@ -601,13 +611,7 @@ def plot_load(rows: list[dict], tiers: list[dict], path: str) -> None:
         names = [r["config"] for r in tok]
         ax[2].bar(names, [r["throughput_tok_s"] for r in tok], color="tab:blue")
         ax[2].set_title("throughput (prompt+output tok/s)")
-        bottom = [0.0] * len(tok)
-        for t, c in zip(TIERS, ("tab:green", "tab:purple", "tab:brown")):
-            v = [r["hit_rate"][t] * 100 for r in tok]
-            ax[3].bar(names, v, bottom=bottom, color=c, label=t.upper())
-            bottom = [b + y for b, y in zip(bottom, v)]
-        ax[3].set_ylim(0, 100)
-        ax[3].set_title("prompt tokens hit, by tier (%)")
+        plot_tier_hits(ax[3], names, tok)
         ax[3].legend()
         for x in ax[2:]:
             x.tick_params(axis="x", labelrotation=15)

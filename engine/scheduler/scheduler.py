@@ -4,7 +4,8 @@ One thread owns every cache structure; other threads talk to it only through the
 The loop never spins: when a step does nothing it blocks on the inbox, which new requests,
 aborts, admin calls and every cache-copy acknowledgement (``wake``) feed, with a timeout for
 prefetch deadlines. A waiting request's prefix match is computed on arrival and again only
-when the tree changed (``tree_cache.version``); its L3 prefetch starts once, on arrival.
+when the tree changed (``tree_cache.version``); its L3 prefetch starts on arrival, and again
+if its prefix was evicted while it waited (its object keys are hashed once).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -83,16 +84,24 @@ def _write_to_l3(model_dir: str, tmp_path, prompt: list[int]) -> list[int]:
         return eng.generate(prompt, GREEDY).token_ids  # shutdown flushes the L3 backups
 
 
-def test_scheduler_sleeps_while_a_request_waits_on_its_prefetch(tiny_llama_dir, tmp_path,
-                                                                gated):
-    prompt = _prompts(1, seed=2, length=200)[0]
-    first = _write_to_l3(tiny_llama_dir, tmp_path, prompt)
+@contextmanager
+def _waiting_on_l3(model_dir: str, tmp_path, gated: list[GatedStorage], prompt: list[int]):
+    """A restarted engine (``wait_complete``) whose one request waits on an L3 read that the
+    store holds back: yields (engine, store, handle)."""
     opts = _opts(tmp_path, hicache_storage_prefetch_policy="wait_complete")
-    with Engine(tiny_llama_dir, **opts) as eng:
+    with Engine(model_dir, **opts) as eng:
         store = gated[-1]
         store.reads.close()
         handle = eng.submit(prompt, GREEDY)
         assert store.reads.wait_blocked(1)
+        yield eng, store, handle
+
+
+def test_scheduler_sleeps_while_a_request_waits_on_its_prefetch(tiny_llama_dir, tmp_path,
+                                                                gated):
+    prompt = _prompts(1, seed=2, length=200)[0]
+    first = _write_to_l3(tiny_llama_dir, tmp_path, prompt)
+    with _waiting_on_l3(tiny_llama_dir, tmp_path, gated, prompt) as (eng, store, handle):
         before = eng.scheduler.loop_iterations
         time.sleep(1.0)
         iterations = eng.scheduler.loop_iterations - before
@@ -216,12 +225,7 @@ def test_default_object_size_and_threshold(tiny_llama_dir, tmp_path):
 def test_abort_while_prefetching_frees_everything(tiny_llama_dir, tmp_path, gated):
     prompt = _prompts(1, seed=7, length=200)[0]
     _write_to_l3(tiny_llama_dir, tmp_path, prompt)
-    opts = _opts(tmp_path, hicache_storage_prefetch_policy="wait_complete")
-    with Engine(tiny_llama_dir, **opts) as eng:
-        store = gated[-1]
-        store.reads.close()
-        handle = eng.submit(prompt, GREEDY)
-        assert store.reads.wait_blocked(1)
+    with _waiting_on_l3(tiny_llama_dir, tmp_path, gated, prompt) as (eng, store, handle):
         eng.abort(handle.rid)
         out = handle.result()
         store.reads.open()
