@@ -248,12 +248,6 @@ class HiCacheController:
             self.notify()
 
     # ---- workers -----------------------------------------------------------------------------
-    def _copy_thread_setup(self) -> None:
-        if self.device_pool.device.type == "cpu":
-            # NOTE: on CPU the copies share the cores with the forward; an intra-op team of its
-            # own would oversubscribe them (the thread count is per thread in OpenMP)
-            torch.set_num_threads(1)
-
     def _drain(self, q: queue.Queue[CacheOperation]) -> list[CacheOperation]:
         out: list[CacheOperation] = []
         while True:
@@ -274,7 +268,6 @@ class HiCacheController:
         self._notify()
 
     def _write_worker(self) -> None:
-        self._copy_thread_setup()
         while (op := self._write_jobs.get()) is not None:
             try:
                 with self.write_stream.running(after=op.ready):
@@ -291,7 +284,6 @@ class HiCacheController:
             self._done("write")
 
     def _load_worker(self) -> None:
-        self._copy_thread_setup()
         while (job := self._load_jobs.get()) is not None:
             op, counter = job
             try:

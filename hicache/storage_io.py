@@ -164,7 +164,6 @@ class StorageIO:
             self.notify()
 
     def _backup_worker(self) -> None:
-        torch.set_num_threads(1)  # background work: leave the other cores to the forward
         while True:
             try:
                 job = self.backup_queue.get(timeout=self._reconcile_interval)
@@ -219,7 +218,6 @@ class StorageIO:
             self.stats["backup_errors"] += len(ok) - sum(ok)
 
     def _prefetch_worker(self) -> None:
-        torch.set_num_threads(1)  # background work: leave the other cores to the forward
         while (op := self.prefetch_queue.get()) is not None:
             try:
                 self._read(op)
