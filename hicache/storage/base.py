@@ -121,6 +121,12 @@ class StorageBackend(ABC):
         behind this process's back); returns the objects dropped. Default: nothing to do."""
         return 0
 
+    def describe(self) -> dict[str, str]:
+        """What this backend is, for admin output: at least ``backend`` (a short name); where
+        it stores (``address``, never with credentials) when the backend has one."""
+        name = type(self).__name__.removesuffix("StorageBackend").lower()
+        return {"backend": name or type(self).__name__}
+
     def exists_mask(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key (not only the leading ones)."""
         return [self.batch_exists([k]) == 1 for k in keys]

@@ -214,6 +214,9 @@ class FileStorageBackend(StorageBackend):
         with self._reconcile_lock:
             return self._reconcile()
 
+    def describe(self) -> dict[str, str]:
+        return {"backend": "file", "address": self.dir}
+
     # ---- writes ------------------------------------------------------------------------------
     def _set_one(self, key: str, value: StorageValue, parent: str | None, batch: set[str],
                  parent_stored: bool) -> bool:

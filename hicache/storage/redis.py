@@ -1,0 +1,701 @@
+"""RedisStorageBackend: L3 objects on a Redis / Valkey server or cluster (redis-py), shared by
+every daemon that serves the same model.
+
+Key layout (``k`` = an object key, a sha256 hex from ``base.object_keys`` that folds in the
+namespace, so tenant names never reach the shared server):
+
+    {prefix}:{scope}:{k}:d    payload: the tensor's raw bytes (or the stored bytes)
+    {prefix}:{scope}:{k}:m    metadata: compact JSON {v, n (payload bytes), k ("t" tensor /
+                              "b" bytes), dt (dtype), sh (shape), crc (crc32), p (parent|null)}
+
+``scope`` (model fingerprint + KV layout) keeps models apart and bounds ``clear()``. The hash
+tag ``{k}`` puts an object's two keys in one cluster slot, so they are written (MSET), read
+(MGET) and removed (UNLINK) by single atomic commands, also on a cluster, while different
+objects spread over the nodes. NOTE: the metadata says an object exists; the payload alone
+(an unfinished or foreign write) is never returned and existence says absent.
+
+Reads trust nothing: a value is returned only when its metadata parses and the payload has the
+recorded length and crc32. Otherwise it is a miss and both keys are unlinked so that no daemon
+sees it again: ``corrupt`` for a damaged payload or metadata, ``vanished`` when the metadata or
+the payload is gone (maxmemory eviction, FLUSHALL, a restart). Chains: Redis keeps no index to
+cascade through, and ``batch_exists`` counts *leading* keys, so objects after a gap are already
+unreachable. A read also unlinks the later keys of its batch whose metadata names a lost key as
+parent (directly or transitively; counted ``vanished``): cheap, and it keeps the server tidy.
+Objects chained after a batch are left to the server's eviction policy.
+
+Outages: every call goes through ``_run``. Nothing connects at construction; calls go to the
+server until one fails with a connection error or timeout (a refused password too; on a cluster
+also when one node is down, or none answers): that counts one error, marks the server down and
+logs one warning for the whole outage. Until a backoff deadline (0.5 s doubling to 30 s) calls
+answer misses / False at once without touching the network; then one caller probes (the others
+keep answering at once) and success logs "reachable again". A hung server costs the calls in
+flight one socket timeout. Other server errors (OOM under maxmemory with noeviction, READONLY
+replica, NOPERM) count one error per call and are logged once per kind until that kind of call
+succeeds again. No method raises on I/O trouble.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    MaxConnectionsError,
+    RedisClusterException,
+    RedisError,
+)
+from redis.retry import Retry
+
+from hicache.storage.base import StorageBackend, StorageStats, StorageValue
+from hicache.storage.redis_url import parse_target
+
+logger = logging.getLogger(__name__)
+
+META_VERSION = 1
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
+RECONCILE_MAX_KEYS = 100_000  # metadata keys one reconcile pass scans; a sweep resumes after
+SCAN_COUNT = 1000
+CLEAR_CHUNK = 500
+RTT_EWMA = 0.2
+_NAME = re.compile(r"^[^\s{}:*?\[\]\\]+$")  # no hash-tag braces, separators or glob characters
+# the server cannot be used now: back off; other RedisErrors are answered per call
+_OUTAGE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException)
+T = TypeVar("T")
+
+
+# ---- object encoding -------------------------------------------------------------------------
+class _Corrupt(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Meta:
+    nbytes: int
+    kind: str  # "t": tensor, "b": bytes
+    dtype: str
+    shape: tuple[int, ...]
+    crc: int
+    parent: str | None
+
+    def encode(self) -> bytes:
+        return json.dumps({"v": META_VERSION, "n": self.nbytes, "k": self.kind, "dt": self.dtype,
+                           "sh": list(self.shape), "crc": self.crc, "p": self.parent},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> _Meta:
+        try:
+            d = json.loads(raw)
+            meta = cls(int(d["n"]), str(d["k"]), str(d["dt"]), tuple(int(x) for x in d["sh"]),
+                       int(d["crc"]), None if d["p"] is None else str(d["p"]))
+            version = d["v"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise _Corrupt(f"unparsable metadata ({e})") from None
+        if version != META_VERSION or meta.kind not in ("t", "b"):
+            raise _Corrupt(f"metadata version {version} kind {meta.kind!r}")
+        return meta
+
+
+def _encode(value: StorageValue, parent: str | None) -> tuple[bytes, memoryview]:
+    """Metadata and a view of the payload: no copy of a contiguous CPU tensor (redis-py sends a
+    memoryview argument as its own chunk, see ``PythonRespSerializer.pack``)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        payload = memoryview(value).cast("B")
+        kind, dtype, shape = "b", "uint8", (payload.nbytes,)
+    elif isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        kind, dtype, shape = "t", str(t.dtype).removeprefix("torch."), tuple(t.shape)
+        # viewed as uint8 first: numpy has no bfloat16; the view keeps ``t`` alive
+        payload = t.reshape(-1).view(torch.uint8).numpy().data
+    else:
+        raise TypeError(f"cannot store a {type(value).__name__}")
+    meta = _Meta(payload.nbytes, kind, dtype, shape, zlib.crc32(payload), parent)
+    return meta.encode(), payload
+
+
+def _decode(meta: _Meta, data: bytes) -> StorageValue:
+    """The value of a checked payload; a tensor shares the reply's memory (read-only)."""
+    if len(data) != meta.nbytes:
+        raise _Corrupt(f"{len(data)} payload bytes, metadata says {meta.nbytes}")
+    if zlib.crc32(data) != meta.crc:
+        raise _Corrupt("checksum mismatch")
+    if meta.kind == "b":
+        return data
+    dtype = getattr(torch, meta.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise _Corrupt(f"unknown dtype {meta.dtype}")
+    numel = 1
+    for d in meta.shape:
+        numel *= d
+    if numel * dtype.itemsize != meta.nbytes:
+        raise _Corrupt("shape and length disagree")
+    if numel == 0:
+        return torch.empty(meta.shape, dtype=dtype)
+    return _frombuffer(data, dtype).reshape(meta.shape)
+
+
+_frombuffer_quiet = False
+
+
+def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over the reply's bytes (no copy). torch warns that such a buffer is not writable,
+    once per process (a C++ once-flag): our values are read-only by contract (the caller copies
+    them into the host pool), so the first call silences it; later calls cannot warn."""
+    global _frombuffer_quiet
+    if _frombuffer_quiet:
+        return torch.frombuffer(data, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                                category=UserWarning)
+        t = torch.frombuffer(data, dtype=dtype)
+    _frombuffer_quiet = True
+    return t
+
+
+# ---- the backend -----------------------------------------------------------------------------
+class RedisStorageBackend(StorageBackend):
+    """L3 on Redis / Valkey; see the module docstring. Connects lazily: the daemon starts while
+    the server is down and uses it once it is up.
+
+    ``stats()`` answers from cached numbers (no I/O). ``objects`` / ``bytes``: this scope's
+    objects and payload bytes on the server as counted by the last complete ``reconcile`` sweep,
+    plus what this process wrote (new objects) and deleted since that sweep began; writes that
+    land during a sweep may be counted twice until the next one, other processes' writes and the
+    server's evictions show up at the next sweep. ``capacity_bytes``: the server's maxmemory
+    (summed over the cluster's primaries; 0 = unlimited). ``evictions`` stays 0 (the server
+    evicts, see ``server_evicted_keys``). Extras: ``connected``, ``outages``, ``offline_calls``
+    (answered without the network during a backoff), ``retry_in_ms`` (until the next attempt
+    while down), ``rtt_us`` (EWMA of small calls),
+    ``read_bytes_per_s`` / ``write_bytes_per_s`` (payload bytes per second spent in batch_get /
+    batch_set), ``server_evicted_keys`` and ``server_used_memory`` (as of the last reconcile).
+    """
+
+    def __init__(self, url: str, scope: str, key_prefix: str = "hicache",
+                 socket_timeout_s: float = 2.0, connect_timeout_s: float = 1.0,
+                 max_connections: int = 16) -> None:
+        for what, name in (("key_prefix", key_prefix), ("scope", scope)):
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise ValueError(f"L3 redis {what} {name!r}: must be non-empty, without "
+                                 "whitespace, ':', braces or glob characters")
+        self.target = parse_target(url)
+        self.namespace = f"{key_prefix}:{scope}:"  # every key of this backend starts so
+        self._timeouts = (socket_timeout_s, connect_timeout_s, max_connections)
+        # redis.Redis (built now, connects on use) | RedisCluster (built by the first probe)
+        self._client: Any = None if self.target.cluster else self._make_client()
+        self._client_lock = threading.Lock()
+        self._reconcile_lock = threading.Lock()
+        self._lock = threading.Lock()  # everything below
+        self._stats = StorageStats()
+        # up: calls go to the server (optimistic at start: the first failure starts an outage);
+        # connected: a call has reached it since the last outage
+        self._up = True
+        self._connected = False
+        self._probing = False
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_FIRST_S
+        self._logged: set[tuple[str, str]] = set()  # (op, error kind) logged this episode
+        self._corrupt_logged = False
+        self._extra = {"outages": 0, "offline_calls": 0, "server_evicted_keys": 0,
+                       "server_used_memory": 0}
+        self._rtt_us = 0.0
+        self._io_s = {"read": 0.0, "write": 0.0}
+        self._base = (0, 0)  # (objects, bytes) of the last complete sweep
+        self._delta = [0, 0]  # written - deleted by us since that sweep began
+        self._sweep: _Sweep | None = None
+
+    # ---- keys --------------------------------------------------------------------------------
+    def _dkey(self, key: str) -> str:
+        return f"{self.namespace}{{{key}}}:d"
+
+    def _mkey(self, key: str) -> str:
+        return f"{self.namespace}{{{key}}}:m"
+
+    def close(self) -> None:
+        """Close the pooled connections (a later call opens new ones)."""
+        with self._client_lock:
+            client = self._client
+            if self.target.cluster:
+                self._client = None  # a closed RedisCluster forgets its nodes: make a new one
+        if client is not None:
+            try:
+                client.close()
+            except (RedisError, RedisClusterException, OSError):
+                pass
+
+    def describe(self) -> dict[str, str]:
+        return {"backend": "redis-cluster" if self.target.cluster else "redis",
+                "address": self.target.address, "key_prefix": self.namespace.rstrip(":")}
+
+    # ---- StorageBackend ----------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        mask = self.exists_mask(keys)
+        return next((i for i, present in enumerate(mask) if not present), len(mask))
+
+    def exists_mask(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._mkey(k))
+            return self._execute("exists", pipe)
+
+        res = self._run("exists", run)
+        if res is None:
+            return [False] * len(keys)
+        return [r is not None and not isinstance(r, Exception) and r > 0 for r in res]
+
+    def batch_get(self, keys: Sequence[str]) -> list[StorageValue | None]:
+        """One round trip (MGET metadata + payload per key). Values are tensors of the stored
+        dtype and shape over the reply's bytes (read-only: copy before writing) or bytes."""
+        if not keys:
+            return []
+
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                # NOTE: execute_command: redis-py's cluster pipeline refuses its multi-key
+                # methods, the server takes them (both keys share a slot)
+                pipe.execute_command("MGET", self._mkey(k), self._dkey(k))
+            return self._execute("read", pipe)
+
+        replies = self._run("read", run)
+        if replies is None:
+            with self._lock:
+                self._stats.misses += len(keys)
+            return [None] * len(keys)
+        out: list[StorageValue | None] = []
+        lost: set[str] = set()  # absent or dropped: their chained successors go too
+        doomed: list[str] = []  # keys whose metadata is present: unlink both keys
+        counts = {"hits": 0, "vanished": 0, "corrupt": 0, "bytes": 0}
+        for key, reply in zip(keys, replies):
+            value, problem = self._check(key, reply, lost)
+            out.append(value)
+            if value is not None:
+                counts["hits"] += 1
+                counts["bytes"] += len(value) if isinstance(value, bytes) else value.nbytes
+                continue
+            if problem is None:
+                continue  # a server error on this key: counted, not lost
+            lost.add(key)
+            counts["corrupt" if problem.startswith("corrupt") else "vanished"] += 1
+            if problem != "absent":
+                doomed.append(key)
+                self._log_loss(key, problem)
+        with self._lock:
+            self._stats.hits += counts["hits"]
+            self._stats.misses += len(keys) - counts["hits"]
+            self._stats.vanished += counts["vanished"]
+            self._stats.corrupt += counts["corrupt"]
+            self._stats.bytes_read += counts["bytes"]
+        if doomed:
+            self._unlink(doomed)
+        return out
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
+                  parents: Sequence[str | None] | None = None) -> list[bool]:
+        """One round trip: per object EXISTS (to count new objects) and one MSET of payload
+        and metadata (atomic: a reader sees both or neither). A key whose parent failed is
+        still written (``batch_exists`` stops at the gap anyway)."""
+        if len(values) != len(keys) or (parents is not None and len(parents) != len(keys)):
+            raise ValueError("keys, values and parents differ in length")
+        parents = parents if parents is not None else [None] * len(keys)
+        encoded: list[tuple[bytes, memoryview] | None] = []
+        for v, p in zip(values, parents):
+            try:
+                encoded.append(_encode(v, p))
+            except (TypeError, ValueError, RuntimeError) as e:
+                self._note_errors("encode", [e])
+                encoded.append(None)
+        todo = [(k, e) for k, e in zip(keys, encoded) if e is not None]
+        if not todo:
+            return [False] * len(keys)
+
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for k, (meta, payload) in todo:
+                pipe.exists(self._mkey(k))
+                # payload first, metadata last; MSET is atomic anyway
+                pipe.execute_command("MSET", self._dkey(k), payload, self._mkey(k), meta)
+            return self._execute("write", pipe)
+
+        res = self._run("write", run)
+        if res is None:
+            return [False] * len(keys)
+        done: dict[str, bool] = {}
+        new_objects = new_bytes = written = 0
+        for i, (k, (_, payload)) in enumerate(todo):
+            existed, ok = res[2 * i], res[2 * i + 1] is True
+            done[k] = done.get(k, False) or ok
+            if ok:
+                written += payload.nbytes
+                if existed == 0:
+                    new_objects += 1
+                    new_bytes += payload.nbytes
+        with self._lock:
+            self._stats.bytes_written += written
+            self._add_delta(new_objects, new_bytes)
+        return [done.get(k, False) if e is not None else False for k, e in zip(keys, encoded)]
+
+    def delete(self, key: str) -> None:
+        """Unlink ``key``'s two keys (its chained successors become unreachable; the server's
+        eviction reclaims them)."""
+        self._unlink([key])
+
+    def clear(self) -> None:
+        """Unlink every key under ``{prefix}:{scope}:`` (on every primary); never FLUSHDB."""
+        def run(client: Any) -> int:
+            removed = 0
+            for node in self._primaries(client):
+                cursor = None
+                while cursor != 0:
+                    cursor, found = self._scan(client, node, cursor or 0, self.namespace + "*")
+                    for i in range(0, len(found), CLEAR_CHUNK):
+                        removed += self._unlink_raw(client, found[i: i + CLEAR_CHUNK])
+            return removed
+
+        with self._reconcile_lock:
+            if self._run("clear", run) is not None:
+                with self._lock:
+                    self._base, self._delta, self._sweep = (0, 0), [0, 0], None
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = self._stats.as_dict()
+            out["objects"] = max(0, self._base[0] + self._delta[0])
+            out["bytes"] = max(0, self._base[1] + self._delta[1])
+            out["connected"] = int(self._connected)
+            out.update(self._extra)
+            out["rtt_us"] = round(self._rtt_us)
+            wait = self._retry_at - time.monotonic() if not self._up else 0.0
+            out["retry_in_ms"] = max(0, math.ceil(wait * 1000))
+            for op in ("read", "write"):
+                moved = self._stats.bytes_read if op == "read" else self._stats.bytes_written
+                secs = self._io_s[op]
+                out[f"{op}_bytes_per_s"] = round(moved / secs) if secs > 0 else 0
+            return out
+
+    def reconcile(self) -> int:
+        """Count this scope's objects and payload bytes (SCAN of the metadata keys, STRLEN of
+        their payloads, pipelined per page) and read maxmemory / evicted_keys from INFO. One pass
+        scans at most ``RECONCILE_MAX_KEYS`` keys; a larger store is swept over several passes
+        and the counts are published when a sweep completes. Nothing to drop locally: 0."""
+        with self._reconcile_lock:
+            self._run("reconcile", self._reconcile_pass)
+        return 0
+
+    # ---- reads -------------------------------------------------------------------------------
+    def _check(self, key: str, reply: Any, lost: set[str]
+               ) -> tuple[StorageValue | None, str | None]:
+        """(value, None) or (None, what went wrong: "absent", "vanished ...", "corrupt ...";
+        None for a server error on this key)."""
+        if isinstance(reply, Exception):
+            return None, None  # counted by _execute
+        raw_meta, data = reply
+        if raw_meta is None:
+            # never written, or evicted / flushed; a payload left alone is an orphan (writes
+            # and removals are atomic): unlink it
+            return None, "absent" if data is None else "vanished (payload without metadata)"
+        try:
+            meta = _Meta.decode(raw_meta)
+            if meta.parent is not None and meta.parent in lost:
+                return None, "vanished (chained after a lost object)"
+            if data is None:
+                return None, "vanished (payload evicted or removed)"
+            return _decode(meta, data), None
+        except _Corrupt as e:
+            return None, f"corrupt ({e})"
+
+    def _log_loss(self, key: str, problem: str) -> None:
+        """The first corrupt object of an episode at WARNING (a version skew would flood the
+        log), the rest and vanished ones at DEBUG: ``stats`` counts them."""
+        level = logging.DEBUG
+        if problem.startswith("corrupt"):
+            with self._lock:
+                if not self._corrupt_logged:
+                    self._corrupt_logged = True
+                    level = logging.WARNING
+        logger.log(level, "L3 redis %s: object %s %s; unlinked it%s", self.target.address, key,
+                   problem, " (further ones logged at debug)" if level > logging.DEBUG else "")
+
+    # ---- writes and removals -----------------------------------------------------------------
+    def _unlink(self, keys: Sequence[str]) -> None:
+        """Unlink objects, keeping the local object / byte counts honest."""
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._mkey(k))
+                pipe.strlen(self._dkey(k))
+                pipe.execute_command("UNLINK", self._mkey(k), self._dkey(k))
+            return self._execute("delete", pipe)
+
+        res = self._run("delete", run)
+        if res is None:
+            return
+        objects = sum(1 for i in range(len(keys)) if res[3 * i] == 1)
+        nbytes = sum(r for i in range(len(keys))
+                     if res[3 * i] == 1 and isinstance(r := res[3 * i + 1], int))
+        with self._lock:
+            self._add_delta(-objects, -nbytes)
+
+    def _unlink_raw(self, client: Any, names: Sequence[bytes]) -> int:
+        if not names:
+            return 0
+        if not self.target.cluster:
+            return int(client.unlink(*names))
+        pipe = client.pipeline(transaction=False)  # one slot per command on a cluster
+        for name in names:
+            pipe.unlink(name)
+        return sum(r for r in self._execute("clear", pipe) if isinstance(r, int))
+
+    def _add_delta(self, objects: int, nbytes: int) -> None:
+        self._delta[0] += objects
+        self._delta[1] += nbytes
+        if self._sweep is not None:
+            self._sweep.delta[0] += objects
+            self._sweep.delta[1] += nbytes
+
+    # ---- reconcile ---------------------------------------------------------------------------
+    def _reconcile_pass(self, client: Any) -> bool:
+        sweep = self._sweep
+        if sweep is None:
+            with self._lock:
+                sweep = self._sweep = _Sweep([(n, 0) for n in self._primaries(client)])
+        budget = RECONCILE_MAX_KEYS
+        try:
+            while sweep.todo and budget > 0:
+                node, cursor = sweep.todo[0]
+                cursor, found = self._scan(client, node, cursor, self.namespace + "*:m")
+                budget -= len(found)
+                sweep.objects += len(found)
+                sweep.nbytes += self._payload_bytes(client, found)
+                sweep.todo[0] = (node, cursor)
+                if cursor == 0:
+                    sweep.todo.pop(0)
+            self._read_server_info(client)
+        except BaseException:
+            with self._lock:
+                self._sweep = None  # start over next time
+            raise
+        if not sweep.todo:
+            with self._lock:
+                self._base = (sweep.objects, sweep.nbytes)
+                self._delta = sweep.delta
+                self._sweep = None
+        return True
+
+    def _payload_bytes(self, client: Any, meta_names: Sequence[bytes]) -> int:
+        if not meta_names:
+            return 0
+        pipe = client.pipeline(transaction=False)
+        for name in meta_names:
+            pipe.strlen(name[:-1] + b"d")  # ...:m -> ...:d
+        return sum(r for r in self._execute("reconcile", pipe) if isinstance(r, int))
+
+    def _read_server_info(self, client: Any) -> None:
+        """maxmemory (INFO memory: also where CONFIG GET is disabled), used memory and the
+        server's evicted_keys, summed over primaries; refused (ACL) sections are skipped."""
+        capacity = used = evicted = 0
+        unlimited = False
+        for node in self._primaries(client):
+            try:
+                mem = self._on(client, node, "info", "memory")
+                stats = self._on(client, node, "info", "stats")
+            except redis.ResponseError:
+                return
+            unlimited |= int(mem.get("maxmemory", 0)) == 0
+            capacity += int(mem.get("maxmemory", 0))
+            used += int(mem.get("used_memory", 0))
+            evicted += int(stats.get("evicted_keys", 0))
+        with self._lock:
+            self._stats.capacity_bytes = 0 if unlimited else capacity
+            self._extra["server_used_memory"] = used
+            self._extra["server_evicted_keys"] = evicted
+
+    # ---- client and nodes --------------------------------------------------------------------
+    def _make_client(self) -> Any:
+        """A single node's client (no I/O: redis-py connects on first use) or a cluster's
+        (reads the topology: I/O, so made by the first call, under ``_run``)."""
+        socket_timeout, connect_timeout, max_connections = self._timeouts
+        common: dict[str, Any] = {"socket_timeout": socket_timeout,
+                                  "socket_connect_timeout": connect_timeout,
+                                  "max_connections": max_connections, "client_name": "hicache"}
+        if self.target.cluster:
+            # one retry after a topology refresh (failover); the outage logic does the rest
+            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.target.nodes],
+                                retry=Retry(NoBackoff(), 1), **common, **self.target.options)
+        # one immediate retry on a broken pooled connection (the server restarted while we were
+        # idle); a timeout is not retried: a hung server costs one socket timeout
+        client = redis.Redis.from_url(
+            self.target.url, retry=Retry(NoBackoff(), 1, (redis.ConnectionError,)), **common)
+        pool = client.connection_pool
+        try:  # unknown or bad query options fail here, not on first use
+            pool.connection_class(**pool.connection_kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"L3 redis URL {self.target.address!r}: {e}") from None
+        return client
+
+    def _connect(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _primaries(self, client: Any) -> list[Any]:
+        return list(client.get_primaries()) if self.target.cluster else [None]
+
+    @staticmethod
+    def _on(client: Any, node: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if node is not None:
+            kwargs["target_nodes"] = node
+        return getattr(client, method)(*args, **kwargs)
+
+    def _scan(self, client: Any, node: Any, cursor: int, match: str) -> tuple[int, list[bytes]]:
+        cur, found = self._on(client, node, "scan", cursor, match=match, count=SCAN_COUNT)
+        if isinstance(cur, dict):  # a cluster answers {node name: cursor}
+            cur = next(iter(cur.values()))
+        return int(cur), list(found)
+
+    # ---- calls, outages and errors -----------------------------------------------------------
+    def _run(self, op: str, fn: Callable[[Any], T]) -> T | None:
+        """``fn(client)``, or None when the server is down (at once during a backoff)."""
+        with self._lock:
+            if self._up:
+                probe = False
+            elif self._probing or time.monotonic() < self._retry_at:
+                self._extra["offline_calls"] += 1
+                return None
+            else:
+                probe = self._probing = True
+        t0 = time.monotonic()
+        try:
+            result = fn(self._connect())
+        except MaxConnectionsError as e:  # our own pool is exhausted: not an outage
+            self._note_errors(op, [e])
+            result = None
+        except _OUTAGE as e:
+            self._outage(e, probe)
+            return None
+        except RedisError as e:  # the server answered: reachable
+            self._note_errors(op, [e])
+            result = None
+        except Exception as e:  # noqa: BLE001 - a client library surprise must not reach the
+            # scheduler: counted, logged once with its traceback, answered as a failed call
+            self._note_errors(op, [e], unexpected=True)
+            if probe:  # the server's state is unknown: try again after the backoff
+                with self._lock:
+                    self._probing = False
+                    self._retry_at = time.monotonic() + self._backoff
+            return None
+        elapsed = time.monotonic() - t0
+        # clean: answered without any error (pipelines leave theirs among the replies)
+        clean = result is not None and not (
+            isinstance(result, list) and any(isinstance(r, Exception) for r in result))
+        self._reachable(op, probe, elapsed, clean)
+        return result
+
+    def _execute(self, op: str, pipe: Any) -> list[Any]:
+        """Run a pipeline; an outage error among the replies (a cluster node down) fails the
+        whole call, other errors stay in the replies and are counted once."""
+        res = pipe.execute(raise_on_error=False)
+        errors = [r for r in res if isinstance(r, Exception)]
+        for e in errors:
+            if isinstance(e, _OUTAGE) and not isinstance(e, MaxConnectionsError):
+                raise e
+        if errors:
+            self._note_errors(op, errors)
+        return res
+
+    def _outage(self, error: BaseException, probe: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._stats.errors += 1
+            self._up = self._connected = False
+            first = self._down_since is None
+            if first:
+                self._down_since = now
+                self._backoff = BACKOFF_FIRST_S
+                self._extra["outages"] += 1
+                self._retry_at = now + self._backoff
+            elif probe:
+                self._backoff = min(2 * self._backoff, BACKOFF_MAX_S)
+                self._retry_at = now + self._backoff
+            if probe:
+                self._probing = False
+        if first:
+            logger.warning("L3 redis %s unreachable: %s; serving from L1/L2, retrying in "
+                           "%.1f s (backing off to %.0f s; logged once per outage)",
+                           self.target.address, error, BACKOFF_FIRST_S, BACKOFF_MAX_S)
+
+    def _reachable(self, op: str, probe: bool, elapsed: float, clean: bool) -> None:
+        back_after = None
+        with self._lock:
+            if probe:
+                # NOTE: only a probe ends an outage; a call admitted before it began may still
+                # succeed afterwards and must not mark the server up
+                self._probing = False
+                self._up = True
+                if self._down_since is not None:
+                    back_after = time.monotonic() - self._down_since
+                    self._down_since = None
+                    self._logged.clear()
+                    self._corrupt_logged = False
+                self._backoff = BACKOFF_FIRST_S
+            self._connected = self._up
+            if op in self._io_s:
+                self._io_s[op] += elapsed
+            elif op in ("exists", "delete"):
+                us = elapsed * 1e6
+                self._rtt_us = us if self._rtt_us == 0 else (
+                    (1 - RTT_EWMA) * self._rtt_us + RTT_EWMA * us)
+            if clean and self._logged:
+                self._logged = {e for e in self._logged if e[0] != op}
+        if back_after is not None:
+            logger.info("L3 redis %s reachable again after %.1f s", self.target.address,
+                        back_after)
+
+    def _note_errors(self, op: str, errors: Sequence[BaseException],
+                     unexpected: bool = False) -> None:
+        """Count one error for the round trip (not one per key); log each new kind of error
+        once (until a call of the same kind succeeds again)."""
+        kinds = {(op, _kind(e)): e for e in errors}
+        with self._lock:
+            self._stats.errors += 1
+            new = [(k, e) for k, e in kinds.items() if k not in self._logged]
+            self._logged.update(k for k, _ in new)
+        for (_, kind), e in new:
+            logger.warning("L3 redis %s: %s failed: %s (%s; logged once, see stats errors)",
+                           self.target.address, op, e, kind, exc_info=e if unexpected else None)
+
+
+@dataclass
+class _Sweep:
+    """A reconcile sweep over the primaries, possibly spread over several passes."""
+
+    todo: list[tuple[Any, int]]  # (node, scan cursor) still to finish
+    objects: int = 0
+    nbytes: int = 0
+    delta: list[int] = field(default_factory=lambda: [0, 0])  # our writes since it began
+
+
+def _kind(e: BaseException) -> str:
+    """A short kind for an error: the server's error code (OOM, READONLY, NOPERM, ...)."""
+    words = str(e).split()
+    code = words[0] if words and words[0].isupper() else ""
+    return f"{type(e).__name__} {code}".strip()

