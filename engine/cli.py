@@ -255,6 +255,16 @@ def _events(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _storage_call(c: Any, ns: argparse.Namespace) -> Any:
+    if ns.action == "attach":
+        if ns.backend is None:
+            raise SystemExit("hicache storage attach: --backend file|redis is required")
+        return c.attach_storage(ns.backend, ns.url, ns.dir)
+    if ns.action == "detach":
+        return c.detach_storage(ns.wait)
+    return c.storage()
+
+
 def _evict_args(ns: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"namespace": ns.namespace, "dry_run": ns.dry_run}
     if ns.tokens is not None:
@@ -290,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
             ),
             "unpin": lambda ns: _unary(ns, lambda c: c.unpin(None if ns.all else ns.pin_id)),
             "flush": lambda ns: _unary(ns, lambda c: c.flush(ns.tier or None, ns.wait)),
+            "storage": lambda ns: _unary(ns, lambda c: _storage_call(c, ns)),
             "info": lambda ns: _unary(ns, lambda c: c.server_info(), _print_tiers),
             "model": lambda ns: _unary(ns, lambda c: c.model_info()),
             "health": _health,

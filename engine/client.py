@@ -100,6 +100,13 @@ def flush_request(
     return req
 
 
+def detach_request(timeout_s: float | None = None) -> admin_pb2.DetachStorageRequest:
+    req = admin_pb2.DetachStorageRequest()
+    if timeout_s is not None:
+        req.timeout_s = timeout_s
+    return req
+
+
 def unpin_request(pin_id: str | None = None) -> admin_pb2.UnpinRequest:
     return admin_pb2.UnpinRequest(pin_id=pin_id) if pin_id else admin_pb2.UnpinRequest(all=True)
 
@@ -269,6 +276,27 @@ class HicacheClient(_Base):
             self.admin.Flush, flush_request(tiers, timeout_s), admin=True, timeout=rpc_timeout
         )
 
+    def storage(self) -> admin_pb2.StorageInfo:
+        """The daemon's L3 backend (attached, backend, address, ...)."""
+        return self._u(self.admin.GetStorage, admin_pb2.GetStorageRequest()).storage
+
+    def attach_storage(
+        self, backend: str, url: str = "", directory: str = ""
+    ) -> admin_pb2.StorageInfo:
+        """Attach an L3 backend to the running daemon ("redis" with a url, or "file")."""
+        return self._u(
+            self.admin.AttachStorage,
+            admin_pb2.AttachStorageRequest(backend=backend, url=url, directory=directory),
+            admin=True,
+        ).storage
+
+    def detach_storage(self, timeout_s: float | None = None) -> admin_pb2.StorageInfo:
+        """Detach L3 once its in-flight work finished (at most timeout_s, default 30)."""
+        rpc_timeout = None if self.timeout is None else max(self.timeout, (timeout_s or 30) + 5)
+        return self._u(
+            self.admin.DetachStorage, detach_request(timeout_s), admin=True, timeout=rpc_timeout
+        ).detached
+
     def inspect_tree(
         self, page_size: int = 100, page_token: str = "", preview_tokens: int = 16
     ) -> admin_pb2.InspectTreeResponse:
@@ -411,6 +439,23 @@ class AsyncHicacheClient(_Base):
         self, tiers: list[str] | None = None, timeout_s: float | None = None
     ) -> admin_pb2.FlushResponse:
         return await self._u(self.admin.Flush, flush_request(tiers, timeout_s), admin=True)
+
+    async def storage(self) -> admin_pb2.StorageInfo:
+        return (await self._u(self.admin.GetStorage, admin_pb2.GetStorageRequest())).storage
+
+    async def attach_storage(
+        self, backend: str, url: str = "", directory: str = ""
+    ) -> admin_pb2.StorageInfo:
+        r = await self._u(
+            self.admin.AttachStorage,
+            admin_pb2.AttachStorageRequest(backend=backend, url=url, directory=directory),
+            admin=True,
+        )
+        return r.storage
+
+    async def detach_storage(self, timeout_s: float | None = None) -> admin_pb2.StorageInfo:
+        r = await self._u(self.admin.DetachStorage, detach_request(timeout_s), admin=True)
+        return r.detached
 
     async def inspect_tree(
         self, page_size: int = 100, page_token: str = "", preview_tokens: int = 16

@@ -6,6 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.storage.redis_url import parse_target, redact_url
+
+STORAGE_BACKENDS = (None, "file", "redis")
+
 
 @dataclass
 class ServerArgs:
@@ -49,9 +53,14 @@ class ServerArgs:
     )
     hicache_mem_layout: str = "layer_first"  # layer_first | page_first
     hicache_io_backend: str = "kernel"  # kernel | direct
-    hicache_storage_backend: str | None = None  # file
-    hicache_storage_dir: str | None = None
-    hicache_storage_size_gb: float = 16.0
+    hicache_storage_backend: str | None = None  # file | redis
+    hicache_storage_dir: str | None = None  # file: the directory
+    hicache_storage_size_gb: float = 16.0  # file: the cap (redis: the server's maxmemory)
+    # redis: redis://[user:pass@]host:port/db, rediss:// (TLS), unix://path,
+    # redis-cluster://host:port[,host:port...] (a Redis / Valkey Cluster)
+    hicache_storage_url: str | None = None
+    # redis: keys live under "<prefix>:<model scope>:"; Flush of L3 deletes only those
+    hicache_storage_key_prefix: str = "hicache"
     # Tokens per L3 object, a multiple of page_size; None = 64 rounded up to a multiple of
     # page_size. A tail shorter than one object is not stored.
     hicache_storage_page_size: int | None = None
@@ -96,6 +105,14 @@ class ServerArgs:
             raise ValueError(
                 f"unknown hicache_storage_prefetch_policy {self.hicache_storage_prefetch_policy!r}"
             )
+        if self.hicache_storage_backend not in STORAGE_BACKENDS:
+            raise ValueError(f"unknown hicache_storage_backend {self.hicache_storage_backend!r} "
+                             f"(file, redis)")
+        if self.hicache_storage_backend == "redis" and not self.hicache_storage_url:
+            raise ValueError("hicache_storage_backend='redis' needs hicache_storage_url "
+                             "(redis://host:port/db, rediss://..., redis-cluster://h:p,h:p)")
+        if self.hicache_storage_backend == "redis":
+            parse_target(self.hicache_storage_url)  # ValueError naming what is wrong
         if self.hicache_storage_page_size is None:
             self.hicache_storage_page_size = -(-64 // self.page_size) * self.page_size
         sps = self.hicache_storage_page_size
@@ -118,5 +135,12 @@ class ServerArgs:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def public_dict(self) -> dict[str, Any]:
+        """to_dict() without secrets (the storage URL's password), for logs and GetServerInfo."""
+        d = self.to_dict()
+        if d["hicache_storage_url"]:
+            d["hicache_storage_url"] = redact_url(d["hicache_storage_url"])
+        return d
 
-__all__ = ["ServerArgs", "field"]
+
+__all__ = ["STORAGE_BACKENDS", "ServerArgs", "field", "redact_url"]

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine import hicache_setup
+from engine.cache_admin import TierUnavailableError
 from engine.config import ServerArgs
 from engine.errors import EngineShutdownError, QueueFullError
 from engine.model_runner import ModelRunner
@@ -226,6 +228,55 @@ class Engine:
 
     def model_info(self) -> dict[str, Any]:
         return self.runner.model_info()
+
+    # --- L3 at run time -----------------------------------------------------------------------
+    def storage_info(self) -> dict[str, Any]:
+        """The attached L3 backend: {"attached", "backend", "address", ...} (see storage_info)."""
+        return self.call_in_scheduler(lambda s: hicache_setup.storage_info(s.tree_cache))
+
+    def attach_storage(self, backend: str, url: str | None = None,
+                       directory: str | None = None) -> dict[str, Any]:
+        """Attach an L3 backend to the running engine (none may be attached); its objects
+        are the ones a daemon with the same model and options would use. Returns storage_info.
+        The backend is built here (a directory scan may take a while), attached on the
+        scheduler thread between steps."""
+        tree = self.scheduler.tree_cache
+        if not hasattr(tree, "attach_storage"):
+            raise TierUnavailableError("L3 needs the hierarchical cache "
+                                       "(enable_hierarchical_cache)")
+        storage = hicache_setup.build_storage(
+            self.server_args, hicache_setup.storage_scope(tree.controller.model_fingerprint,
+                                                          tree.host_pool),
+            backend=backend, url=url, directory=directory)  # fmt: skip
+        try:
+            self.call_in_scheduler(
+                lambda s: s.tree_cache.attach_storage(storage,
+                                                      self.server_args.hicache_storage_page_size))
+        except BaseException:
+            hicache_setup.close_storage(storage)
+            raise
+        a = self.server_args
+        a.hicache_storage_backend = backend
+        a.hicache_storage_url = url if backend == "redis" else None
+        a.hicache_storage_dir = directory if backend == "file" else a.hicache_storage_dir
+        return self.storage_info()
+
+    def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Stop using L3 (pending backups and prefetches finish first; see
+        HiRadixCache.detach_storage). Returns what was attached (storage_info before)."""
+        tree = self.scheduler.tree_cache
+        if not hasattr(tree, "detach_storage"):
+            raise TierUnavailableError("L3 needs the hierarchical cache "
+                                       "(enable_hierarchical_cache)")
+
+        def detach(s: Scheduler) -> dict[str, Any]:
+            before = hicache_setup.storage_info(s.tree_cache)
+            hicache_setup.close_storage(s.tree_cache.detach_storage(timeout))
+            return before
+
+        before = self.call_in_scheduler(detach, timeout=timeout + 30.0)
+        self.server_args.hicache_storage_backend = None
+        return before
 
     def shutdown(self) -> None:
         if self._closed:

@@ -25,14 +25,30 @@ def model_fingerprint(hf_config: Any, dtype: Any, object_size: int) -> str:
     return hashlib.sha256(f"{cfg}|{dtype}|S{object_size}".encode()).hexdigest()[:32]
 
 
-def build_storage(args: ServerArgs) -> Any:
-    if not args.hicache_storage_backend:
+def storage_scope(fingerprint: str, host_pool: Any) -> str:
+    """The name of this model's L3 objects on a shared server (redis keys "<prefix>:<scope>:"):
+    the fingerprint the object keys are seeded with, so Flush deletes exactly our objects."""
+    full = fingerprint + "|" + host_pool.storage_fingerprint()
+    return hashlib.sha256(full.encode()).hexdigest()[:16]
+
+
+def build_storage(args: ServerArgs, scope: str, backend: str | None = None,
+                  url: str | None = None, directory: str | None = None) -> Any:
+    """The L3 backend ``args`` name (or ``backend`` / ``url`` / ``directory``: a run-time
+    attach); None with L3 off."""
+    backend = backend if backend is not None else args.hicache_storage_backend
+    if not backend:
         return None
-    if args.hicache_storage_backend != "file":
-        raise ValueError(f"unknown hicache_storage_backend {args.hicache_storage_backend!r}")
+    if backend == "redis":
+        from hicache.storage.redis import RedisStorageBackend
+
+        return RedisStorageBackend(url or args.hicache_storage_url, scope,
+                                   key_prefix=args.hicache_storage_key_prefix)
+    if backend != "file":
+        raise ValueError(f"unknown hicache_storage_backend {backend!r} (file, redis)")
     from hicache.storage.file import FileStorageBackend
 
-    directory = os.path.expanduser(args.hicache_storage_dir or DEFAULT_STORAGE_DIR)
+    directory = os.path.expanduser(directory or args.hicache_storage_dir or DEFAULT_STORAGE_DIR)
     # NOTE: no rescan inside stats() (it runs on the scheduler thread): the L3 backup thread
     # rescans when idle (hicache.storage_io)
     return FileStorageBackend(directory, int(args.hicache_storage_size_gb * (1 << 30)),
@@ -54,11 +70,11 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
         size, ps, kv_pool.dtype, kv_pool.head_num, kv_pool.head_dim, kv_pool.layer_num,
         layout=args.hicache_mem_layout)  # fmt: skip
     sps = args.hicache_storage_page_size
+    fingerprint = model_fingerprint(runner.hf_config, kv_pool.dtype, sps)
     controller = HiCacheController(
         kv_pool, host_pool, allocator, io_backend=args.hicache_io_backend,
-        storage=build_storage(args),
-        model_fingerprint=model_fingerprint(runner.hf_config, kv_pool.dtype, sps),
-        storage_object_size=sps)  # fmt: skip
+        storage=build_storage(args, storage_scope(fingerprint, host_pool)),
+        model_fingerprint=fingerprint, storage_object_size=sps)  # fmt: skip
     return HiRadixCache(runner.req_to_token_pool, allocator, ps, host_pool, controller,
                         write_policy=args.hicache_write_policy,
                         eviction_policy=args.radix_eviction_policy,
@@ -66,3 +82,23 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
                         prefetch_policy=args.hicache_storage_prefetch_policy,
                         prefetch_timeout_base=args.hicache_prefetch_timeout_base,
                         prefetch_timeout_per_ki_token=args.hicache_prefetch_timeout_per_ki_token)
+
+
+def storage_info(tree: Any) -> dict[str, Any]:
+    """What L3 the tree uses: {"attached": False} or the backend's describe() plus
+    "attached", "object_tokens", "pending" (backups + prefetches in flight)."""
+    io = getattr(tree, "storage_io", None)
+    if io is None:
+        return {"attached": False}
+    describe = getattr(io.storage, "describe", None)
+    info: dict[str, Any] = dict(describe()) if describe is not None else {}
+    info.setdefault("backend", type(io.storage).__name__)
+    info.update(attached=True, object_tokens=io.object_size, pending=io.pending())
+    return info
+
+
+def close_storage(storage: Any) -> None:
+    """Release a detached backend's connections (backends without close() hold none)."""
+    close = getattr(storage, "close", None)
+    if close is not None:
+        close()

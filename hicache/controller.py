@@ -239,6 +239,26 @@ class HiCacheController:
         for t in self._threads:
             t.join(timeout=10)
 
+    def attach_storage(self, storage: StorageBackend, object_size: int) -> StorageIO:
+        """Start L3 I/O over ``storage`` (run-time attach; none may be attached)."""
+        if self.storage_io is not None:
+            raise RuntimeError("an L3 backend is already attached")
+        self.storage = storage
+        self.storage_io = StorageIO(storage, self.host_pool, object_size, self.model_fingerprint,
+                                    notify=self._notify)
+        return self.storage_io
+
+    def detach_storage(self, timeout: float) -> bool:
+        """Stop L3 I/O once queued backups and prefetches finished; False (still attached)
+        when they did not within ``timeout``: their threads still use host slots."""
+        if self.storage_io is None:
+            return True
+        if not self.storage_io.wait_idle(timeout):
+            return False
+        self.storage_io.shutdown(timeout=0.0)
+        self.storage_io, self.storage = None, None
+        return True
+
     def wait_storage_idle(self, timeout: float | None = None) -> bool:
         """Block until every queued L3 backup and prefetch finished (acks not drained)."""
         return self.storage_io is None or self.storage_io.wait_idle(timeout)

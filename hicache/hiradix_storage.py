@@ -45,6 +45,10 @@ MAX_BACKUP_HOST_SHARE = 0.5
 STORAGE_SETTLE_S = 30.0
 
 
+class StorageBusyError(RuntimeError):
+    """L3 cannot be attached / detached now (one is attached; work is still in flight)."""
+
+
 class PrefetchStart(NamedTuple):
     tokens: int  # tokens the prefetch will add beyond the L1 + L2 match (0: none started)
     in_l3: int  # tokens of the request's prefix L3 holds (whole objects from the root)
@@ -414,6 +418,44 @@ class StorageMixin:
         self._bump()
         return 0
 
+    # ---- attach / detach at run time (scheduler thread) ----------------------------------------
+    def attach_storage(self, storage: Any, object_size: int) -> None:
+        """Use ``storage`` as L3 from now on. Nodes already in L2 are backed up to it when a
+        request next matches them (the repair path); new writes as they land."""
+        if self.storage_io is not None:
+            raise StorageBusyError("an L3 backend is already attached; detach it first")
+        if object_size % self.page_size:
+            raise ValueError(f"L3 object size {object_size} is not a multiple of the page size "
+                             f"{self.page_size}")
+        self.storage_io = self.controller.attach_storage(storage, object_size)
+        self.storage, self.object_size = storage, object_size
+        for n in self._all_nodes():
+            n.in_storage = False
+        self._bump()
+
+    def detach_storage(self, timeout: float = STORAGE_SETTLE_S) -> Any:
+        """Stop using L3 and return the backend (None if none was attached). Queued backups
+        and prefetches finish first; what prefetches read enters L2 as usual (the requests
+        waiting for them go on). Raises StorageBusyError, changing nothing, when they do not
+        finish within ``timeout`` (a hung store: its threads still read host slots)."""
+        if self.storage_io is None:
+            return None
+        if not self.controller.wait_storage_idle(timeout):
+            raise StorageBusyError(
+                f"L3 still has {self.storage_io.pending()} backups / prefetches in flight after "
+                f"{timeout:g} s; nothing was detached")
+        self.l3_counters["backup_dropped_nodes"] += len(self.deferred_backups)
+        self.deferred_backups.clear()  # (before the check, which would submit them)
+        self.storage_check()  # every op is done: releases backup slots, collects prefetches
+        if not self.controller.detach_storage(0.0):
+            raise AssertionError("L3 work was queued while detaching")
+        storage, self.storage, self.storage_io = self.storage, None, None
+        for n in self._all_nodes():
+            n.in_storage = False
+        self._repairing.clear()
+        self._bump()
+        return storage
+
     def node_in_storage(self, node: TreeNode) -> bool:
         """Are the L3 objects ending inside ``node`` stored (asks the backend)?"""
         if self.storage_io is None:
@@ -428,6 +470,9 @@ class StorageMixin:
 
     def storage_stats(self) -> dict[str, Any]:
         l3: dict[str, Any] = dict(self.storage.stats())
+        describe = getattr(self.storage, "describe", None)
+        if describe is not None:
+            l3.update(describe())  # backend, address (strings)
         S, io = self.object_size, self.storage_io
         object_bytes = S * self.controller.bytes_per_token
         if "objects" in l3:

@@ -13,6 +13,7 @@ import grpc
 from engine import cache_admin
 from engine.server import validate
 from engine.server.pb import EVENT_TO_ENUM, TIER_TO_ENUM, admin_grpc, admin_pb2, tier_tokens
+from engine.server.settings import ensure_dir
 from engine.server.state import DaemonState, iter_chunks, rpc
 
 _STAT_FIELDS = {  # TierStats field <- engine cache_stats() keys (first present wins)
@@ -29,6 +30,7 @@ _STAT_FIELDS = {  # TierStats field <- engine cache_stats() keys (first present 
     "bandwidth_bytes_per_s": ("bandwidth_bytes_per_s", "bandwidth"),
 }
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
+DEFAULT_DETACH_TIMEOUT_S = 30.0
 
 
 def tier_stats(tier: str, d: dict[str, Any] | None) -> admin_pb2.TierStats:
@@ -45,7 +47,21 @@ def tier_stats(tier: str, d: dict[str, Any] | None) -> admin_pb2.TierStats:
     for k, v in d.items():
         if k not in used and isinstance(v, (int, float)) and not isinstance(v, bool):
             msg.extra[k] = float(v)
+        elif isinstance(v, str):
+            msg.info[k] = v
     return msg
+
+
+def storage_info(d: dict[str, Any]) -> admin_pb2.StorageInfo:
+    core = ("attached", "backend", "address", "object_tokens", "pending")
+    return admin_pb2.StorageInfo(
+        attached=bool(d.get("attached")),
+        backend=str(d.get("backend", "")),
+        address=str(d.get("address", "")),
+        object_tokens=int(d.get("object_tokens", 0)),
+        pending=int(d.get("pending", 0)),
+        details={k: str(v) for k, v in d.items() if k not in core},
+    )
 
 
 class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
@@ -327,3 +343,50 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                     ),
                 )
                 missed = 0
+
+    @rpc
+    async def GetStorage(
+        self, request: admin_pb2.GetStorageRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetStorageResponse:
+        engine = await self.state.require_engine(context)
+        return admin_pb2.GetStorageResponse(
+            storage=storage_info(await self.state.run(engine.storage_info))
+        )
+
+    @rpc
+    async def AttachStorage(
+        self, request: admin_pb2.AttachStorageRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AttachStorageResponse:
+        st = self.state
+        engine = await st.require_engine(context)
+        backend = request.backend
+        if backend == "redis":
+            if not request.url:
+                raise validate.ValidationError("url is required with backend 'redis'")
+            if request.directory:
+                raise validate.ValidationError("directory is for backend 'file'")
+        elif backend == "file":
+            if request.url:
+                raise validate.ValidationError("url is for backend 'redis'")
+        else:
+            raise validate.ValidationError(f"backend must be 'file' or 'redis', got {backend!r}")
+        directory = None
+        if backend == "file":
+            directory = await st.run_input(
+                ensure_dir, request.directory or engine.server_args.hicache_storage_dir or ""
+            )
+        info = await st.run_input(engine.attach_storage, backend, request.url or None, directory)
+        return admin_pb2.AttachStorageResponse(storage=storage_info(info))
+
+    @rpc
+    async def DetachStorage(
+        self, request: admin_pb2.DetachStorageRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DetachStorageResponse:
+        engine = await self.state.require_engine(context)
+        timeout = (
+            validate.seconds(request.timeout_s, "timeout_s", 3600.0)
+            if request.HasField("timeout_s")
+            else DEFAULT_DETACH_TIMEOUT_S
+        )
+        before = await self.state.run_input(engine.detach_storage, timeout)
+        return admin_pb2.DetachStorageResponse(detached=storage_info(before))

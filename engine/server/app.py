@@ -121,7 +121,7 @@ class Daemon:
         asyncio.get_running_loop().create_task(self._load())
         log.info("listening on %s:%d (%s)", s.host, self.port, "TLS" if s.tls_cert else "plaintext")
         if self.server_args is not None:
-            log.info("cache tiers: %s", describe_tiers(self.server_args.to_dict()))
+            log.info("cache tiers: %s", describe_tiers(self.server_args.public_dict()))
         return self.port
 
     def _stats_for_metrics(self) -> dict[str, Any] | None:

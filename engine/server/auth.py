@@ -18,7 +18,9 @@ from engine.server.pb import CACHE_ADMIN_SERVICE
 
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 ADMIN_MUTATIONS = frozenset(
-    f"/{CACHE_ADMIN_SERVICE}/{m}" for m in ("Prefetch", "Evict", "Pin", "Unpin", "Flush")
+    f"/{CACHE_ADMIN_SERVICE}/{m}" for m in (
+        "Prefetch", "Evict", "Pin", "Unpin", "Flush", "AttachStorage", "DetachStorage"
+    )
 )
 
 

@@ -157,7 +157,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         features = ["generate", "cache_namespaces"]
         if st.engine is not None:
             args = st.engine.server_args
-            config.update({k: json.dumps(v, default=str) for k, v in args.to_dict().items()})
+            config.update({k: json.dumps(v, default=str) for k, v in args.public_dict().items()})
             # NOTE: the tree_factory's rules: no radix cache, no lower tiers; no L2, no L3.
             hier = args.enable_hierarchical_cache and not args.disable_radix_cache
             features += ["radix_cache"] if not args.disable_radix_cache else []

@@ -86,6 +86,20 @@ _L3 = {
     "errors": ("hicache_l3_errors", "L3 errors", True),
     "vanished": ("hicache_l3_vanished_objects", "Objects found gone or damaged", True),
     "objects": ("hicache_l3_objects", "Objects in L3", False),
+    "bytes": ("hicache_l3_bytes", "Bytes of the objects in L3", False),
+    "hits": ("hicache_l3_object_hits", "Objects read", True),
+    "misses": ("hicache_l3_object_misses", "Objects asked for and not there", True),
+    "corrupt": ("hicache_l3_corrupt_objects", "Objects found damaged (removed)", True),
+    "bytes_read": ("hicache_l3_read_bytes", "Payload bytes read from L3", True),
+    "bytes_written": ("hicache_l3_written_bytes", "Payload bytes written to L3", True),
+    "read_bytes_per_s": ("hicache_l3_read_bandwidth_bytes_per_second",
+                         "Read bandwidth (payload bytes / time in reads)", False),
+    "write_bytes_per_s": ("hicache_l3_write_bandwidth_bytes_per_second",
+                          "Write bandwidth (payload bytes / time in writes)", False),
+    "rtt_us": ("hicache_l3_round_trip_microseconds", "Round-trip latency to the L3 server",
+               False),
+    "connected": ("hicache_l3_connected", "1 while the L3 server answers", False),
+    "outages": ("hicache_l3_outages", "Times the L3 server became unreachable", True),
     "pending_backups": ("hicache_l3_pending_backups", "Backups in flight", False),
     "pending_prefetches": ("hicache_l3_pending_prefetches", "Prefetches in flight", False),
 }
@@ -94,6 +108,10 @@ _L3 = {
 def _l3_families(l3: Any) -> Iterator[Any]:
     if not isinstance(l3, dict):
         return
+    info = GaugeMetricFamily("hicache_l3_backend_info", "The attached L3 backend (value 1)",
+                             labels=["backend", "address"])
+    info.add_metric([str(l3.get("backend", "")), str(l3.get("address", ""))], 1.0)
+    yield info
     for key, (name, doc, counter) in _L3.items():
         if key in l3:
             cls = CounterMetricFamily if counter else GaugeMetricFamily

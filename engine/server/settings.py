@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ServerArgs
+from hicache.storage.redis_url import redact_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,6 +42,7 @@ _DAEMON_DEFAULT_HELP = {
     "enable_hierarchical_cache": "; daemon default: on (L1 + L2)",
     "hicache_storage_backend": "; daemon default: file with the hierarchy on; none = L3 off",
     "hicache_storage_dir": "; daemon default: $XDG_CACHE_HOME/hicache/kv or ~/.cache/hicache/kv",
+    "hicache_storage_url": "; with --hicache-storage-backend redis",
 }
 
 
@@ -207,14 +209,21 @@ def load(
 
 
 def ensure_storage_dir(args: ServerArgs) -> str | None:
-    """Creates the file L3 directory before the daemon starts, the parts it creates user-only
-    (0700); returns it, or None without a file L3. Raises ValueError naming the option when the
-    directory cannot be created or written."""
+    """Creates the file L3 directory before the daemon starts (see ensure_dir); returns it, or
+    None without a file L3."""
     if not (args.enable_hierarchical_cache and args.hicache_storage_backend == "file"):
         return None
     if not args.hicache_storage_dir:
         return None  # the engine's own default (engine/hicache_setup.py)
-    path = Path(os.path.expanduser(args.hicache_storage_dir))
+    return ensure_dir(args.hicache_storage_dir)
+
+
+def ensure_dir(directory: str) -> str:
+    """Creates a file L3 directory, the parts it creates user-only (0700); returns its path.
+    Raises ValueError naming the option when it cannot be created or written."""
+    if not directory:
+        raise ValueError("no L3 directory given (and the daemon has none configured)")
+    path = Path(os.path.expanduser(directory))
     try:
         for p in reversed([path, *path.parents]):
             if p.exists() and not p.is_dir():
@@ -244,6 +253,8 @@ def describe_tiers(args: Mapping[str, Any]) -> str:
     backend = args.get("hicache_storage_backend")
     if not backend:
         return out + "; l3 off"
+    if backend == "redis":
+        return out + f" + l3 redis {redact_url(args.get('hicache_storage_url') or '')}"
     where = f" {args['hicache_storage_dir']}" if args.get("hicache_storage_dir") else ""
     cap = float(args.get("hicache_storage_size_gb") or 0)
     return out + f" + l3 {backend}{where} (cap {cap:g} GB)"

@@ -18,6 +18,7 @@ import grpc
 from engine.cache_admin import NotIdleError, TierUnavailableError
 from engine.errors import EngineShutdownError, QueueFullError
 from engine.server.validate import ValidationError
+from hicache.hiradix_storage import StorageBusyError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -29,6 +30,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineShutdownError, grpc.StatusCode.UNAVAILABLE),
     (NotIdleError, grpc.StatusCode.FAILED_PRECONDITION),
     (TierUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
+    (StorageBusyError, grpc.StatusCode.FAILED_PRECONDITION),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 

@@ -43,7 +43,7 @@ def gated(monkeypatch, tmp_path):
     """Engines built inside the test get their file L3 behind a GatedStorage."""
     stores: list[GatedStorage] = []
 
-    def build(args):
+    def build(args, scope, **_):
         store = GatedStorage(FileStorageBackend(args.hicache_storage_dir, 1 << 30))
         stores.append(store)
         return store

@@ -198,3 +198,31 @@ def test_bearer_parsing():
     assert auth.bearer([("authorization", "Bearer abc ")]) == "abc"
     assert auth.bearer([("authorization", "Basic abc")]) == ""
     assert auth.bearer([("x-other", "1")]) is None
+
+
+def test_redis_l3_settings_from_the_compose_toml_and_errors(tmp_path):
+    toml = os.path.join(os.path.dirname(__file__), "..", "..", "docker", "hicache.toml")
+    _, e = settings.load(_parse("--config", toml), {})
+    assert (e.hicache_storage_backend, e.hicache_storage_url) == ("redis",
+                                                                  "redis://valkey:6379/0")
+    assert e.hicache_storage_key_prefix == "hicache"
+    _, e = settings.load(_parse("--hicache-storage-backend", "redis"),
+                         {"HICACHE_HICACHE_STORAGE_URL": "redis://u:s3cret@h:6379/0"})
+    shown = e.public_dict()["hicache_storage_url"]
+    assert "s3cret" not in shown and shown == "redis://u@h:6379/0"
+    assert "s3cret" not in settings.describe_tiers(e.public_dict())
+    with pytest.raises(ValueError, match="needs hicache_storage_url"):
+        settings.load(_parse("--hicache-storage-backend", "redis"), {})
+    with pytest.raises(ValueError, match="unknown scheme 'http'"):
+        settings.load(_parse("--hicache-storage-backend", "redis",
+                             "--hicache-storage-url", "http://h:1"), {})
+    with pytest.raises(ValueError, match="unknown hicache_storage_backend 's3'"):
+        settings.load(_parse("--hicache-storage-backend", "s3"), {})
+
+
+def test_storage_admin_rpcs_are_admin_mutations():
+    for m in ("AttachStorage", "DetachStorage"):
+        method = f"/{auth.CACHE_ADMIN_SERVICE}/{m}"
+        assert auth.check(method, "user", "user", "admin")[0] == grpc.StatusCode.PERMISSION_DENIED
+    get = f"/{auth.CACHE_ADMIN_SERVICE}/GetStorage"
+    assert auth.check(get, "user", "user", "admin") is None

@@ -247,3 +247,57 @@ def test_flat_objects_do_not_depend_on_the_device_page_size(tmp_path):
         b.assert_device_kv(key, indices)
     finally:
         b.close()
+
+
+def test_detach_waits_for_in_flight_backups_and_refuses_while_they_hang(gated_rig, tmp_path):
+    from hicache.hiradix_storage import StorageBusyError
+
+    r, store = gated_rig(object_size=4)
+    store.writes.close()
+    key = list(range(800, 832))
+    keys = r.tree.storage_keys(tuple(key))
+    r.insert(key)
+    _land_writes(r)
+    assert store.writes.wait_blocked(1)
+    with pytest.raises(StorageBusyError, match="nothing was detached"):
+        r.tree.detach_storage(timeout=0.2)
+    assert r.tree.storage is store and r.tree.tier_stats()["l3"]["pending_backups"] == 1
+    store.writes.open()
+    assert r.tree.detach_storage(timeout=10) is store  # the hung backup landed first
+    assert store.inner.batch_exists(keys) == 8
+    assert "l3" not in r.tree.tier_stats() and r.controller.storage_io is None
+    assert r.tree.storage_keys(tuple(key)) == []  # no L3, no keys
+    r.check_invariants()
+    # serving goes on without L3: inserts, demotions, loads
+    r.insert(list(range(900, 924)))
+    r.settle()
+    r.check_invariants()
+    assert r.tree.detach_storage() is None  # nothing attached: a no-op
+
+
+def test_attach_at_run_time_backs_up_what_l2_holds_and_serves_it(gated_rig, tmp_path):
+    from hicache.hiradix_storage import StorageBusyError
+
+    r, _ = gated_rig(object_size=4)
+    r.tree.detach_storage()
+    key = list(range(1000, 1032))
+    r.insert(key)
+    r.settle()
+    fresh = FileStorageBackend(tmp_path / "attached", 1 << 26)
+    r.tree.attach_storage(fresh, 4)
+    with pytest.raises(StorageBusyError, match="already attached"):
+        r.tree.attach_storage(fresh, 4)
+    keys = r.tree.storage_keys(tuple(key))
+    assert fresh.batch_exists(keys) == 0
+    # the next match of the prefix backs up what L2 holds (the repair path)
+    r.tree.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
+    r.settle()
+    r.tree.cancel_prefetch("req")
+    assert fresh.batch_exists(keys) == 8
+    r.tree.flush_tier("l1")
+    r.tree.flush_tier("l2")
+    assert r.tree.fetch_from_storage(key) == 32
+    res = r.tree.match_prefix(key)
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(key, indices)
+    r.check_invariants()

@@ -39,7 +39,7 @@ class GetCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "enabled", "capacity_tokens", "used_tokens", "evictable_tokens", "pinned_tokens", "hit_tokens", "evicted_tokens", "promoted_tokens", "demoted_tokens", "bytes_in", "bytes_out", "bandwidth_bytes_per_s", "extra")
+    __slots__ = ("tier", "enabled", "capacity_tokens", "used_tokens", "evictable_tokens", "pinned_tokens", "hit_tokens", "evicted_tokens", "promoted_tokens", "demoted_tokens", "bytes_in", "bytes_out", "bandwidth_bytes_per_s", "extra", "info")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,13 @@ class TierStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class InfoEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TIER_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +68,7 @@ class TierStats(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
     tier: _common_pb2.Tier
     enabled: bool
     capacity_tokens: int
@@ -75,7 +83,8 @@ class TierStats(_message.Message):
     bytes_out: int
     bandwidth_bytes_per_s: float
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., pinned_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ..., promoted_tokens: _Optional[int] = ..., demoted_tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    info: _containers.ScalarMap[str, str]
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., pinned_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ..., promoted_tokens: _Optional[int] = ..., demoted_tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ..., info: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetCacheStatsResponse(_message.Message):
     __slots__ = ("tiers", "miss_tokens", "admin_pinned_tokens", "num_pins", "timestamp")
@@ -304,3 +313,64 @@ class WatchCacheEventsResponse(_message.Message):
     event: CacheEvent
     missed: int
     def __init__(self, event: _Optional[_Union[CacheEvent, _Mapping]] = ..., missed: _Optional[int] = ...) -> None: ...
+
+class GetStorageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStorageResponse(_message.Message):
+    __slots__ = ("storage",)
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    storage: StorageInfo
+    def __init__(self, storage: _Optional[_Union[StorageInfo, _Mapping]] = ...) -> None: ...
+
+class AttachStorageRequest(_message.Message):
+    __slots__ = ("backend", "url", "directory")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    url: str
+    directory: str
+    def __init__(self, backend: _Optional[str] = ..., url: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class AttachStorageResponse(_message.Message):
+    __slots__ = ("storage",)
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    storage: StorageInfo
+    def __init__(self, storage: _Optional[_Union[StorageInfo, _Mapping]] = ...) -> None: ...
+
+class DetachStorageRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class DetachStorageResponse(_message.Message):
+    __slots__ = ("detached",)
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    detached: StorageInfo
+    def __init__(self, detached: _Optional[_Union[StorageInfo, _Mapping]] = ...) -> None: ...
+
+class StorageInfo(_message.Message):
+    __slots__ = ("attached", "backend", "address", "object_tokens", "pending", "details")
+    class DetailsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    attached: bool
+    backend: str
+    address: str
+    object_tokens: int
+    pending: int
+    details: _containers.ScalarMap[str, str]
+    def __init__(self, attached: _Optional[bool] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., object_tokens: _Optional[int] = ..., pending: _Optional[int] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...

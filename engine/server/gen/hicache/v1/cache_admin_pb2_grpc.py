@@ -81,6 +81,21 @@ class CacheAdminServiceStub:
                 request_serializer=hicache_dot_v1_dot_cache__admin__pb2.WatchCacheEventsRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_cache__admin__pb2.WatchCacheEventsResponse.FromString,
                 _registered_method=True)
+        self.GetStorage = channel.unary_unary(
+                '/hicache.v1.CacheAdminService/GetStorage',
+                request_serializer=hicache_dot_v1_dot_cache__admin__pb2.GetStorageRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_cache__admin__pb2.GetStorageResponse.FromString,
+                _registered_method=True)
+        self.AttachStorage = channel.unary_unary(
+                '/hicache.v1.CacheAdminService/AttachStorage',
+                request_serializer=hicache_dot_v1_dot_cache__admin__pb2.AttachStorageRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_cache__admin__pb2.AttachStorageResponse.FromString,
+                _registered_method=True)
+        self.DetachStorage = channel.unary_unary(
+                '/hicache.v1.CacheAdminService/DetachStorage',
+                request_serializer=hicache_dot_v1_dot_cache__admin__pb2.DetachStorageRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_cache__admin__pb2.DetachStorageResponse.FromString,
+                _registered_method=True)
 
 
 class CacheAdminServiceServicer:
@@ -147,6 +162,27 @@ class CacheAdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStorage(self, request, context):
+        """The L3 backend of the running daemon. Attach (none may be attached) and Detach need the admin
+        token. Detach lets queued backups and prefetches finish first (what they read enters L2); when
+        they do not finish within timeout_s it fails with FAILED_PRECONDITION and changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachStorage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachStorage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheAdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +230,21 @@ def add_CacheAdminServiceServicer_to_server(servicer, server):
                     servicer.WatchCacheEvents,
                     request_deserializer=hicache_dot_v1_dot_cache__admin__pb2.WatchCacheEventsRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_cache__admin__pb2.WatchCacheEventsResponse.SerializeToString,
+            ),
+            'GetStorage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStorage,
+                    request_deserializer=hicache_dot_v1_dot_cache__admin__pb2.GetStorageRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_cache__admin__pb2.GetStorageResponse.SerializeToString,
+            ),
+            'AttachStorage': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachStorage,
+                    request_deserializer=hicache_dot_v1_dot_cache__admin__pb2.AttachStorageRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_cache__admin__pb2.AttachStorageResponse.SerializeToString,
+            ),
+            'DetachStorage': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachStorage,
+                    request_deserializer=hicache_dot_v1_dot_cache__admin__pb2.DetachStorageRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_cache__admin__pb2.DetachStorageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +492,87 @@ class CacheAdminService:
             '/hicache.v1.CacheAdminService/WatchCacheEvents',
             hicache_dot_v1_dot_cache__admin__pb2.WatchCacheEventsRequest.SerializeToString,
             hicache_dot_v1_dot_cache__admin__pb2.WatchCacheEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStorage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.CacheAdminService/GetStorage',
+            hicache_dot_v1_dot_cache__admin__pb2.GetStorageRequest.SerializeToString,
+            hicache_dot_v1_dot_cache__admin__pb2.GetStorageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachStorage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.CacheAdminService/AttachStorage',
+            hicache_dot_v1_dot_cache__admin__pb2.AttachStorageRequest.SerializeToString,
+            hicache_dot_v1_dot_cache__admin__pb2.AttachStorageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachStorage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.CacheAdminService/DetachStorage',
+            hicache_dot_v1_dot_cache__admin__pb2.DetachStorageRequest.SerializeToString,
+            hicache_dot_v1_dot_cache__admin__pb2.DetachStorageResponse.FromString,
             options,
             channel_credentials,
             insecure,
