@@ -121,6 +121,11 @@ class MHATokenToKVPoolHost:
         self.clear()
 
     # ---- allocator -------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Drop the buffer (the owner is shut down and no copy is in flight): its GBs go back
+        now, not when the cyclic GC gets to the objects that reference this pool."""
+        self.kv_buffer = torch.empty((0,), dtype=self.store_dtype)
+
     def clear(self) -> None:
         """All pages free, no protections (callers make sure no copy is in flight)."""
         self.free_pages = torch.arange(self.num_pages, dtype=torch.int64)  # [num_free_pages]

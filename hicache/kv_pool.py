@@ -45,6 +45,10 @@ class MHATokenToKVPool:
             torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)
         ]
 
+    def release_memory(self) -> None:
+        """Drop the buffers (the engine is shut down): see MHATokenToKVPoolHost.release_memory."""
+        self.k_buffer, self.v_buffer = [], []
+
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf if self.store_dtype == self.dtype else buf.view(self.dtype)
 

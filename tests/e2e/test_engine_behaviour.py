@@ -179,3 +179,25 @@ def test_engine_with_oversized_host_pool_fails_clearly(tiny_llama_dir):
     option to change, instead of an OOM kill later (hicache_size 1e7 GB = 10 PB)."""
     with pytest.raises(ValueError, match="lower hicache_ratio or set hicache_size"):
         Engine(tiny_llama_dir, enable_hierarchical_cache=True, hicache_size=1e7)
+
+
+def test_shutdown_gives_the_pools_back_at_once(tiny_llama_dir, tmp_path):
+    """The pools are reachable through reference cycles; shutdown drops them itself, so a
+    script that replaces an engine by a new one never holds two sets of pools."""
+    from engine.errors import EngineShutdownError
+
+    opts = {"enable_hierarchical_cache": True, "max_total_tokens": 256,
+            "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "kv"),
+            "hicache_storage_page_size": 16, "hicache_prefetch_threshold": 0}
+    eng = Engine(tiny_llama_dir, **opts)
+    want = eng.generate(list(range(5, 60)), {"max_new_tokens": 4}).token_ids
+    host = eng.scheduler.tree_cache.host_pool
+    pool = eng.runner.kv_pool
+    assert host.kv_buffer.numel() > 0 and pool.k_buffer
+    eng.shutdown()
+    assert host.kv_buffer.numel() == 0 and pool.k_buffer == [] and eng.runner.model is None
+    with pytest.raises(EngineShutdownError):
+        eng.generate([5, 6, 7], {"max_new_tokens": 1})
+    with Engine(tiny_llama_dir, **opts) as e2:
+        got = e2.generate(list(range(5, 60)), {"max_new_tokens": 4})
+    assert got.token_ids == want and got.cached_tokens_per_tier.get("l3", 0) > 0
