@@ -667,6 +667,21 @@ def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
+def machine_header() -> tuple[dict[str, Any], str]:
+    """{"command", "machine"} of this run (printed now) and a header line for the report."""
+    import torch
+
+    command = " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable)] + sys.argv)
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
+               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+               "loadavg_start": os.getloadavg()}
+    print(f"Command: `{command}`\nMachine: {machine['platform']}, {machine['cpus']} CPUs, torch "
+          f"{machine['torch']}; load average at start {machine['loadavg_start']}", flush=True)
+    header = (f"Command: `{command}`  \nMachine: {machine['platform']}, {machine['cpus']} CPUs, "
+              f"torch {machine['torch']} ({machine['torch_threads']} threads)")
+    return {"command": command, "machine": machine}, header
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -713,15 +728,9 @@ def main() -> int:
     a.l2_ratio = a.l2_ratio or (3.0 if seq else 2.0)
     os.makedirs(a.out_dir, exist_ok=True)
 
-    import torch
-
-    command = " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable)] + sys.argv)
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
-               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-               "loadavg_start": os.getloadavg()}
-    print(f"Command: `{command}`\nMachine: {machine['platform']}, {machine['cpus']} CPUs, torch "
-          f"{machine['torch']}; load average at start {machine['loadavg_start']}", flush=True)
-    result: dict[str, Any] = {"command": command, "args": vars(a), "machine": machine}
+    result, _ = machine_header()
+    result["args"] = vars(a)
+    command, machine = result["command"], result["machine"]
     tmp = tempfile.mkdtemp(prefix="hicache_pressure_")
     try:
         failed = (run_sequence_mode if seq else run_load_mode)(a, result, tmp)

