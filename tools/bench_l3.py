@@ -14,7 +14,8 @@ Part 2, bandwidth: --objects L3 objects of the default model's real size (64 tok
 x K and V: 2.9 MB for SmolLM2-135M fp32) written and read by RedisStorageBackend in the batches
 the StorageIO threads use (32 per batch_set, 4 per batch_get), vs plain redis-py pipelines that
 SET / GET the same bytes in the same batches (the bytes prepared beforehand, no checksum, no
-metadata). Target: backend >= 0.8x plain, per direction. The file backend's figures for scale.
+metadata). One unmeasured round of each, then --bw-reps rounds interleaved (medians). Target:
+backend >= 0.8x plain, per direction. The file backend's figures for scale.
 
 Writes <out-dir>/bench_l3.json and .png and prints a markdown table with a header (command,
 machine, load average before / after).
@@ -148,36 +149,37 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
     def timed(fn) -> float:
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0
+        return total / (time.perf_counter() - t0)
 
-    def backend_rounds(store: Any) -> tuple[list[float], list[float]]:
-        w, r = [], []
-        for _ in range(a.bw_reps):
-            store.clear()
-            w.append(total / timed(lambda: [store.batch_set(keys[i:i + 32], values[i:i + 32],
-                                                            parents[i:i + 32])
-                                            for i in range(0, n, 32)]))
-            got: list[Any] = []
+    raw = redis.Redis.from_url(url)
 
-            def read(got: list[Any] = got) -> None:
-                for i in range(0, n, 4):
-                    got.extend(store.batch_get(keys[i:i + 4]))
+    def settle() -> None:
+        """Until the server freed what the last round removed: UNLINK frees big values on a
+        background thread, which would run during the next timed write."""
+        while int(raw.info("memory").get("lazyfree_pending_objects", 0)):
+            time.sleep(0.01)
 
-            r.append(total / timed(read))
-            assert all(g is not None for g in got), "a read missed"
+    def backend_round(store: Any) -> tuple[float, float]:
+        store.clear()
+        settle()
+        w = timed(lambda: [store.batch_set(keys[i:i + 32], values[i:i + 32], parents[i:i + 32])
+                           for i in range(0, n, 32)])
+        got: list[Any] = []
+
+        def read() -> None:
+            for i in range(0, n, 4):
+                got.extend(store.batch_get(keys[i:i + 4]))
+
+        r = timed(read)
+        assert all(g is not None for g in got), "a read missed"
         store.clear()
         return w, r
 
-    redis_store = RedisStorageBackend(url, "benchl3")
-    out["redis_backend"] = dict(zip(("write", "read"), backend_rounds(redis_store)))
-    file_store = FileStorageBackend(os.path.join(tmp, "bw"), 1 << 40, reconcile_interval_s=None)
-    out["file_backend"] = dict(zip(("write", "read"), backend_rounds(file_store)))
+    blobs = [v.numpy().tobytes() for v in values]  # prepared once: plain redis-py's best case
 
-    raw = redis.Redis.from_url(url)
-    blobs = [v.numpy().tobytes() for v in values]
-    w, r = [], []
-    for _ in range(a.bw_reps):
+    def plain_round() -> tuple[float, float]:
         raw.flushdb()
+        settle()
 
         def put() -> None:
             for i in range(0, n, 32):
@@ -193,10 +195,27 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
                     p.get(k)
                 p.execute()
 
-        w.append(total / timed(put))
-        r.append(total / timed(get))
-    raw.flushdb()
-    out["plain_redis_py"] = {"write": w, "read": r}
+        w, r = timed(put), timed(get)
+        raw.flushdb()
+        return w, r
+
+    redis_store = RedisStorageBackend(url, "benchl3")
+    file_store = FileStorageBackend(os.path.join(tmp, "bw"), 1 << 40, reconcile_interval_s=None)
+    rounds = {"redis_backend": lambda: backend_round(redis_store), "plain_redis_py": plain_round,
+              "file_backend": lambda: backend_round(file_store)}
+    for name in rounds:
+        out[name] = {"write": [], "read": []}
+    # NOTE: one unmeasured round each first (the server's and the page cache's first touch of
+    # fresh memory), then the three interleaved, the order rotating per rep: the machine's
+    # drift hits each the same
+    for fn in rounds.values():
+        fn()
+    names = list(rounds)
+    for rep in range(a.bw_reps):
+        for name in names[rep % 3:] + names[:rep % 3]:
+            w, r = rounds[name]()
+            out[name]["write"].append(w)
+            out[name]["read"].append(r)
     med = {name: {d: statistics.median(out[name][d]) for d in ("write", "read")}
            for name in ("redis_backend", "file_backend", "plain_redis_py")}
     out["median_bytes_per_s"] = med
@@ -270,7 +289,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--objects", type=int, default=64, help="objects per bandwidth round")
-    ap.add_argument("--bw-reps", type=int, default=3)
+    ap.add_argument("--bw-reps", type=int, default=6)
     ap.add_argument("--request-timeout", type=float, default=1800.0)
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
