@@ -112,9 +112,11 @@ class _Meta:
         return meta
 
 
-def _encode(value: StorageValue, parent: str | None) -> tuple[bytes, memoryview]:
+def _encode(value: StorageValue, parent: str | None, checksum: bool = True
+            ) -> tuple[bytes, memoryview]:
     """Metadata and a view of the payload: no copy of a contiguous CPU tensor (redis-py sends a
-    memoryview argument as its own chunk, see ``PythonRespSerializer.pack``)."""
+    memoryview argument as its own chunk, see ``PythonRespSerializer.pack``). Without
+    ``checksum`` the metadata is a template for ``_encode_meta`` (the checksum taken later)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         payload = memoryview(value).cast("B")
         kind, dtype, shape = "b", "uint8", (payload.nbytes,)
@@ -125,8 +127,24 @@ def _encode(value: StorageValue, parent: str | None) -> tuple[bytes, memoryview]
         payload = t.reshape(-1).view(torch.uint8).numpy().data
     else:
         raise TypeError(f"cannot store a {type(value).__name__}")
+    if not checksum:
+        return json.dumps([kind, dtype, list(shape)]).encode(), payload
     meta = _Meta(payload.nbytes, kind, dtype, shape, xxh3_64_intdigest(payload), parent)
     return meta.encode(), payload
+
+
+def _encode_meta(template: bytes, payload: memoryview, parent: str | None) -> bytes:
+    kind, dtype, shape = json.loads(template)
+    return _Meta(payload.nbytes, kind, dtype, tuple(shape), xxh3_64_intdigest(payload),
+                 parent).encode()
+
+
+def _reply(conn: Any) -> Any:
+    """The next reply on ``conn``; an error reply (OOM, READONLY, ...) as its exception."""
+    try:
+        return conn.read_response()
+    except redis.ResponseError as e:
+        return e
 
 
 def _decode(meta: _Meta, data: bytes) -> StorageValue:
@@ -321,7 +339,7 @@ class RedisStorageBackend(StorageBackend):
         encoded: list[tuple[bytes, memoryview] | None] = []
         for v, p in zip(values, parents):
             try:
-                encoded.append(_encode(v, p))
+                encoded.append(_encode(v, p, checksum=self.target.cluster))
             except (TypeError, ValueError, RuntimeError) as e:
                 self._note_errors("encode", [e])
                 encoded.append(None)
@@ -330,6 +348,8 @@ class RedisStorageBackend(StorageBackend):
             return [False] * len(keys)
 
         def run(client: Any) -> list[Any]:
+            if not self.target.cluster:
+                return self._write_streamed(client, values, parents, keys, encoded)
             pipe = client.pipeline(transaction=False)
             for k, (meta, payload) in todo:
                 pipe.exists(self._mkey(k))
@@ -354,6 +374,45 @@ class RedisStorageBackend(StorageBackend):
             self._stats.bytes_written += written
             self._add_delta(new_objects, new_bytes)
         return [done.get(k, False) if e is not None else False for k, e in zip(keys, encoded)]
+
+    def _write_streamed(self, client: redis.Redis, values: Sequence[StorageValue],
+                        parents: Sequence[str | None], keys: Sequence[str],
+                        encoded: list[tuple[bytes, memoryview] | None]) -> list[Any]:
+        """Single node, one round trip on one connection: each object's checksum is taken
+        right before its EXISTS + MSET goes out, and the replies are read at the end. A
+        pipeline sends after checksumming the whole batch, so every payload crossed memory
+        twice, cold (measured: 0.82x vs 0.87x plain SET throughput on 2 cores)."""
+        for attempt in (0, 1):  # one retry on a pooled connection the server closed meanwhile
+            conn = client.connection_pool.get_connection()
+            sent = 0
+            try:
+                for k, e, p in zip(keys, encoded, parents):
+                    if e is None:
+                        continue
+                    payload = e[1]
+                    meta = _encode_meta(e[0], payload, p)
+                    conn.send_packed_command(conn.pack_commands(
+                        [("EXISTS", self._mkey(k)),
+                         ("MSET", self._dkey(k), payload, self._mkey(k), meta)]))
+                    sent += 1
+                replies = [_reply(conn) for _ in range(2 * sent)]
+            except redis.ConnectionError:
+                conn.disconnect()
+                if attempt:
+                    raise
+                continue
+            except BaseException:
+                conn.disconnect()  # replies left unread: the connection is unusable
+                raise
+            finally:
+                client.connection_pool.release(conn)
+            errors = [r for r in replies if isinstance(r, Exception)]
+            if errors:
+                self._note_errors("write", errors)
+            # as a pipeline leaves them: [existed, True | error] per object
+            return [r if isinstance(r, Exception) else (r in (b"OK", "OK") if i % 2 else r)
+                    for i, r in enumerate(replies)]
+        raise AssertionError("unreachable")
 
     def delete(self, key: str) -> None:
         """Unlink ``key``'s two keys (its chained successors become unreachable; the server's
