@@ -484,6 +484,7 @@ class StorageMixin:
         l3.update({k: v for k, v in io.stats.items() if k != "backup_errors"})
         l3.update(self.l3_counters)
         l3["pending_backups"] = len(self.ongoing_backup)
+        l3["deferred_backups"] = len(self.deferred_backups)
         l3["pending_prefetches"] = len(self.ongoing_prefetch)
         l3["errors"] = (l3.get("errors", 0) + io.stats["backup_errors"]
                         + io.stats["prefetch_errors"])

@@ -5,6 +5,7 @@ accounting invariant."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -84,6 +85,18 @@ def test_prefill_logits_bit_identical_from_l2(tiny_llama_dir, layout):
     assert torch.equal(big_logits, l2_logits)
 
 
+def _wait_l3_settled(eng: Engine, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = eng.cache_stats()
+        l3 = stats["l3"]
+        if (stats["l2"]["ongoing_writes"] == 0 and l3["pending_backups"] == 0
+                and l3["deferred_backups"] == 0):
+            return
+        assert time.monotonic() < deadline, f"L3 backups still pending: {l3}"
+        time.sleep(0.02)
+
+
 def _second_turn_logits(model_dir: str, conv: list[int], fillers: list[list[int]],
                         restart: bool = False, **opts):
     """Prefill logits of ``conv``'s second turn (the first extend forward of that request).
@@ -104,6 +117,11 @@ def _second_turn_logits(model_dir: str, conv: list[int], fillers: list[list[int]
 
     with Engine(model_dir, debug_check_invariants=True, **opts) as eng:
         first = eng.generate(conv, GREEDY)
+        if opts.get("hicache_storage_backend"):
+            # NOTE: the fillers push the conversation out of L2; its L3 backup must have landed
+            # first (a backup still waiting when its node leaves L2 is dropped, by design), which
+            # on a loaded machine it may not have by itself
+            _wait_l3_settled(eng)
         for p in fillers:
             eng.generate(p, GREEDY)
         turn2 = conv + first.token_ids + [5, 6, 7]

@@ -310,6 +310,8 @@ def test_attach_and_detach_while_requests_stream(tiny_llama_dir, tmp_path):
             assert not errors, errors
             for i, outs in outputs.items():
                 assert outs == [ref[i]] * 3
+            # a prefix L2 holds is stored into a newly attached L3 at its next match
+            assert c.generate_text(prompts[0], max_new_tokens=8, **GREEDY)[1] == ref[0]
             _wait(lambda: _settled(c), what="backups after re-attach")
             c.flush(["l1", "l2"])
             _, ids, done = c.generate_text(prompts[0], max_new_tokens=8, **GREEDY)
