@@ -105,12 +105,16 @@ def stats_report(resp: Message, tty: bool, out: TextIO = sys.stdout) -> None:
             f"\nmiss tokens: {resp.miss_tokens}   pins: {resp.num_pins} "
             f"({resp.admin_pinned_tokens} tokens)\n"
         )
+        for t in resp.tiers:
+            if t.info.get("backend"):
+                out.write(f"{enum_short(Tier.Name(t.tier))}: {t.info['backend']} "
+                          f"{t.info.get('address', '')}\n")
         return
     for t in resp.tiers:
         name = enum_short(Tier.Name(t.tier))
         pairs = [("enabled", int(t.enabled))] + [(c, getattr(t, c)) for c in cols]
         pairs += [("bytes_in", t.bytes_in), ("bytes_out", t.bytes_out)]
-        pairs += sorted(t.extra.items())
+        pairs += sorted(t.extra.items()) + sorted(t.info.items())
         fields(pairs, f"Tier {name}", out)
     fields(
         [

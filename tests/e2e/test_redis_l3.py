@@ -131,6 +131,11 @@ def test_two_daemons_share_one_l3(tiny_llama_dir, tmp_path, topology, request):
                              timeout=60, check=True).stdout
         assert "attached:True" in out and f"object_tokens:{OBJECT}" in out
         assert f"address:{server.url.split('://')[0]}" in out
+        stats = subprocess.run([sys.executable, "-m", "engine.cli", "stats", "--addr",
+                                procs[1][1]], cwd=ROOT, capture_output=True, text=True,
+                               timeout=60, check=True).stdout
+        tier3 = stats.split("# Tier l3")[1].split("#")[0]
+        assert "hit_tokens:112" in tier3 and "backend:redis" in tier3
     finally:
         for proc, _ in procs:
             proc.terminate()
