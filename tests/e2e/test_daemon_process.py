@@ -21,6 +21,7 @@ import pytest
 from engine.client import HicacheClient
 from engine.config import ServerArgs
 from engine.server.pb import gen_pb2
+from tests.daemon_process import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -46,17 +47,7 @@ def server(tiny_llama_dir, tmp_path_factory):
          "--max-queued-requests", "1", "--grace-period-s", "30"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     addr = f"127.0.0.1:{port}"
-    with HicacheClient(addr, timeout=5) as c:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if c.health() == "SERVING":
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, "daemon did not become SERVING"
-            time.sleep(0.2)
+    wait_serving(proc, addr)
     yield {"proc": proc, "addr": addr, "metrics": metrics, "l3_dir": xdg / "hicache" / "kv"}
     if proc.poll() is None:
         proc.kill()

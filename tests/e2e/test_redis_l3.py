@@ -24,6 +24,7 @@ from engine.config import ServerArgs
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
 from tests import valkey_servers
+from tests.daemon_process import wait_serving
 from tests.e2e.test_hicache_engine import _prompts, _second_turn_logits
 from tests.valkey_servers import ValkeyServer, free_port
 
@@ -91,27 +92,13 @@ def _spawn(model: str, url: str, tmp: Path, *extra: str) -> tuple[subprocess.Pop
     return proc, f"127.0.0.1:{port}"
 
 
-def _wait_serving(proc: subprocess.Popen, addr: str) -> None:
-    with HicacheClient(addr, timeout=5) as c:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if c.health() == "SERVING":
-                    return
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, "daemon did not become SERVING"
-            time.sleep(0.2)
-
-
 @pytest.mark.parametrize("topology", ["single", "cluster"])
 def test_two_daemons_share_one_l3(tiny_llama_dir, tmp_path, topology, request):
     server = request.getfixturevalue("valkey_server" if topology == "single" else "valkey_cluster")
     procs = [_spawn(tiny_llama_dir, server.url, tmp_path / name) for name in ("a", "b")]
     try:
         for proc, addr in procs:
-            _wait_serving(proc, addr)
+            wait_serving(proc, addr)
         prompt = _prompts(1, seed=7, length=120)[0]
         with HicacheClient(procs[0][1], timeout=60) as a, HicacheClient(procs[1][1],
                                                                          timeout=60) as b:
