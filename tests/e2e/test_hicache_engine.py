@@ -85,15 +85,13 @@ def test_prefill_logits_bit_identical_from_l2(tiny_llama_dir, layout):
     assert torch.equal(big_logits, l2_logits)
 
 
-def _wait_l3_settled(eng: Engine, timeout: float = 60.0) -> None:
+def _wait_in_l3(eng: Engine, ids: list[int], timeout: float = 60.0) -> None:
+    """Until L3 holds ``ids``' prefix that has KV (all but the last token), whole objects."""
+    S = eng.server_args.hicache_storage_page_size
+    want = (len(ids) - 1) // S * S
     deadline = time.monotonic() + timeout
-    while True:
-        stats = eng.cache_stats()
-        l3 = stats["l3"]
-        if (stats["l2"]["ongoing_writes"] == 0 and l3["pending_backups"] == 0
-                and l3["deferred_backups"] == 0):
-            return
-        assert time.monotonic() < deadline, f"L3 backups still pending: {l3}"
+    while (got := eng.call_in_scheduler(lambda s: s.tree_cache.storage_prefix_len(ids))) < want:
+        assert time.monotonic() < deadline, f"L3 holds {got} of {want} tokens"
         time.sleep(0.02)
 
 
@@ -121,7 +119,7 @@ def _second_turn_logits(model_dir: str, conv: list[int], fillers: list[list[int]
             # NOTE: the fillers push the conversation out of L2; its L3 backup must have landed
             # first (a backup still waiting when its node leaves L2 is dropped, by design), which
             # on a loaded machine it may not have by itself
-            _wait_l3_settled(eng)
+            _wait_in_l3(eng, conv + first.token_ids)
         for p in fillers:
             eng.generate(p, GREEDY)
         turn2 = conv + first.token_ids + [5, 6, 7]
