@@ -47,7 +47,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 import torch
@@ -112,31 +112,32 @@ class _Meta:
         return meta
 
 
-def _encode(value: StorageValue, parent: str | None, checksum: bool = True
-            ) -> tuple[bytes, memoryview]:
-    """Metadata and a view of the payload: no copy of a contiguous CPU tensor (redis-py sends a
-    memoryview argument as its own chunk, see ``PythonRespSerializer.pack``). Without
-    ``checksum`` the metadata is a template for ``_encode_meta`` (the checksum taken later)."""
+class _Object(NamedTuple):
+    """One value to write: a view of its bytes (no copy of a contiguous CPU tensor: redis-py
+    sends a memoryview argument as its own chunk, see ``PythonRespSerializer.pack``)."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    payload: memoryview
+    parent: str | None
+
+    def meta(self) -> bytes:
+        """The metadata, checksum included (taken when called: right before the send)."""
+        return _Meta(self.payload.nbytes, self.kind, self.dtype, self.shape,
+                     xxh3_64_intdigest(self.payload), self.parent).encode()
+
+
+def _object(value: StorageValue, parent: str | None) -> _Object:
     if isinstance(value, (bytes, bytearray, memoryview)):
         payload = memoryview(value).cast("B")
-        kind, dtype, shape = "b", "uint8", (payload.nbytes,)
-    elif isinstance(value, torch.Tensor):
+        return _Object("b", "uint8", (payload.nbytes,), payload, parent)
+    if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
-        kind, dtype, shape = "t", str(t.dtype).removeprefix("torch."), tuple(t.shape)
         # viewed as uint8 first: numpy has no bfloat16; the view keeps ``t`` alive
-        payload = t.reshape(-1).view(torch.uint8).numpy().data
-    else:
-        raise TypeError(f"cannot store a {type(value).__name__}")
-    if not checksum:
-        return json.dumps([kind, dtype, list(shape)]).encode(), payload
-    meta = _Meta(payload.nbytes, kind, dtype, shape, xxh3_64_intdigest(payload), parent)
-    return meta.encode(), payload
-
-
-def _encode_meta(template: bytes, payload: memoryview, parent: str | None) -> bytes:
-    kind, dtype, shape = json.loads(template)
-    return _Meta(payload.nbytes, kind, dtype, tuple(shape), xxh3_64_intdigest(payload),
-                 parent).encode()
+        return _Object("t", str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                       t.reshape(-1).view(torch.uint8).numpy().data, parent)
+    raise TypeError(f"cannot store a {type(value).__name__}")
 
 
 def _reply(conn: Any) -> Any:
@@ -336,25 +337,25 @@ class RedisStorageBackend(StorageBackend):
         if len(values) != len(keys) or (parents is not None and len(parents) != len(keys)):
             raise ValueError("keys, values and parents differ in length")
         parents = parents if parents is not None else [None] * len(keys)
-        encoded: list[tuple[bytes, memoryview] | None] = []
+        encoded: list[_Object | None] = []
         for v, p in zip(values, parents):
             try:
-                encoded.append(_encode(v, p, checksum=self.target.cluster))
+                encoded.append(_object(v, p))
             except (TypeError, ValueError, RuntimeError) as e:
                 self._note_errors("encode", [e])
                 encoded.append(None)
-        todo = [(k, e) for k, e in zip(keys, encoded) if e is not None]
+        todo = [(k, o) for k, o in zip(keys, encoded) if o is not None]
         if not todo:
             return [False] * len(keys)
 
         def run(client: Any) -> list[Any]:
             if not self.target.cluster:
-                return self._write_streamed(client, values, parents, keys, encoded)
+                return self._write_streamed(client, todo)
             pipe = client.pipeline(transaction=False)
-            for k, (meta, payload) in todo:
+            for k, o in todo:
                 pipe.exists(self._mkey(k))
                 # payload first, metadata last; MSET is atomic anyway
-                pipe.execute_command("MSET", self._dkey(k), payload, self._mkey(k), meta)
+                pipe.execute_command("MSET", self._dkey(k), o.payload, self._mkey(k), o.meta())
             return self._execute("write", pipe)
 
         res = self._run("write", run)
@@ -362,40 +363,33 @@ class RedisStorageBackend(StorageBackend):
             return [False] * len(keys)
         done: dict[str, bool] = {}
         new_objects = new_bytes = written = 0
-        for i, (k, (_, payload)) in enumerate(todo):
+        for i, (k, o) in enumerate(todo):
             existed, ok = res[2 * i], res[2 * i + 1] is True
             done[k] = done.get(k, False) or ok
             if ok:
-                written += payload.nbytes
+                written += o.payload.nbytes
                 if existed == 0:
                     new_objects += 1
-                    new_bytes += payload.nbytes
+                    new_bytes += o.payload.nbytes
         with self._lock:
             self._stats.bytes_written += written
             self._add_delta(new_objects, new_bytes)
         return [done.get(k, False) if e is not None else False for k, e in zip(keys, encoded)]
 
-    def _write_streamed(self, client: redis.Redis, values: Sequence[StorageValue],
-                        parents: Sequence[str | None], keys: Sequence[str],
-                        encoded: list[tuple[bytes, memoryview] | None]) -> list[Any]:
+    def _write_streamed(self, client: redis.Redis, todo: list[tuple[str, _Object]]
+                        ) -> list[Any]:
         """Single node, one round trip on one connection: each object's checksum is taken
         right before its EXISTS + MSET goes out, and the replies are read at the end. A
         pipeline sends after checksumming the whole batch, so every payload crossed memory
         twice, cold (measured: 0.82x vs 0.87x plain SET throughput on 2 cores)."""
         for attempt in (0, 1):  # one retry on a pooled connection the server closed meanwhile
             conn = client.connection_pool.get_connection()
-            sent = 0
             try:
-                for k, e, p in zip(keys, encoded, parents):
-                    if e is None:
-                        continue
-                    payload = e[1]
-                    meta = _encode_meta(e[0], payload, p)
+                for k, o in todo:
                     conn.send_packed_command(conn.pack_commands(
                         [("EXISTS", self._mkey(k)),
-                         ("MSET", self._dkey(k), payload, self._mkey(k), meta)]))
-                    sent += 1
-                replies = [_reply(conn) for _ in range(2 * sent)]
+                         ("MSET", self._dkey(k), o.payload, self._mkey(k), o.meta())]))
+                replies = [_reply(conn) for _ in range(2 * len(todo))]
             except redis.ConnectionError:
                 conn.disconnect()
                 if attempt:
