@@ -26,6 +26,7 @@ from engine import cache_admin
 from engine.config import ServerArgs
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
+from engine.server.decode import DecodeGuard
 from engine.server.generation import GenerationServicer
 from engine.server.metrics import Metrics
 from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
@@ -79,7 +80,10 @@ class Daemon:
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = [AuthInterceptor(s.token, s.admin_token)] if s.token or s.admin_token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = (
+            [AuthInterceptor(s.token, s.admin_token)] if s.token or s.admin_token else []
+        )
+        interceptors.append(DecodeGuard())
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         gen_grpc.add_GenerationServiceServicer_to_server(
             GenerationServicer(self.state), self.server

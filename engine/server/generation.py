@@ -76,8 +76,15 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running"
             )
+        # NOTE: the id is claimed before the first await: on the one event loop, check and claim
+        # are one step, so concurrent calls with one id cannot all get past the check.
+        st.active[rid] = None
         t0 = time.monotonic()
-        handle = await st.run_input(engine.submit, prompt, params, ns, rid)
+        try:
+            handle = await st.run_input(engine.submit, prompt, params, ns, rid)
+        except BaseException:
+            st.active.pop(rid, None)
+            raise
         st.active[rid] = handle
         finished = False
         metrics = st.metrics
@@ -116,7 +123,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         engine = await self.state.require_engine(context)
         if not request.request_id:
             raise validate.ValidationError("request_id is required")
-        found = request.request_id in self.state.active
+        found = self.state.active.get(request.request_id) is not None
         if found:
             engine.abort(request.request_id)
         return gen_pb2.AbortResponse(found=found)

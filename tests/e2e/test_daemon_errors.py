@@ -161,6 +161,64 @@ def test_abort_without_id_and_duplicate_request_id(client):
     stream.cancel()
 
 
+def test_concurrent_duplicate_request_ids_only_one_accepted(daemon, client, monkeypatch):
+    """Four Generate calls with one request_id at once: one runs, the others get ALREADY_EXISTS.
+    A slow submit widens the window between the id check and the engine taking the request."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = daemon.daemon.state.engine
+    submit = engine.submit
+
+    def slow_submit(*a, **kw):
+        time.sleep(0.3)
+        return submit(*a, **kw)
+
+    monkeypatch.setattr(engine, "submit", slow_submit)
+    barrier = threading.Barrier(4)
+
+    def one(_: int) -> str:
+        barrier.wait()
+        try:
+            client.generate_text("hello there", request_id="same-id", max_new_tokens=4,
+                                 temperature=0.0, ignore_eos=True)
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+
+    with ThreadPoolExecutor(4) as pool:
+        codes = sorted(pool.map(one, range(4)))
+    assert codes == ["ALREADY_EXISTS"] * 3 + ["OK"], codes
+
+
+def _raw(daemon, method: str, payload: bytes, streaming: bool) -> grpc.RpcError:
+    with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+        kind = ch.unary_stream if streaming else ch.unary_unary
+        call = kind(method, request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            _consume(call(payload, timeout=10))
+    return e.value
+
+
+UNDECODABLE = [
+    # field 1 (prompt) -> field 1 (text) holding invalid UTF-8
+    ("bad utf-8 text", "/hicache.v1.GenerationService/Generate", b"\x0a\x04\x0a\x02\xff\xfe",
+     True),
+    ("garbage bytes", "/hicache.v1.GenerationService/Generate", b"\xff\xff\xff\xff", True),
+    ("garbage abort", "/hicache.v1.GenerationService/Abort", b"\x0a\x05\xc3\x28abc", False),
+    ("garbage stats", "/hicache.v1.CacheAdminService/GetCacheStats", b"\x08\xff", False),
+    ("truncated", "/hicache.v1.CacheAdminService/MatchPrefix", b"\x0a\x10abc", False),
+]
+
+
+@pytest.mark.parametrize("name,method,payload,streaming", UNDECODABLE,
+                         ids=[c[0] for c in UNDECODABLE])
+def test_undecodable_message_is_invalid_argument(daemon, name, method, payload, streaming):
+    err = _raw(daemon, method, payload, streaming)
+    assert err.code() == INVALID, (err.code(), err.details())
+    assert "cannot be decoded" in err.details()
+
+
 def test_daemon_still_healthy_after_the_catalogue(client):
     assert len(GENERATE_CASES) + len(ADMIN_CASES) >= 25
     assert client.health() == "SERVING"
