@@ -46,7 +46,25 @@ def _client(ns: argparse.Namespace) -> Any:
         tls=ns.tls,
         ca_cert=ns.ca_cert,
         timeout=ns.timeout,
+        client_cert=ns.client_cert,
+        client_key=ns.client_key,
     )
+
+
+def _tls_usage_error(ns: argparse.Namespace) -> str | None:
+    """What is wrong with the TLS files (flags or env), before any connection; None if nothing."""
+    if bool(ns.client_cert) != bool(ns.client_key):
+        return "--client-cert and --client-key go together (env HICACHE_CLIENT_CERT / _KEY)"
+    files = {"--ca-cert": ns.ca_cert, "--client-cert": ns.client_cert, "--client-key": ns.client_key}
+    for flag, path in files.items():
+        if not path:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            return f"{flag} {path}: cannot read: {e.strerror or e}"
+    return None
 
 
 def _prompt(ns: argparse.Namespace) -> Any:
@@ -316,7 +334,9 @@ def _health(ns: argparse.Namespace) -> int:
     return EXIT_OK if status == "SERVING" else EXIT_UNREACHABLE
 
 
-_GLOBAL_VALUE_FLAGS = ("--addr", "--token", "--admin-token")
+_GLOBAL_VALUE_FLAGS = (
+    "--addr", "--token", "--admin-token", "--ca-cert", "--client-cert", "--client-key"
+)
 
 
 def _hoist_global_flags(argv: list[str]) -> list[str]:
@@ -345,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
         ns.addr = ns.addr or os.environ.get("HICACHE_ADDR", "127.0.0.1:50051")
         ns.token = ns.token or os.environ.get("HICACHE_TOKEN")
         ns.admin_token = ns.admin_token or os.environ.get("HICACHE_ADMIN_TOKEN")
+        ns.ca_cert = ns.ca_cert or os.environ.get("HICACHE_CA_CERT")
+        ns.client_cert = ns.client_cert or os.environ.get("HICACHE_CLIENT_CERT")
+        ns.client_key = ns.client_key or os.environ.get("HICACHE_CLIENT_KEY")
+        problem = _tls_usage_error(ns)
+        if problem:
+            print(f"hicache {ns.command}: error: {problem}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         return ns.func(ns)
     except KeyboardInterrupt:

@@ -19,7 +19,15 @@ def _connection(p: argparse.ArgumentParser) -> None:
         help="admin bearer token for mutations (env HICACHE_ADMIN_TOKEN; defaults to --token)",
     )
     g.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
-    g.add_argument("--ca-cert", help="PEM CA bundle to verify the server (implies --tls)")
+    g.add_argument(
+        "--ca-cert", help="PEM CA bundle to verify the server (env HICACHE_CA_CERT; implies --tls)"
+    )
+    g.add_argument(
+        "--client-cert",
+        help="PEM client certificate for an mTLS daemon (env HICACHE_CLIENT_CERT; implies --tls; "
+        "with --client-key)",
+    )
+    g.add_argument("--client-key", help="PEM key of --client-cert (env HICACHE_CLIENT_KEY)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds per unary RPC")
     g.add_argument("--json", action="store_true", help="machine-readable JSON output")
 

@@ -122,10 +122,21 @@ def watch_request(
     return req
 
 
-def _credentials(tls: bool, ca_cert: str | None) -> grpc.ChannelCredentials | None:
-    if not tls and not ca_cert:
+def _credentials(
+    tls: bool, ca_cert: str | None, client_cert: str | None, client_key: str | None
+) -> grpc.ChannelCredentials | None:
+    """TLS when asked for or implied by a file (ca_cert: PEM roots, else the system's;
+    client_cert + client_key: PEM pair for a daemon that requires client certificates, mTLS).
+    Raises ValueError for half a pair, OSError for a file that cannot be read."""
+    if bool(client_cert) != bool(client_key):
+        raise ValueError("client_cert and client_key go together")
+    if not (tls or ca_cert or client_cert):
         return None
-    return grpc.ssl_channel_credentials(Path(ca_cert).read_bytes() if ca_cert else None)
+
+    def pem(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(pem(ca_cert), pem(client_key), pem(client_cert))
 
 
 _OPTIONS = [
@@ -149,7 +160,8 @@ class _Base:
 
 
 class HicacheClient(_Base):
-    """Blocking client. `timeout` (seconds) applies to unary calls."""
+    """Blocking client. `timeout` (seconds) applies to unary calls. TLS: `tls=True` (system
+    roots) or `ca_cert`; mTLS: `client_cert` + `client_key` as well (each implies TLS)."""
 
     def __init__(
         self,
@@ -159,9 +171,11 @@ class HicacheClient(_Base):
         tls: bool = False,
         ca_cert: str | None = None,
         timeout: float | None = 60.0,
+        client_cert: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         super().__init__(addr, token, admin_token)
-        creds = _credentials(tls, ca_cert)
+        creds = _credentials(tls, ca_cert, client_cert, client_key)
         self.timeout = timeout
         self._stubs(
             grpc.secure_channel(addr, creds, _OPTIONS)
@@ -345,9 +359,11 @@ class AsyncHicacheClient(_Base):
         tls: bool = False,
         ca_cert: str | None = None,
         timeout: float | None = 60.0,
+        client_cert: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         super().__init__(addr, token, admin_token)
-        creds = _credentials(tls, ca_cert)
+        creds = _credentials(tls, ca_cert, client_cert, client_key)
         self.timeout = timeout
         self._stubs(
             grpc.aio.secure_channel(addr, creds, _OPTIONS)
