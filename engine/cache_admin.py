@@ -104,12 +104,6 @@ def _ns_key(scheduler: Any, key: list[int], namespace: str | None) -> tuple[list
     return full, len(full) - len(key)
 
 
-def _root_and_key(tree: Any, key: list[int], namespace: str | None) -> tuple[Any, tuple[int, ...]]:
-    """The root to walk from (per-namespace roots if the tree has them) and the aligned key."""
-    ns_root = getattr(tree, "namespace_root", None)
-    root = ns_root(namespace, create=False) if ns_root is not None else tree.root_node
-    page = tree.page_size
-    return root, tuple(key[: len(key) // page * page])
 
 
 def _node_tier(node: Any) -> str | None:
@@ -120,14 +114,14 @@ def _node_tier(node: Any) -> str | None:
     return None
 
 
-def _walk(tree: Any, key: list[int], namespace: str | None) -> tuple[list[tuple[Any, int]], int]:
-    """The matched path as (node, matched tokens of it); the last node may match partially.
-    Reads children and keys only: no split, no access-time update."""
-    root, key = _root_and_key(tree, key, namespace)
+def _walk(tree: Any, key: list[int]) -> tuple[list[tuple[Any, int]], int]:
+    """The matched path of a tree key (namespace already folded in) as (node, matched tokens of
+    it); the last node may match partially. Reads children and keys only: no split, no
+    access-time update."""
+    page = tree.page_size
+    key = key[: len(key) // page * page]
     path: list[tuple[Any, int]] = []
-    if root is None:
-        return path, len(key)
-    page, node, pos = tree.page_size, root, 0
+    node, pos = tree.root_node, 0
     while pos < len(key):
         child = node.children.get(tuple(key[pos : pos + page]))
         if child is None or _node_tier(child) is None:
@@ -153,7 +147,7 @@ def match_prefix(scheduler: Any, key: list[int], namespace: str | None = None) -
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return MatchInfo(0, per_tier, scheduler.page_size)
     full, skip = _ns_key(scheduler, key, namespace)
-    path, _ = _walk(tree, full, namespace)
+    path, _ = _walk(tree, full)
     for node, n in path:
         drop = min(skip, n)  # the namespace's own tokens are not part of the prompt
         skip -= drop
@@ -189,8 +183,11 @@ def _held(node: Any, tier: str) -> bool:
     return getattr(node, "value" if tier == "l1" else "host_value", None) is not None
 
 
-def _simulate_evict(tree: Any, tier: str, num_tokens: int, nodes: list[Any]) -> EvictInfo:
-    """What evict(num_tokens) would free among `nodes`, leaves first, in the tree's order."""
+def _simulate_evict(
+    tree: Any, tier: str, num_tokens: int, nodes: list[Any]
+) -> tuple[EvictInfo, list[Any]]:
+    """What evict(num_tokens) would free among `nodes`, leaves first, in the tree's order; and
+    the nodes it would free."""
     cand = {
         n.id: n for n in nodes if n is not tree.root_node and n.lock_ref == 0 and _held(n, tier)
     }
@@ -198,17 +195,18 @@ def _simulate_evict(tree: Any, tier: str, num_tokens: int, nodes: list[Any]) -> 
     prio = getattr(tree, "_priority", lambda n: (n.last_access_time,))
     heap = [(prio(n), n.id, n) for i, n in cand.items() if kids[i] == 0]
     heapq.heapify(heap)
-    tokens = count = 0
+    tokens = 0
+    chosen: list[Any] = []
     while heap and tokens < num_tokens:
         _, _, n = heapq.heappop(heap)
         tokens += len(n.key)
-        count += 1
+        chosen.append(n)
         p = n.parent
         if p is not None and p.id in cand:
             kids[p.id] -= 1
             if kids[p.id] == 0:
                 heapq.heappush(heap, (prio(p), p.id, p))
-    return EvictInfo(tokens, count)
+    return EvictInfo(tokens, len(chosen)), chosen
 
 
 def evict(
@@ -229,21 +227,30 @@ def evict(
         return EvictInfo(0, 0)
     evict_fn = _evict_fn(tree, tier)
     if prefix is not None:
-        path, key_len = _walk(tree, _ns_key(scheduler, prefix, namespace)[0], namespace)
+        path, key_len = _walk(tree, _ns_key(scheduler, prefix, namespace)[0])
         if not path or sum(n for _, n in path) < key_len:
             return EvictInfo(0, 0)  # nothing cached starts with the whole prefix
         nodes = _subtree(path[-1][0])
     else:
         nodes = _subtree(tree.root_node)
-    plan = _simulate_evict(tree, tier, num_tokens if num_tokens is not None else 1 << 62, nodes)
+    plan, chosen = _simulate_evict(
+        tree, tier, num_tokens if num_tokens is not None else 1 << 62, nodes
+    )
     if dry_run or plan.evicted_tokens == 0:
         return plan
-    if prefix is not None:
-        # NOTE: the target nodes become the least valuable ones, so evict() takes them first
-        # and stops once their tokens are freed.
-        for n in nodes:
-            n.last_access_time, n.hit_count = -1, -1
-    freed = evict_fn(plan.evicted_tokens)
+    if prefix is None:
+        return EvictInfo(evict_fn(plan.evicted_tokens), plan.evicted_nodes)
+    # NOTE: the chosen nodes become the least valuable ones for this one call, so evict() takes
+    # them first and stops once their tokens are freed; whichever survive (an L1 eviction
+    # demotes to L2) get their own order back.
+    saved = [(n, n.last_access_time, n.hit_count) for n in chosen]
+    for n in chosen:
+        n.last_access_time, n.hit_count = -1, -1
+    try:
+        freed = evict_fn(plan.evicted_tokens)
+    finally:
+        for n, t, h in saved:
+            n.last_access_time, n.hit_count = t, h
     return EvictInfo(freed, plan.evicted_nodes)
 
 
@@ -271,12 +278,13 @@ def pin(
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return None
     full, skip = _ns_key(scheduler, key, namespace)
-    path, _ = _walk(tree, full, namespace)
+    path, _ = _walk(tree, full)
     l1 = sum(n for node, n in path if _node_tier(node) == "l1")
     if l1 <= skip:
         return None
-    # match_prefix splits the last node so that the lock covers the prefix exactly.
-    res = _tree_match(tree, full[:l1], namespace if skip == 0 else None)
+    # match_prefix splits the last node so that the lock covers the prefix exactly. NOTE: `full`
+    # is the tree's key already (namespace folded in): matched without a namespace.
+    res = tree.match_prefix(full[:l1])
     node = res.last_device_node
     tree.inc_lock_ref(node)
     table = pin_table(scheduler)
@@ -286,12 +294,6 @@ def pin(
     )
     table.pins[p.pin_id] = p
     return p
-
-
-def _tree_match(tree: Any, key: list[int], namespace: str | None) -> Any:
-    if namespace is None:
-        return tree.match_prefix(key)
-    return tree.match_prefix(key, namespace=namespace)
 
 
 def unpin(scheduler: Any, pin_id: str | None = None) -> tuple[int, int]:

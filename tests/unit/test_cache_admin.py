@@ -143,3 +143,29 @@ def test_namespace_key_hook_isolates_and_is_not_counted():
     p = cache_admin.pin(s, list(range(1, 5)), "abc")
     assert p is not None and p.tokens == 4
     assert cache_admin.evict(s, "l1", prefix=[1, 2], namespace="abc").evicted_tokens == 4
+
+
+def test_pin_with_a_namespace_pins_that_namespace_prefix():
+    s = FakeScheduler(page_size=1)
+    key = list(range(1, 9))
+    s.insert(list(s.tree_cache.key_of(key, "tenant-a")))
+    p = cache_admin.pin(s, key, "tenant-a")
+    assert p is not None and p.tokens == 8
+    assert s.tree_cache.protected_size() == 8
+    cache_admin.evict(s, "l1", num_tokens=10_000)
+    assert cache_admin.match_prefix(s, key, "tenant-a").matched_tokens == 8
+    assert cache_admin.pin(s, key, "tenant-b") is None  # another namespace has nothing cached
+    assert cache_admin.unpin(s) == (1, 8)
+    s.tree_cache.check_integrity()
+
+
+def test_evict_by_prefix_keeps_the_order_of_what_it_does_not_evict(sched):
+    """Evict(prefix, num_tokens) frees the least valuable nodes under the prefix; the nodes it
+    leaves keep their access time and hit count (no -1 left behind)."""
+    tree = sched.tree_cache
+    before = {n.id: (n.last_access_time, n.hit_count) for n in tree._all_nodes()}
+    info = cache_admin.evict(sched, "l1", num_tokens=1, prefix=list(range(1, 9)))
+    assert 1 <= info.evicted_tokens < 24
+    after = {n.id: (n.last_access_time, n.hit_count) for n in tree._all_nodes()}
+    assert after and all(after[i] == before[i] for i in after), (before, after)
+    tree.check_integrity()
