@@ -114,15 +114,15 @@ def test_metrics_endpoint(server):
         c.generate_text("Hello metrics", max_new_tokens=3, **GREEDY)
     body = urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics",
                                   timeout=10).read().decode()
-    assert 'hicache_cache_capacity_tokens{tier="l1"} 4096.0' in body
-    assert "hicache_queue_depth" in body and "hicache_cache_hit_tokens_total" in body
+    assert 'hicache_max_total_num_tokens{tier="l1"} 4096.0' in body
+    assert "hicache_num_requests_waiting" in body and "hicache_prefix_cache_hits_total" in body
     ttft = [ln for ln in body.splitlines()
             if ln.startswith("hicache_time_to_first_token_seconds_count")]
     assert ttft and float(ttft[0].split()[-1]) >= 1
-    assert "hicache_time_per_output_token_seconds_bucket" in body
+    assert "hicache_request_time_per_output_token_seconds_bucket" in body
     # the daemon's default L3: its pipeline's gauges and counters
-    for name in ("hicache_l3_objects", "hicache_l3_pending_backups", "hicache_l3_prefetches_total",
-                 "hicache_l3_backup_objects_total", "hicache_l3_errors_total"):
+    for name in ("hicache_l3_bytes", "hicache_l3_pending_backups", "hicache_l3_prefetches_total",
+                 "hicache_backuped_tokens_total", "hicache_l3_errors_total"):
         assert any(ln.startswith(name + " ") for ln in body.splitlines()), name
 
 
