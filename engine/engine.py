@@ -3,9 +3,12 @@ collects their streamed chunks."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -22,6 +25,8 @@ from engine.tree_factory import build_tree_cache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SCHEDULER_JOIN_S = 30.0  # shutdown waits this long for the scheduler's current step
+L3_DRAIN_S = 60.0  # and this long for queued L3 backups to land (a hung store must not hang it)
 Prompt = str | list[int] | list[dict[str, str]]
 
 
@@ -101,6 +106,15 @@ class Engine:
             daemon=True,
         )
         self._thread.start()
+        # NOTE: the engine's threads (scheduler, copy workers, L3 backup / prefetch) are daemons,
+        # so that an engine never shut down cannot hang interpreter exit; Python therefore does
+        # not join them before atexit handlers run, and left alone they would lose queued L3
+        # backups and still run torch ops while the interpreter finalizes (abort: "terminate
+        # called without an active exception"). An engine not shut down is stopped at exit.
+        # The hook holds the engine's parts, never the Engine: a dropped Engine is still freed.
+        self._at_exit = functools.partial(_stop_threads, self._stop, self._thread,
+                                          self.scheduler)
+        atexit.register(self._at_exit)
 
     # --- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -279,16 +293,15 @@ class Engine:
         return before
 
     def shutdown(self) -> None:
+        """Stop the scheduler, land queued L3 backups (at most ``L3_DRAIN_S``; the objects
+        left are logged), stop the copy threads and give the pools back. An engine not shut
+        down has its threads stopped the same way at interpreter exit."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self.scheduler.wake()
-        self._thread.join(timeout=30)
+        atexit.unregister(self._at_exit)
+        _stop_threads(self._stop, self._thread, self.scheduler)
         tree = self.scheduler.tree_cache
-        close = getattr(tree, "shutdown", None)
-        if close is not None:
-            close()
         if self._thread.is_alive():
             return  # still stepping: it may touch the pools
         # NOTE: the pools (GBs) are also reachable through reference cycles (scheduler <-> tree
@@ -306,6 +319,49 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Scheduler) -> None:
+    """Stop the scheduler thread, land the L3 backups it queued, stop the cache's threads."""
+    stop.set()
+    scheduler.wake()
+    thread.join(timeout=SCHEDULER_JOIN_S)
+    tree = scheduler.tree_cache
+    if not thread.is_alive() and getattr(tree, "storage_io", None) is not None:
+        _land_l3_backups(tree, L3_DRAIN_S)  # the tree is ours now
+    close = getattr(tree, "shutdown", None)
+    if close is not None:
+        close()
+
+
+def _land_l3_backups(tree: Any, timeout: float) -> None:
+    """Every L3 backup the tree queued or deferred (waiting for room) lands, within ``timeout``
+    seconds; otherwise log how many objects are not stored (the backup threads then stop)."""
+    io, deadline = tree.storage_io, time.monotonic() + timeout
+    tree.cancel_all_prefetches()
+    tree.controller.start_writing()  # device->host writes whose acks queue backups
+    tree.controller.wait_idle(timeout)
+    while True:
+        tree.check()  # acks: deferred backups go out as earlier ones land
+        if not tree.ongoing_backup and not tree.deferred_backups:
+            return
+        if not tree.controller.wait_storage_idle(max(0.0, deadline - time.monotonic())):
+            break
+    running = io.pending_objects()
+    deferred = sum(_objects_ending_in(n, io.object_size) for n in tree.deferred_backups.values())
+    log.warning("L3: %d objects not stored at shutdown: %d in backups still running after "
+                "%.0f s, %d waiting for backup room", running + deferred, running, timeout,
+                deferred)
+    io.shutdown(timeout=0.0, warn=False)
+
+
+def _objects_ending_in(node: Any, object_size: int) -> int:
+    """L3 objects ending inside ``node`` (see hicache.hiradix_storage)."""
+    end, n = 0, node
+    while n is not None:
+        end += len(n.key)
+        n = n.parent
+    return end // object_size - (end - len(node.key)) // object_size
 
 
 def _collect_stats(s: Scheduler) -> dict[str, Any]:

@@ -10,6 +10,11 @@
 NOTE: neither thread touches device memory or an allocator: host protections are released, and
 the tree updated, on the scheduler thread when it drains the acks (``HiRadixCache.check``). A
 backend that blocks therefore only delays L3; device eviction, loads and decode go on.
+
+Counting: a backend counts its own I/O trouble in its ``errors`` (one per failed call) and says
+which objects it did not store (False from ``batch_set``); here ``backup_failed_objects`` counts
+those objects and ``backup_errors`` / ``prefetch_errors`` only what the backend could not count
+(it raised), so that the sum of the two layers' errors counts each failure once.
 """
 
 from __future__ import annotations
@@ -91,9 +96,12 @@ class StorageIO:
         self.prefetch_queue: queue.Queue[PrefetchOperation | None] = queue.Queue()
         self.ack_backup_queue: queue.Queue[BackupJob] = queue.Queue()
         self.ack_prefetch_queue: queue.Queue[PrefetchOperation] = queue.Queue()
-        self.stats = {"backup_objects": 0, "backup_skipped_present": 0, "backup_errors": 0,
+        # objects: L3 objects; *_errors: jobs / operations that raised (see the module docstring)
+        self.stats = {"backup_objects": 0, "backup_skipped_present": 0,
+                      "backup_failed_objects": 0, "backup_errors": 0,
                       "prefetch_objects": 0, "prefetch_errors": 0, "prefetch_misses": 0}
         self._pending = 0  # jobs + operations handed to a thread and not yet finished
+        self._pending_objects = 0  # objects of the backup jobs among them
         self._reconcile_interval = RECONCILE_MIN_INTERVAL_S
         self._last_reconcile = time.monotonic()
         self._idle = threading.Condition()
@@ -114,7 +122,14 @@ class StorageIO:
 
     # ---- producer side (scheduler thread) ----------------------------------------------------
     def backup(self, job: BackupJob) -> None:
-        self._start()
+        """Queue ``job``; after ``shutdown`` it is acknowledged at once as failed (the caller
+        that shut down counted what was still waiting)."""
+        if self._closed:
+            job.failed = self._num_objects(job) - job.stored
+            self.stats["backup_failed_objects"] += job.failed
+            self.ack_backup_queue.put(job)
+            return
+        self._start(self._num_objects(job))
         self.backup_queue.put(job)
 
     def prefetch(self, op: PrefetchOperation) -> None:
@@ -136,14 +151,24 @@ class StorageIO:
         with self._idle:
             return self._pending
 
-    def shutdown(self, timeout: float = 60.0) -> bool:
-        """Finish queued backups (a backend that hangs gets ``timeout`` seconds), stop."""
+    def pending_objects(self) -> int:
+        """Objects of the queued and running backup jobs."""
+        with self._idle:
+            return self._pending_objects
+
+    def shutdown(self, timeout: float = 60.0, warn: bool = True) -> bool:
+        """Finish queued backups (a backend that hangs gets ``timeout`` seconds), stop. Logs
+        how many objects were not stored when they did not finish (unless ``warn`` is False:
+        the caller logged them)."""
         if self._closed:
             return True
         finished = self.wait_idle(timeout)
-        if not finished:
-            log.warning("L3: %d backups/prefetches still pending at shutdown after %.0f s; "
-                        "their objects are not stored", self.pending(), timeout)
+        if not finished and warn:
+            with self._idle:
+                jobs, objects = self._pending, self._pending_objects
+            log.warning("L3: %d backups/prefetches (%d objects to store) still pending at "
+                        "shutdown after %.0f s; those objects are not stored", jobs, objects,
+                        timeout)
         self._closed = True
         self.backup_queue.put(None)
         self.prefetch_queue.put(None)
@@ -152,13 +177,18 @@ class StorageIO:
         return finished
 
     # ---- workers -----------------------------------------------------------------------------
-    def _start(self) -> None:
+    def _num_objects(self, job: BackupJob) -> int:
+        return len(job.host_indices) // self.object_size
+
+    def _start(self, objects: int = 0) -> None:
         with self._idle:
             self._pending += 1
+            self._pending_objects += objects
 
-    def _finish(self) -> None:
+    def _finish(self, objects: int = 0) -> None:
         with self._idle:
             self._pending -= 1
+            self._pending_objects -= objects
             self._idle.notify_all()
         if self.notify is not None:
             self.notify()
@@ -172,14 +202,20 @@ class StorageIO:
                 continue
             if job is None:
                 return
+            num = self._num_objects(job)
             try:
-                self._store(job)
+                if self._closed:  # shut down before its turn (the store hung): not stored
+                    job.failed = num - job.stored
+                    self.stats["backup_failed_objects"] += job.failed
+                else:
+                    self._store(job)
             except Exception:
                 log.exception("L3 backup failed")
-                job.failed = max(1, job.failed)
                 self.stats["backup_errors"] += 1
+                self.stats["backup_failed_objects"] += num - job.stored - job.failed
+                job.failed = num - job.stored
             self.ack_backup_queue.put(job)
-            self._finish()
+            self._finish(num)
 
     def _reconcile(self) -> None:
         """Idle: let the backend drop what vanished behind our back (off the scheduler)."""
@@ -215,7 +251,8 @@ class StorageIO:
             job.stored += sum(ok)
             job.failed += len(ok) - sum(ok)
             self.stats["backup_objects"] += sum(ok)
-            self.stats["backup_errors"] += len(ok) - sum(ok)
+            # NOTE: not errors: the backend counted its trouble itself (once per call)
+            self.stats["backup_failed_objects"] += len(ok) - sum(ok)
 
     def _prefetch_worker(self) -> None:
         while (op := self.prefetch_queue.get()) is not None:

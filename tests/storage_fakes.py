@@ -1,9 +1,11 @@
 """A StorageBackend wrapper whose reads and writes the test holds back: blocked forever, or
-released batch by batch. It wraps a real FileStorageBackend, so what it stores is real."""
+released batch by batch. It wraps a real FileStorageBackend, so what it stores is real. And
+``delay_writes`` / ``gate_writes``: a slow / hung store."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from hicache.storage.base import StorageBackend, StorageValue
@@ -96,3 +98,31 @@ class GatedStorage(StorageBackend):
     def release_all(self) -> None:
         self.writes.open()
         self.reads.open()
+
+
+def delay_writes(backend: StorageBackend, seconds: float) -> None:
+    """A slow store: each ``batch_set`` of ``backend`` takes ``seconds`` longer (patched on the
+    instance, so a backend an Engine built itself slows down too)."""
+    real = backend.batch_set
+
+    def batch_set(keys: Sequence[str], values: Sequence[StorageValue],
+                  parents: Sequence[str | None] | None = None) -> list[bool]:
+        time.sleep(seconds)
+        return real(keys, values, parents)
+
+    backend.batch_set = batch_set  # type: ignore[method-assign]
+
+
+def gate_writes(backend: StorageBackend) -> Gate:
+    """A hung store: each ``batch_set`` of ``backend`` waits for the returned (closed) gate
+    (patched on the instance, like ``delay_writes``)."""
+    gate = Gate(opened=False)
+    real = backend.batch_set
+
+    def batch_set(keys: Sequence[str], values: Sequence[StorageValue],
+                  parents: Sequence[str | None] | None = None) -> list[bool]:
+        gate.wait()
+        return real(keys, values, parents)
+
+    backend.batch_set = batch_set  # type: ignore[method-assign]
+    return gate

@@ -31,6 +31,14 @@ are adopted once their header checks out. Files whose parent is missing are remo
 the owner rescans, e.g. StorageIO's backup thread when idle): one
 ``scandir`` per fan-out dir and one ``stat`` per file (~5 us each), so the counters agree with
 the disk. A checksum failure is only found on read.
+
+Errors (as the redis backend counts them): ``errors`` counts *calls* that hit trouble (a
+``batch_set`` some of whose objects could not be written, a ``batch_get`` that could not read
+one, a rescan that could not list the directory), one per call however many objects it
+carried; the objects a ``batch_set`` did not store are its False answers. Each kind of problem
+(operation, errno) logs one warning per outage: it is logged again only after an operation of
+that kind succeeded with no error of that kind for ``REARM_QUIET_S`` (a read-only directory
+whose older fan-out subdirs are still writable fails and succeeds by turns: one outage).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ _FIXED = struct.Struct("<4sHBBIIQI16s")
 _MAX_KEY_LEN = 4096
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]{3,160}$")
 TMP_MAX_AGE_S = 300.0  # a tmp file this old is a write that never finished
+REARM_QUIET_S = 60.0  # a problem logged once is logged again after this long without it
 
 
 class _Corrupt(Exception):
@@ -97,7 +106,7 @@ class FileStorageBackend(StorageBackend):
         self._children: dict[str, set[str]] = {}
         self._removing: dict[str, int] = {}  # path -> pending removals (not to be adopted)
         self._unremovable: set[str] = set()  # files we could not remove: never adopt them
-        self._warned: set[tuple[str, object]] = set()
+        self._warned: dict[tuple[str, object], float] = {}  # problem -> its last monotonic time
         self._seq = 0
         self._last_reconcile = 0.0
         self._refused = 0  # not stored: parent lost or failed, or the cap full of its chain
@@ -106,6 +115,7 @@ class FileStorageBackend(StorageBackend):
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
             self._error(("dir", e.errno), "file storage %s unusable: %s", self.dir, e)
+            self._count_error()
         with self._reconcile_lock:
             self._reconcile(initial=True)
         logger.info("file storage %s: %d objects, %d bytes", self.dir, self._stats.objects,
@@ -127,6 +137,7 @@ class FileStorageBackend(StorageBackend):
         with self._lock:
             self._touch_locked(keys)
         out: list[StorageValue | None] = []
+        failed = False
         for key in keys:
             with self._lock:
                 entry = self._index.get(key)  # None too when an earlier key took it along
@@ -139,7 +150,7 @@ class FileStorageBackend(StorageBackend):
                 except _Corrupt as e:
                     problem = f"corrupt ({e})"
                 except (OSError, RuntimeError, ValueError, MemoryError) as e:
-                    problem = "unreadable"
+                    problem, failed = "unreadable", True
                     self._error(("read", getattr(e, "errno", type(e).__name__)),
                                 "file storage %s: cannot read objects: %s", self.dir, e)
             with self._lock:
@@ -152,6 +163,8 @@ class FileStorageBackend(StorageBackend):
             if entry is not None and problem:
                 self._lose(key, entry, problem)
             out.append(value)
+        if failed:
+            self._count_error()
         return out
 
     def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
@@ -167,15 +180,18 @@ class FileStorageBackend(StorageBackend):
         stored: set[str] = set()
         failed: set[str] = set()
         ok: list[bool] = []
+        trouble: list[tuple[str, object]] = []  # problems met by this call
         for k, v, p in zip(keys, values, parents):
             if p is not None and p in failed:
                 good = False
                 with self._lock:
                     self._refused += 1
             else:
-                good = self._set_one(k, v, p, batch, p in stored)
+                good = self._set_one(k, v, p, batch, p in stored, trouble)
             (stored if good else failed).add(k)
             ok.append(good)
+        if trouble:
+            self._count_error()
         with self._lock:
             ok = [o and k in self._index for o, k in zip(ok, keys)]  # an eviction may follow
             self._touch_locked([k for k, o in zip(keys, ok) if o])
@@ -197,7 +213,10 @@ class FileStorageBackend(StorageBackend):
 
     def stats(self) -> dict[str, int]:
         """Counters; first a ``reconcile`` when the last is older than ``reconcile_interval_s``
-        (throttled: stats may be polled; concurrent callers skip a rescan in progress)."""
+        (throttled: stats may be polled; concurrent callers skip a rescan in progress).
+        ``errors``: calls that hit trouble, one per call (not per object; see the module
+        docstring); ``refused``: objects not stored because their parent was lost or failed,
+        or the cap was full of their own chain."""
         due = (self.reconcile_interval_s is not None
                and time.monotonic() - self._last_reconcile >= self.reconcile_interval_s)
         if due and self._reconcile_lock.acquire(blocking=False):
@@ -219,27 +238,39 @@ class FileStorageBackend(StorageBackend):
 
     # ---- writes ------------------------------------------------------------------------------
     def _set_one(self, key: str, value: StorageValue, parent: str | None, batch: set[str],
-                 parent_stored: bool) -> bool:
+                 parent_stored: bool, trouble: list[tuple[str, object]]) -> bool:
+        """Store one object; the problems it meets are appended to ``trouble``."""
         with self._lock:
             entry = self._index.get(key)
             had_parent = parent_stored or (parent is not None and parent in self._index)
             if entry is None and had_parent and parent not in self._index:
                 self._refused += 1  # lost since this batch stored it
                 return False
-        if entry is not None:
-            if _size_on_disk(entry.path) == entry.size:
-                return True  # content-addressed: same key, same bytes
-            parent = entry.parent  # its file vanished: write it again under the same links
+        if entry is None:
+            return self._write_one(key, value, parent, batch, had_parent, trouble)
+        if _size_on_disk(entry.path) == entry.size:
+            return True  # content-addressed: same key, same bytes
+        # its file vanished: write it again under the same links
+        if self._write_one(key, value, entry.parent, batch, had_parent, trouble):
+            return True
+        # NOTE: not written again: the index must not go on listing it (nor what hangs from it)
+        self._lose(key, entry, "vanished")
+        return False
+
+    def _write_one(self, key: str, value: StorageValue, parent: str | None, batch: set[str],
+                   had_parent: bool, trouble: list[tuple[str, object]]) -> bool:
         path = self._path(key)
         try:
             header, payload = _encode(key, value, parent)
         except (TypeError, RuntimeError, ValueError) as e:
-            self._error(("encode", type(e).__name__), "file storage: cannot encode %s: %s",
+            trouble.append(("encode", type(e).__name__))
+            self._error(trouble[-1], "file storage: cannot encode %s: %s",
                         type(value).__name__, e)
             return False
         size = len(header) + payload.nbytes
         if size > self._stats.capacity_bytes:
-            self._error(("too big", None), "file storage: an object of %d bytes exceeds the "
+            trouble.append(("too big", None))
+            self._error(trouble[-1], "file storage: an object of %d bytes exceeds the "
                         "capacity of %d", size, self._stats.capacity_bytes)
             return False
         with self._lock:
@@ -258,8 +289,8 @@ class FileStorageBackend(StorageBackend):
             os.replace(tmp, path)
         except OSError as e:
             _remove(tmp)
-            self._error(("write", e.errno), "file storage %s: cannot write objects: %s",
-                        self.dir, e)
+            trouble.append(("write", e.errno))
+            self._error(trouble[-1], "file storage %s: cannot write objects: %s", self.dir, e)
             return False
         with self._lock:
             if had_parent and parent not in self._index:  # lost while we wrote
@@ -346,8 +377,15 @@ class FileStorageBackend(StorageBackend):
             self._removing[p] = self._removing.get(p, 0) + 1
 
     def _rearm_locked(self, kind: str) -> None:
-        if self._warned:
-            self._warned = {w for w in self._warned if w[0] != kind}
+        """An operation of ``kind`` succeeded: its problems not seen for ``REARM_QUIET_S``
+        are over (the next one is logged again)."""
+        if not self._warned:
+            return
+        now = time.monotonic()
+        over = [w for w, t in self._warned.items() if w[0] == kind and now - t >= REARM_QUIET_S]
+        for w in over:
+            del self._warned[w]
+            logger.info("file storage %s: %s works again", self.dir, kind)
 
     # ---- losses and I/O helpers --------------------------------------------------------------
     def _lose(self, key: str, entry: _Entry, problem: str) -> None:
@@ -364,7 +402,7 @@ class FileStorageBackend(StorageBackend):
                 self._stats.vanished += len(paths) - 1
                 if problem.startswith("corrupt"):
                     self._stats.corrupt += 1
-        if problem == "unreadable":  # counted and logged by _error
+        if problem == "unreadable":  # logged by _error, counted by batch_get
             self._remove_files([], keep=paths)
             return
         level = logging.INFO if problem == "vanished" else logging.WARNING
@@ -387,14 +425,18 @@ class FileStorageBackend(StorageBackend):
             self._unremovable.update(stuck)
 
     def _error(self, problem: tuple[str, object], msg: str, *args: object) -> None:
-        """Count one failed object; log the first of each kind of problem (until an operation
-        of that kind succeeds again), not one line per object."""
+        """Meet one problem: log the first of each kind per outage (see the module docstring),
+        not one line per object. Counting is the calling operation's (``_count_error``)."""
+        with self._lock:
+            first = problem not in self._warned
+            self._warned[problem] = time.monotonic()
+        if first:
+            logger.warning(msg + " (logged once per outage; see stats errors)", *args)
+
+    def _count_error(self) -> None:
+        """One call met trouble (one error however many of its objects failed)."""
         with self._lock:
             self._stats.errors += 1
-            first = problem not in self._warned
-            self._warned.add(problem)
-        if first:
-            logger.warning(msg + " (logged once; see stats errors)", *args)
 
     def _path(self, key: str) -> str:
         name = (
@@ -469,6 +511,7 @@ class FileStorageBackend(StorageBackend):
             return {}  # the directory is gone: so is every object; a write recreates it
         except OSError as e:
             self._error(("scan", e.errno), "file storage %s: cannot list: %s", self.dir, e)
+            self._count_error()
             return None
         with self._lock:
             self._rearm_locked("scan")

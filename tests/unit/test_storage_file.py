@@ -386,23 +386,95 @@ def test_unwritable_directory_counts_errors(tmp_path):
     assert good.stats()["errors"] == 1 and good.batch_exists(["ok_page"]) == 1
 
 
-def test_read_only_directory_logs_once_and_counts_each_object(tmp_path, caplog):
+def block_writes(d, blocked: list[str], writable: tuple[str, ...] = ()):
+    """Make writes under the fan-out dirs ``blocked`` fail the way the OS fails them, with the
+    fan-out dirs ``writable`` already there and still writable (chmod is not recursive): as
+    a user, ``d`` becomes read-only (0o555: EACCES); as root, whom chmod does not stop, each
+    blocked fan-out name is a regular file (EEXIST). Returns the undo."""
+    for sub in writable:
+        os.makedirs(os.path.join(d, sub), exist_ok=True)
+    if os.geteuid() != 0:
+        os.chmod(d, 0o555)
+        assert not os.access(d, os.W_OK)
+        return lambda: os.chmod(d, 0o755)
+    for sub in blocked:
+        with open(os.path.join(d, sub), "wb"):
+            pass
+
+    def undo() -> None:
+        for sub in blocked:
+            os.remove(os.path.join(d, sub))
+
+    return undo
+
+
+def warnings_of(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.WARNING
+            and r.name == "hicache.storage.file"]
+
+
+def test_unwritable_directory_logs_once_and_counts_each_failed_call(tmp_path, caplog):
     d = tmp_path / "ro"
-    s = FileStorageBackend(d, capacity_bytes=1 << 20)
-    os.chmod(d, 0o500)
+    s = FileStorageBackend(d, capacity_bytes=1 << 20, reconcile_interval_s=None)
+    roots = [f"{i:02x}_root" for i in range(6)]
+    undo = block_writes(d, [r[:2] for r in roots])
     try:
-        if os.access(d, os.W_OK):
-            pytest.skip("running as root: chmod does not stop writes")
-        roots = [f"root{i}" for i in range(6)]
         with caplog.at_level(logging.WARNING, logger="hicache.storage.file"):
             assert s.batch_set(roots, [page(i) for i in range(6)]) == [False] * 6
             assert s.batch_set(roots[:2], [page(0), page(1)]) == [False] * 2
-        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-        assert len(warnings) == 1 and "cannot write" in warnings[0].getMessage()
-        assert s.stats()["errors"] == 8 and s.stats()["objects"] == 0
+        assert len(warnings_of(caplog)) == 1
+        assert "cannot write" in warnings_of(caplog)[0].getMessage()
+        # one error per failed call (as the redis backend counts), not one per object
+        assert s.stats()["errors"] == 2 and s.stats()["objects"] == 0
+        assert s.batch_exists(roots) == 0
     finally:
-        os.chmod(d, 0o700)
-    assert s.set("root0", page(0)) and s.stats()["objects"] == 1  # writable again
+        undo()
+    assert s.set(roots[0], page(0)) and s.stats()["objects"] == 1  # writable again
+
+
+def test_writes_failing_and_succeeding_by_turns_log_one_warning(tmp_path, caplog, monkeypatch):
+    """A read-only L3 directory whose older fan-out dirs are still writable: every other write
+    fails. That is one outage: one warning, not one per object."""
+    d = tmp_path / "kv"
+    s = FileStorageBackend(d, capacity_bytes=1 << 20, reconcile_interval_s=None)
+    good, bad = ["a0", "a1", "a2"], ["b0", "b1", "b2"]
+    undo = block_writes(d, bad, writable=tuple(good))
+    try:
+        with caplog.at_level(logging.INFO, logger="hicache.storage.file"):
+            for i in range(12):
+                keys = [f"{good[i % 3]}_k{i}", f"{bad[i % 3]}_k{i}"]
+                assert s.batch_set(keys, [page(i), page(100 + i)]) == [True, False]
+            assert len(warnings_of(caplog)) == 1
+            assert s.stats()["errors"] == 12 and s.stats()["objects"] == 12
+            # a success after a quiet spell ends the outage: the next failure is logged again
+            monkeypatch.setattr(file_mod, "REARM_QUIET_S", 0.0)
+            assert s.batch_set(["a0_again"], [page(50)]) == [True]
+            assert any("works again" in r.getMessage() for r in caplog.records)
+            assert s.batch_set(["b0_again"], [page(51)]) == [False]
+            assert len(warnings_of(caplog)) == 2
+    finally:
+        undo()
+
+
+def test_a_vanished_object_that_cannot_be_written_again_is_forgotten(tmp_path):
+    """batch_set of a key whose file vanished writes it again; when that fails, the index must
+    not go on listing it (a later read would miss an object it believed stored)."""
+    d = tmp_path / "kv"
+    s = FileStorageBackend(d, capacity_bytes=1 << 20, reconcile_interval_s=None)
+    keys = ["a0_k0", "b0_k1", "c0_k2"]
+    store_chain(s, keys)
+    os.remove(s._path(keys[1]))  # behind the backend's back, not yet noticed
+    os.rmdir(os.path.dirname(s._path(keys[1])))
+    undo = block_writes(d, ["b0"], writable=("a0", "c0"))
+    try:
+        assert s.batch_set([keys[1]], [page(1)], [keys[0]]) == [False]
+        assert s.exists_mask(keys) == [True, False, False] and s.batch_exists(keys) == 1
+        st_ = s.stats()
+        assert st_["objects"] == 1 and st_["vanished"] == 2 and st_["errors"] == 1
+        assert s.batch_get(keys[:1])[0] is not None and s.stats()["misses"] == 0
+    finally:
+        undo()
+    assert not os.path.exists(s._path(keys[2]))  # unreachable: removed with its parent
 
 
 def test_clear(tmp_path):
@@ -511,3 +583,73 @@ def test_concurrent_readers_writers_and_damage(tmp_path):
     s.reconcile()
     assert_index_matches_disk(s, tmp_path, 40 * 800)
     assert s.stats()["errors"] == 0
+
+
+def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
+        tiny_llama_dir, tmp_path, caplog):
+    """Issue 12 (9): an Engine whose L3 directory is read-only except its older fan-out dirs
+    (half of the objects cannot be written) logs one warning, counts each failed write call
+    once in cache_stats()["l3"]["errors"], and never believes in an object it did not store."""
+    from engine import Engine
+
+    d = tmp_path / "kv"
+    os.makedirs(d)
+    names = [f"{i:02x}" for i in range(256)]
+    undo = block_writes(d, names[128:], writable=tuple(names[:128]))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 380) for _ in range(70)] for _ in range(12)]
+    greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    calls: list[list[bool]] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="hicache.storage.file"), Engine(
+                tiny_llama_dir, enable_hierarchical_cache=True, max_total_tokens=512,
+                page_size=16, hicache_storage_backend="file", hicache_storage_dir=str(d),
+                hicache_storage_page_size=16, hicache_prefetch_threshold=0) as eng:
+            store = eng.scheduler.tree_cache.storage
+            real_set = store.batch_set
+
+            def spy(keys, values, parents=None):
+                ok = real_set(keys, values, parents)
+                calls.append(ok)
+                return ok
+
+            store.batch_set = spy
+            outs = eng.generate(prompts, greedy)
+            _settle_l3(eng)
+            stats, first = eng.cache_stats()["l3"], list(calls)
+            seqs = [(p + o.token_ids)[:-1] for p, o in zip(prompts, outs)]
+            chains = [eng.scheduler.tree_cache.storage_io.keys(q, None) for q in seqs]
+            # what L3 believes it holds is what is on disk
+            for keys in chains:
+                assert store.exists_mask(keys) == [os.path.exists(store._path(k)) for k in keys]
+            # served again from L3 alone: only objects that were written are read
+            eng.call_in_scheduler(lambda s: s.tree_cache.clear(["l1", "l2"]))
+            again = eng.generate(prompts, greedy)
+            _settle_l3(eng)
+            after = eng.cache_stats()["l3"]
+        warnings = warnings_of(caplog)
+    finally:
+        undo()
+    failed_calls = sum(1 for ok in first if not all(ok))
+    assert failed_calls >= 2 and any(True in ok for ok in first)  # failures among successes
+    assert len(warnings) == 1 and "cannot write" in warnings[0].getMessage()
+    assert stats["errors"] == failed_calls  # once per failed call, not per layer or object
+    assert stats["backup_failed_objects"] == sum(ok.count(False) for ok in first)
+    assert stats["backup_objects"] == sum(ok.count(True) for ok in first) > 0
+    assert [a.token_ids for a in again] == [o.token_ids for o in outs]
+    assert after["hit_tokens"] > 0 and after["misses"] == 0 and after["prefetch_misses"] == 0
+
+
+def _settle_l3(eng) -> None:
+    """Every L3 backup the engine queued (deferred ones included) landed and was acked."""
+    def settle(s) -> int:
+        tree = s.tree_cache
+        tree.check()
+        assert tree.controller.wait_storage_idle(30)
+        tree.check()
+        return len(tree.ongoing_backup) + len(tree.deferred_backups)
+
+    for _ in range(100):
+        if eng.call_in_scheduler(settle) == 0:
+            return
+    raise AssertionError("L3 backups never settled")
