@@ -64,6 +64,7 @@ class Pin:
     node: Any
     tokens: int
     expires_at: float | None  # time.monotonic(); None = until unpinned
+    owner: str | None = None  # the tenant that made it; None = the admin / a single user
 
 
 class PinTable:
@@ -160,6 +161,25 @@ def match_prefix(scheduler: Any, key: list[int], namespace: str | None = None) -
     return MatchInfo(sum(per_tier.values()), per_tier, tree.page_size)
 
 
+def namespace_roots(tree: Any, namespaces: frozenset[str] | None) -> list[Any]:
+    """The root's children whose keys are in one of `namespaces` (None: all of them). A
+    namespace is folded into every token of a key, so each subtree belongs to one namespace."""
+    children = list(tree.root_node.children.values())
+    if namespaces is None:
+        return children
+    split_key = getattr(tree, "split_key", None)
+    if split_key is None:
+        return []
+    return [c for c in children if split_key(tuple(c.key[:1]))[0] in namespaces]
+
+
+def namespace_nodes(tree: Any, namespaces: frozenset[str] | None) -> list[Any]:
+    """Every node of `namespaces` (None: the whole tree, root included)."""
+    if namespaces is None:
+        return _subtree(tree.root_node)
+    return [n for c in namespace_roots(tree, namespaces) for n in _subtree(c)]
+
+
 def _subtree(node: Any) -> list[Any]:
     out, stack = [], [node]
     while stack:
@@ -216,13 +236,18 @@ def evict(
     prefix: list[int] | None = None,
     namespace: str | None = None,
     dry_run: bool = False,
+    namespaces: frozenset[str] | None = None,
+    settle_first: bool = True,
 ) -> EvictInfo:
     """Evicts >= num_tokens (None with no prefix = everything evictable), or every unlocked
-    sequence that starts with `prefix`. Locked (running / pinned) nodes are never evicted."""
+    sequence that starts with `prefix`. Locked (running / pinned) nodes are never evicted.
+    `namespaces` confines it to those namespaces' nodes (a tenant's). `settle_first`: wait for
+    in-flight copies first, so nodes locked only by a backup can go too."""
     tree = scheduler.tree_cache
     if tier == "l3":
         raise TierUnavailableError("eviction from l3 is not supported; use Flush")
-    settle(tree)
+    if settle_first:
+        settle(tree)
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return EvictInfo(0, 0)
     evict_fn = _evict_fn(tree, tier)
@@ -232,13 +257,13 @@ def evict(
             return EvictInfo(0, 0)  # nothing cached starts with the whole prefix
         nodes = _subtree(path[-1][0])
     else:
-        nodes = _subtree(tree.root_node)
+        nodes = namespace_nodes(tree, namespaces)
     plan, chosen = _simulate_evict(
         tree, tier, num_tokens if num_tokens is not None else 1 << 62, nodes
     )
     if dry_run or plan.evicted_tokens == 0:
         return plan
-    if prefix is None:
+    if prefix is None and namespaces is None:
         return EvictInfo(evict_fn(plan.evicted_tokens), plan.evicted_nodes)
     # NOTE: the chosen nodes become the least valuable ones for this one call, so evict() takes
     # them first and stops once their tokens are freed; whichever survive (an L1 eviction
@@ -272,6 +297,7 @@ def pin(
     namespace: str | None = None,
     ttl_s: float = 0.0,
     now: float | None = None,
+    owner: str | None = None,
 ) -> Pin | None:
     """Locks the cached (L1) prefix of key; None when nothing of it is cached on L1."""
     tree = scheduler.tree_cache
@@ -290,16 +316,25 @@ def pin(
     table = pin_table(scheduler)
     now = time.monotonic() if now is None else now
     p = Pin(
-        table.new_id(), node, len(res.device_indices) - skip, now + ttl_s if ttl_s > 0 else None
+        table.new_id(),
+        node,
+        len(res.device_indices) - skip,
+        now + ttl_s if ttl_s > 0 else None,
+        owner,
     )
     table.pins[p.pin_id] = p
     return p
 
 
-def unpin(scheduler: Any, pin_id: str | None = None) -> tuple[int, int]:
-    """Releases one pin (or all with pin_id=None); returns (pins released, tokens)."""
+def unpin(
+    scheduler: Any, pin_id: str | None = None, owner: str | None = None
+) -> tuple[int, int]:
+    """Releases one pin (or all with pin_id=None); returns (pins released, tokens). With an
+    owner (a tenant) only that owner's pins are seen."""
     table = pin_table(scheduler)
     ids = list(table.pins) if pin_id is None else [pin_id] if pin_id in table.pins else []
+    if owner is not None:
+        ids = [i for i in ids if table.pins[i].owner == owner]
     tokens = 0
     for i in ids:
         p = table.pins.pop(i)
@@ -321,7 +356,7 @@ def expire_pins(scheduler: Any, now: float | None = None) -> int:
 
 
 # --- flush -----------------------------------------------------------------------------------
-def _tier_enabled(tree: Any, tier: str) -> bool:
+def tier_enabled(tree: Any, tier: str) -> bool:
     if tier == "l1":
         return True
     if tier == "l2":
@@ -343,9 +378,9 @@ def flush(scheduler: Any, tiers: list[str] | None = None) -> FlushInfo:
     if not scheduler.is_idle():
         raise NotIdleError("requests are running or waiting")
     tree = scheduler.tree_cache
-    wanted = [t for t in TIERS if _tier_enabled(tree, t)] if not tiers else list(tiers)
+    wanted = [t for t in TIERS if tier_enabled(tree, t)] if not tiers else list(tiers)
     for t in wanted:
-        if not _tier_enabled(tree, t):
+        if not tier_enabled(tree, t):
             raise TierUnavailableError(f"tier {t} is not enabled in this engine")
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return FlushInfo(wanted, 0, 0)
@@ -367,9 +402,14 @@ def flush(scheduler: Any, tiers: list[str] | None = None) -> FlushInfo:
 
 # --- inspection ------------------------------------------------------------------------------
 def inspect_tree(
-    scheduler: Any, offset: int = 0, limit: int = 100, preview_tokens: int = 16
+    scheduler: Any,
+    offset: int = 0,
+    limit: int = 100,
+    preview_tokens: int = 16,
+    namespaces: frozenset[str] | None = None,
 ) -> tuple[list[NodeInfo], int]:
-    """One page of the tree in depth-first order (parents first); returns (nodes, total)."""
+    """One page of the tree in depth-first order (parents first); returns (nodes, total).
+    `namespaces` shows only those namespaces' nodes (a tenant's view)."""
     tree = scheduler.tree_cache
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return [], 0
@@ -378,7 +418,7 @@ def inspect_tree(
     # NOTE: a namespaced key folds the namespace into every token id; the preview shows tokens.
     split_key = getattr(tree, "split_key", lambda key: (None, list(key)))
     order: list[tuple[Any, int, int]] = []  # (node, depth, prefix_len)
-    stack = [(c, 1, 0) for c in reversed(list(tree.root_node.children.values()))]
+    stack = [(c, 1, 0) for c in reversed(namespace_roots(tree, namespaces))]
     while stack:
         node, depth, start = stack.pop()
         order.append((node, depth, start + len(node.key)))

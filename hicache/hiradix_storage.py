@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -83,10 +84,13 @@ class StorageMixin:
         self._repairing: set[str] = set()  # first missing key of each repair in flight
         self.deferred_backups: OrderedDict[int, TreeNode] = OrderedDict()  # node id -> node
         self.backup_host_tokens = 0  # host slots protected by backups in flight
+        # optional policy hook (e.g. a tenant's L3 quota): False = do not back this node up now
+        self.backup_gate: Callable[[TreeNode], bool] | None = None
         self.l3_counters = {"prefetch_started": 0, "prefetch_tokens": 0, "prefetch_skipped": 0,
                             "prefetch_cancelled": 0, "prefetch_discarded_tokens": 0,
                             "prefetch_partial": 0, "backup_deferred": 0,
-                            "backup_dropped_nodes": 0, "repaired_objects": 0}
+                            "backup_dropped_nodes": 0, "repaired_objects": 0,
+                            "backup_gated_nodes": 0}
 
     # ---- keys --------------------------------------------------------------------------------
     def storage_keys(self, key: tuple[int, ...]) -> list[str]:
@@ -119,6 +123,9 @@ class StorageMixin:
         """Queue the objects ending inside ``node`` (host slots of its path); False when
         there is nothing to do or it cannot be done now."""
         if self.storage_io is None or node.in_storage or node.host_value is None:
+            return False
+        if self.backup_gate is not None and not self.backup_gate(node):
+            self.l3_counters["backup_gated_nodes"] += 1
             return False
         path = self._path(node)
         if not path or path[-1] is not node:
@@ -417,6 +424,27 @@ class StorageMixin:
             n.in_storage = False
         self._bump()
         return 0
+
+    def delete_from_storage(self, nodes: list[TreeNode]) -> int:
+        """Deletes the L3 objects ending inside each of ``nodes`` (after pending backups
+        landed) and returns how many there were: a flush of some namespaces, whose objects
+        this tree knows, leaving every other namespace's objects alone."""
+        if self.storage_io is None:
+            return 0
+        self.controller.wait_storage_idle(STORAGE_SETTLE_S)
+        self.storage_check()
+        deleted, S = 0, self.object_size
+        for node in nodes:
+            path = self._path(node)
+            if not path or path[-1] is not node:
+                continue
+            key = tuple(t for n in path for t in n.key)
+            for k in self.storage_keys(key)[(len(key) - len(node.key)) // S:]:
+                self.storage.delete(k)
+                deleted += 1
+            node.in_storage = False
+        self._bump()
+        return deleted
 
     # ---- attach / detach at run time (scheduler thread) ----------------------------------------
     def attach_storage(self, storage: Any, object_size: int) -> None:

@@ -10,11 +10,12 @@ from typing import Any
 
 import grpc
 
-from engine import cache_admin
+from engine import cache_admin, tenant_cache
 from engine.server import validate
 from engine.server.pb import EVENT_TO_ENUM, TIER_TO_ENUM, admin_grpc, admin_pb2, tier_tokens
 from engine.server.settings import ensure_dir
 from engine.server.state import DaemonState, iter_chunks, rpc
+from engine.server.tenants import Principal
 
 _STAT_FIELDS = {  # TierStats field <- engine cache_stats() keys (first present wins)
     "capacity_tokens": ("capacity_tokens", "capacity"),
@@ -52,6 +53,24 @@ def tier_stats(tier: str, d: dict[str, Any] | None) -> admin_pb2.TierStats:
     return msg
 
 
+def movements(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """TierStats' movement fields from the tree's counters, which are named after the copy
+    (l2 `promotions` = L2 -> L1 loads, l3 `backup_objects` = L2 -> L3 writes, ...) and kept by
+    the lower tier; L3 counts objects of `object_tokens` tokens."""
+    l2 = stats.get("l2") if isinstance(stats.get("l2"), dict) else {}
+    l3 = stats.get("l3") if isinstance(stats.get("l3"), dict) else {}
+    per_object = int(l3.get("object_tokens", 0) or 0)
+    moves = {
+        "l1": {"promoted_tokens": l2.get("promotions"), "demoted_tokens": l2.get("demotions"),
+               "bytes_in": l2.get("bytes_h2d"), "bytes_out": l2.get("bytes_d2h")},
+        "l2": {"promoted_tokens": l3.get("prefetch_tokens"),
+               "demoted_tokens": l3.get("backup_objects", 0) * per_object if l3 else None,
+               "bytes_in": l3.get("bytes_read"), "bytes_out": l3.get("bytes_written")},
+        "l3": {"evicted_tokens": l3.get("evictions", 0) * per_object if l3 else None},
+    }
+    return {t: {k: int(v) for k, v in d.items() if v is not None} for t, d in moves.items()}
+
+
 def storage_info(d: dict[str, Any]) -> admin_pb2.StorageInfo:
     core = ("attached", "backend", "address", "object_tokens", "pending")
     return admin_pb2.StorageInfo(
@@ -79,14 +98,59 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         st = self.state
         engine = await st.require_engine(context)
         stats = await st.run(engine.cache_stats)
+        who = st.principal(context)
+        if who.tenant is not None:
+            return await self._tenant_stats(who, stats)
         num_pins, pinned = await st.in_scheduler(
             lambda s: (len(cache_admin.pin_table(s).pins), cache_admin.pin_table(s).pinned_tokens())
         )
+        tiers = [tier_stats(t, stats.get(t)) for t in cache_admin.TIERS]
+        for msg, t in zip(tiers, cache_admin.TIERS):
+            if msg.enabled:
+                for fld, val in movements(stats)[t].items():
+                    setattr(msg, fld, val)
         return admin_pb2.GetCacheStatsResponse(
-            tiers=[tier_stats(t, stats.get(t)) for t in cache_admin.TIERS],
+            tiers=tiers,
             miss_tokens=int(stats.get("miss_tokens", 0)),
             admin_pinned_tokens=pinned,
             num_pins=num_pins,
+            timestamp=time.time(),
+        )
+
+    async def _tenant_stats(self, who: Principal, stats: dict[str, Any]) -> Any:
+        """A tenant's view: its namespaces' tokens per tier, its quota as the capacity (the
+        tier's without one), its quota evictions, its pins; nothing of anyone else's."""
+        tenant, namespaces = who.tenant, who.namespaces()
+        assert tenant is not None and namespaces is not None
+
+        def collect(s: Any) -> tuple[dict[str, Any], list[Any], dict[str, int]]:
+            pins = [p for p in cache_admin.pin_table(s).pins.values() if p.owner == tenant.name]
+            enforcer = getattr(s, "quota_enforcer", None)
+            q = enforcer.by_name.get(tenant.name) if enforcer is not None else None
+            evicted = dict(q.evicted_tokens) if q is not None else {}
+            return tenant_cache.usage(s.tree_cache, namespaces), pins, evicted
+
+        use, pins, evicted = await self.state.in_scheduler(collect)
+        tiers = []
+        for t in cache_admin.TIERS:
+            enabled = isinstance(stats.get(t), dict)
+            msg = admin_pb2.TierStats(tier=TIER_TO_ENUM[t], enabled=enabled)
+            if enabled:
+                u = use[t]
+                msg.capacity_tokens = tenant.quota(t) or int(
+                    stats[t].get("capacity_tokens", 0) or 0
+                )
+                msg.used_tokens = u.used_tokens
+                msg.evictable_tokens = u.evictable_tokens
+                msg.pinned_tokens = u.pinned_tokens
+                msg.evicted_tokens = evicted.get(t, 0)
+                msg.info["tenant"] = tenant.name
+                msg.info["quota_tokens"] = str(tenant.quota(t))
+            tiers.append(msg)
+        return admin_pb2.GetCacheStatsResponse(
+            tiers=tiers,
+            admin_pinned_tokens=sum(p.tokens for p in pins),
+            num_pins=len(pins),
             timestamp=time.time(),
         )
 
@@ -96,7 +160,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
     ) -> admin_pb2.MatchPrefixResponse:
         st = self.state
         engine = await st.require_engine(context)
-        ns = validate.namespace(request.cache_namespace)
+        ns = st.principal(context).namespace(validate.namespace(request.cache_namespace))
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
         m = await st.in_scheduler(lambda s: cache_admin.match_prefix(s, ids, ns))
         return admin_pb2.MatchPrefixResponse(
@@ -112,7 +176,8 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
     ) -> AsyncIterator[admin_pb2.PrefetchResponse]:
         st = self.state
         engine = await st.require_engine(context)
-        ns = validate.namespace(request.cache_namespace)
+        who = st.principal(context)
+        ns = who.namespace(validate.namespace(request.cache_namespace))
         ttl = validate.seconds(request.pin_ttl_s, "pin_ttl_s")
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
         t0 = time.monotonic()
@@ -131,7 +196,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         computed = 0
         # The scheduler always computes the last prompt token, so only len-1 can be a device hit.
         if m.per_tier["l1"] < (len(ids) - 1) // m.page_size * m.page_size:
-            rid = f"prefetch-{time.monotonic_ns()}"
+            rid = who.request_id(f"prefetch-{time.monotonic_ns()}")
             handle = await st.run_input(
                 engine.submit, ids, {"max_new_tokens": 1, "temperature": 0.0}, ns, rid
             )
@@ -151,7 +216,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                     engine.abort(rid)
         pin_id = ""
         if request.pin:
-            p = await st.in_scheduler(lambda s: cache_admin.pin(s, ids, ns, ttl))
+            p = await st.in_scheduler(lambda s: cache_admin.pin(s, ids, ns, ttl, owner=who.name))
             pin_id = p.pin_id if p is not None else ""
         m = await st.in_scheduler(lambda s: cache_admin.match_prefix(s, ids, ns))
         yield resp(
@@ -165,7 +230,8 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         st = self.state
         engine = await st.require_engine(context)
         tier = validate.tier(request.tier)
-        ns = validate.namespace(request.cache_namespace)
+        who = st.principal(context)
+        ns = who.namespace(validate.namespace(request.cache_namespace))
         target = request.WhichOneof("target")
         num_tokens, prefix = None, None
         if target is None:
@@ -180,7 +246,13 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             raise validate.ValidationError("all must be true when it is the target")
         info = await st.in_scheduler(
             lambda s: cache_admin.evict(
-                s, tier, num_tokens=num_tokens, prefix=prefix, namespace=ns, dry_run=request.dry_run
+                s,
+                tier,
+                num_tokens=num_tokens,
+                prefix=prefix,
+                namespace=ns,
+                dry_run=request.dry_run,
+                namespaces=who.namespaces() if prefix is None else None,
             )
         )
         if st.metrics is not None and not request.dry_run:
@@ -198,10 +270,11 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
     ) -> admin_pb2.PinResponse:
         st = self.state
         engine = await st.require_engine(context)
-        ns = validate.namespace(request.cache_namespace)
+        who = st.principal(context)
+        ns = who.namespace(validate.namespace(request.cache_namespace))
         ttl = validate.seconds(request.ttl_s, "ttl_s")
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
-        p = await st.in_scheduler(lambda s: cache_admin.pin(s, ids, ns, ttl))
+        p = await st.in_scheduler(lambda s: cache_admin.pin(s, ids, ns, ttl, owner=who.name))
         if p is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -223,7 +296,8 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         ):
             raise validate.ValidationError("target is required (a pin_id, or all=true)")
         pin_id = request.pin_id if target == "pin_id" else None
-        n, tokens = await st.in_scheduler(lambda s: cache_admin.unpin(s, pin_id))
+        owner = st.principal(context).name
+        n, tokens = await st.in_scheduler(lambda s: cache_admin.unpin(s, pin_id, owner))
         if pin_id is not None and n == 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no pin {pin_id!r} (expired?)")
         return admin_pb2.UnpinResponse(unpinned=n, unpinned_tokens=tokens)
@@ -240,6 +314,19 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             if request.HasField("timeout_s")
             else DEFAULT_FLUSH_TIMEOUT_S
         )
+        who = st.principal(context)
+        if who.tenant is not None:  # its namespaces only; others' requests may run meanwhile
+            namespaces = who.namespaces()
+            assert namespaces is not None
+            info = await st.in_scheduler(
+                lambda s: tenant_cache.flush(s, namespaces, tiers or None, who.name),
+                timeout=max(timeout, 30.0),
+            )
+            return admin_pb2.FlushResponse(
+                flushed=[TIER_TO_ENUM[t] for t in info.flushed],
+                freed_tokens=info.freed_tokens,
+                unpinned=info.unpinned,
+            )
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(timeout, remaining if remaining is not None else timeout)
         while True:
@@ -278,8 +365,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                 f"page_token {token[:40]!r} is not a token this server returned"
             )
         offset = int(token or 0)
+        namespaces = st.principal(context).namespaces()
         nodes, total = await st.in_scheduler(
-            lambda s: cache_admin.inspect_tree(s, offset, limit, preview)
+            lambda s: cache_admin.inspect_tree(s, offset, limit, preview, namespaces)
         )
         texts = await st.run(lambda: [engine.tokenizer.decode(n.preview_ids) for n in nodes])
         out = [
@@ -312,6 +400,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         if kinds - set(EVENT_TO_ENUM.values()):
             raise validate.ValidationError(f"kinds has unknown values {sorted(kinds)}")
         tiers = {validate.tier(t, "tiers", default=None) for t in request.tiers}
+        namespaces = st.principal(context).namespaces()  # a tenant sees its own events only
         evlog = st.event_log
         if evlog is None:
             await context.abort(
@@ -326,8 +415,10 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                 continue
             for ev in events:
                 seq = ev.seq
-                if (kinds and EVENT_TO_ENUM[ev.kind] not in kinds) or (
-                    tiers and ev.tier not in tiers
+                if (
+                    (kinds and EVENT_TO_ENUM[ev.kind] not in kinds)
+                    or (tiers and ev.tier not in tiers)
+                    or (namespaces is not None and ev.namespace not in namespaces)
                 ):
                     continue
                 yield admin_pb2.WatchCacheEventsResponse(

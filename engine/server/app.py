@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from engine import cache_admin
+from engine import cache_admin, tenant_cache
 from engine.config import ServerArgs
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
@@ -32,6 +32,7 @@ from engine.server.metrics import Metrics
 from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
 from engine.server.settings import DaemonSettings, describe_tiers
 from engine.server.state import DaemonState
+from engine.tenant_cache import TIERS, QuotaEnforcer, TenantQuota
 from hicache.events import CacheEventLog
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,9 @@ class Daemon:
             ("grpc.so_reuseport", 0),
         ]
         interceptors: list[grpc.aio.ServerInterceptor] = (
-            [AuthInterceptor(s.token, s.admin_token)] if s.token or s.admin_token else []
+            [AuthInterceptor(s.token, s.admin_token, self.state.tenants)]
+            if s.auth_enabled
+            else []
         )
         interceptors.append(DecodeGuard())
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -124,13 +127,26 @@ class Daemon:
             self.state.metrics = None
         asyncio.get_running_loop().create_task(self._load())
         log.info("listening on %s:%d (%s)", s.host, self.port, "TLS" if s.tls_cert else "plaintext")
+        if not s.auth_enabled:
+            log.info("no authentication (no --token, --admin-token or tenant): every client that "
+                     "reaches %s:%d is served as one user, with every admin RPC", s.host, self.port)
+        elif s.tenants:
+            log.info("tenants: %s", ", ".join(
+                f"{t.name} (namespaces {'|'.join(t.namespaces)})" for t in s.tenants))
         if self.server_args is not None:
             log.info("cache tiers: %s", describe_tiers(self.server_args.public_dict()))
         return self.port
 
     def _stats_for_metrics(self) -> dict[str, Any] | None:
         engine = self.state.engine
-        return engine.cache_stats() if engine is not None and self.state.ready else None
+        if engine is None or not self.state.ready:
+            return None
+        stats = engine.cache_stats()
+        if self.settings.tenants:
+            stats["tenants"] = engine.call_in_scheduler(
+                lambda s: tenant_cache.tenant_figures(s, self.settings.tenants)
+            )
+        return stats
 
     async def _load(self) -> None:
         st = self.state
@@ -140,6 +156,15 @@ class Daemon:
             st.engine = engine
             st.event_log = await st.run(engine.call_in_scheduler, _ensure_event_log)
             await st.run(engine.call_in_scheduler, _install_pin_expiry)
+            if self.settings.tenants:
+                enforcer = QuotaEnforcer(
+                    [
+                        TenantQuota(t.name, frozenset(t.namespaces),
+                                    {tier: t.quota(tier) for tier in TIERS})
+                        for t in self.settings.tenants
+                    ]
+                )
+                await st.run(engine.call_in_scheduler, enforcer.install)
             if self.settings.warmup:
                 await st.run(_warm_up, engine)
             st.ready = True

@@ -2,8 +2,11 @@
 
 - health checks are always allowed;
 - with --token, every other RPC needs `authorization: Bearer <token>` (the admin token works too);
+- with tenants, a tenant's token works too, and no token at all is refused (even without
+  --token): handlers confine a tenant's calls to its namespaces (engine/server/tenants.py);
 - with --admin-token, CacheAdmin mutations need the admin token: none presented ->
-  UNAUTHENTICATED, another token -> PERMISSION_DENIED.
+  UNAUTHENTICATED, another token -> PERMISSION_DENIED. A tenant's token may make the mutations
+  that act on its own cache (TENANT_MUTATIONS), never the ones on the daemon (storage).
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ from typing import Any
 import grpc
 
 from engine.server.pb import CACHE_ADMIN_SERVICE
+from engine.server.tenants import Tenant, TenantTable
 
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 ADMIN_MUTATIONS = frozenset(
     f"/{CACHE_ADMIN_SERVICE}/{m}" for m in (
         "Prefetch", "Evict", "Pin", "Unpin", "Flush", "AttachStorage", "DetachStorage"
     )
+)
+TENANT_MUTATIONS = frozenset(
+    f"/{CACHE_ADMIN_SERVICE}/{m}" for m in ("Prefetch", "Evict", "Pin", "Unpin", "Flush")
 )
 
 
@@ -37,19 +44,43 @@ def _same(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and hmac.compare_digest(a.encode(), b.encode())
 
 
+def tenant_of(presented: str | None, tenants: TenantTable | None) -> Tenant | None:
+    if presented is None or tenants is None:
+        return None
+    for tok, tenant in tenants.by_token.items():
+        if _same(presented, tok):
+            return tenant
+    return None
+
+
 def check(
-    method: str, presented: str | None, token: str | None, admin_token: str | None
+    method: str,
+    presented: str | None,
+    token: str | None,
+    admin_token: str | None,
+    tenants: TenantTable | None = None,
 ) -> tuple[grpc.StatusCode, str] | None:
     """None when allowed, else the status to fail with."""
     if method.startswith(EXEMPT_PREFIXES):
         return None
+    tenant = tenant_of(presented, tenants)
+    if tenant is not None:
+        if method in ADMIN_MUTATIONS and method not in TENANT_MUTATIONS:
+            return grpc.StatusCode.PERMISSION_DENIED, "this RPC needs the admin token"
+        return None
+    if tenants and tenants.tenants and not (_same(presented, token) or _same(presented, admin_token)):
+        # with tenants every caller must say who it is
+        if presented is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata"
+        return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
     if admin_token and method in ADMIN_MUTATIONS:
         if presented is None:
             return grpc.StatusCode.UNAUTHENTICATED, "this RPC needs the admin bearer token"
         if not _same(presented, admin_token):
             return grpc.StatusCode.PERMISSION_DENIED, "this RPC needs the admin token"
         return None
-    if not token or _same(presented, token) or _same(presented, admin_token):
+    open_without_token = not token and not (tenants and tenants.tenants)
+    if open_without_token or _same(presented, token) or _same(presented, admin_token):
         return None
     if presented is None:
         return grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata"
@@ -76,9 +107,12 @@ def _denying(
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str | None, admin_token: str | None):
+    def __init__(
+        self, token: str | None, admin_token: str | None, tenants: TenantTable | None = None
+    ):
         self.token = token or None
         self.admin_token = admin_token or None
+        self.tenants = tenants
 
     async def intercept_service(
         self,
@@ -93,5 +127,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             bearer(handler_call_details.invocation_metadata),
             self.token,
             self.admin_token,
+            self.tenants,
         )
         return handler if denied is None else _denying(handler, *denied)

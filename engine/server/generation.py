@@ -66,15 +66,17 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         engine = await st.require_engine(context)
         prompt = validate.prompt(request.prompt, request.HasField("prompt"), engine.vocab_size)
         params = validate.sampling(request.sampling_params, engine.vocab_size)
-        ns = validate.namespace(request.cache_namespace)
+        who = st.principal(context)
+        ns = who.namespace(validate.namespace(request.cache_namespace))
         rid = (
             validate.request_id(request.request_id)
             if request.request_id
             else f"grpc-{uuid.uuid4().hex[:16]}"
         )
+        client_rid, rid = rid, who.request_id(rid)
         if rid in st.active:
             await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running"
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {client_rid!r} is already running"
             )
         # NOTE: the id is claimed before the first await: on the one event loop, check and claim
         # are one step, so concurrent calls with one id cannot all get past the check.
@@ -99,7 +101,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                 t_last = now if chunk.token_ids else t_last
                 if chunk.token_ids or chunk.text:
                     yield gen_pb2.GenerateResponse(
-                        request_id=rid,
+                        request_id=client_rid,
                         chunk=gen_pb2.GenerateChunk(
                             token_ids=chunk.token_ids, text=chunk.text, usage=usage(chunk)
                         ),
@@ -108,7 +110,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                     finished = True
                     if metrics is not None:
                         metrics.request_finished(chunk, t0, t_first, t_last)
-                    yield gen_pb2.GenerateResponse(request_id=rid, complete=complete(chunk))
+                    yield gen_pb2.GenerateResponse(
+                        request_id=client_rid, complete=complete(chunk)
+                    )
         finally:
             if not finished:  # client cancel, deadline, or server shutdown: free the KV
                 engine.abort(rid)
@@ -123,9 +127,10 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         engine = await self.state.require_engine(context)
         if not request.request_id:
             raise validate.ValidationError("request_id is required")
-        found = self.state.active.get(request.request_id) is not None
+        rid = self.state.principal(context).request_id(request.request_id)
+        found = self.state.active.get(rid) is not None
         if found:
-            engine.abort(request.request_id)
+            engine.abort(rid)
         return gen_pb2.AbortResponse(found=found)
 
     @rpc
@@ -160,7 +165,11 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         self, request: gen_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.GetServerInfoResponse:
         st = self.state
-        config = {f"daemon.{k}": json.dumps(v) for k, v in st.settings.public_dict().items()}
+        public = st.settings.public_dict()
+        who = st.principal(context)
+        if who.tenant is not None:  # a tenant sees itself, not who else shares the daemon
+            public["tenants"] = [who.tenant.public_dict()]
+        config = {f"daemon.{k}": json.dumps(v) for k, v in public.items()}
         features = ["generate", "cache_namespaces"]
         if st.engine is not None:
             args = st.engine.server_args
@@ -171,7 +180,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             features += ["hierarchical_cache"] if hier else []
             features += ["l3_storage"] if hier and args.hicache_storage_backend else []
         features += ["cache_events"] if st.event_log is not None else []
-        features += ["auth"] if st.settings.token else []
+        features += ["auth"] if st.settings.auth_enabled else []
+        features += ["tenants"] if st.settings.tenants else []
         features += ["admin_auth"] if st.settings.admin_token else []
         features += ["tls"] if st.settings.tls_cert else []
         features += ["metrics"] if st.settings.metrics_port else []

@@ -86,6 +86,7 @@ class CacheCollector:
                 if value is not None:
                     yield CounterMetricFamily(name, doc, value=value)
         yield from _l3_families(tiers.get("l3"))
+        yield from _tenant_families(stats.get("tenants"))
         yield GaugeMetricFamily(
             "hicache_num_requests_running",
             "Requests in the running batch",
@@ -127,6 +128,29 @@ def _tier_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
     yield evicted
 
 
+def _tenant_families(tenants: dict[str, dict[str, dict[str, int]]] | None) -> Iterator[Any]:
+    """Per tenant and tier: cached tokens, quota (0 = none), tokens evicted for the quota."""
+    if not tenants:
+        return
+    cached = GaugeMetricFamily("hicache_tenant_cached_tokens",
+                               "Tokens the tenant's namespaces hold in the tier",
+                               labels=["tenant", "tier"])
+    quota = GaugeMetricFamily("hicache_tenant_quota_tokens",
+                              "The tenant's quota on the tier in tokens (0 = none)",
+                              labels=["tenant", "tier"])
+    evicted = CounterMetricFamily("hicache_tenant_quota_evicted_tokens",
+                                  "Tokens evicted from the tier to keep the tenant in its quota",
+                                  labels=["tenant", "tier"])
+    for name, d in sorted(tenants.items()):
+        for tier in TIERS:
+            cached.add_metric([name, tier], float(d["cached"].get(tier, 0)))
+            quota.add_metric([name, tier], float(d["quota"].get(tier, 0)))
+            evicted.add_metric([name, tier], float(d["evicted"].get(tier, 0)))
+    yield cached
+    yield quota
+    yield evicted
+
+
 # the L3 backend's own figures: stats key -> (metric name, help, counter?)
 _L3 = {
     "prefetch_objects": ("hicache_l3_prefetch_objects", "L3 objects read by prefetches", True),
@@ -138,6 +162,8 @@ _L3 = {
                              "Deferred node backups dropped: the node left L2 first", True),
     "repaired_objects": ("hicache_l3_repaired_objects", "Lost objects written again", True),
     "errors": ("hicache_l3_errors", "L3 errors", True),
+    "backup_failed_objects": ("hicache_l3_backup_failed_objects",
+                              "Objects a backup could not store", True),
     "vanished": ("hicache_l3_vanished_objects", "Objects found gone or damaged", True),
     "bytes": ("hicache_l3_bytes", "Bytes of the objects in L3", False),
     "hits": ("hicache_l3_object_hits", "Objects read", True),

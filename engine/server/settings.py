@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ServerArgs
+from engine.server import tenants as tenancy
+from engine.server.tenants import Tenant
 from hicache.storage.redis_url import redact_url
 
 if sys.version_info >= (3, 11):
@@ -62,8 +64,11 @@ class DaemonSettings:
     bridge_threads: int = 256
     warmup: bool = True
     log_level: str = "info"
+    tenants: tuple[Tenant, ...] = ()  # [tenants.<name>] / --tenant / HICACHE_TENANTS
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tenants", tuple(self.tenants))
+        tenancy.check_unique(self.tenants, (self.token, self.admin_token))
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError("ports must be in [0, 65535]")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -73,13 +78,22 @@ class DaemonSettings:
 
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for GetServerInfo)."""
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["tenants"] = [t.public_dict() for t in self.tenants]  # names and quotas, no tokens
         return {k: ("***" if k in _SECRET and v else v) for k, v in d.items()}
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.token or self.admin_token or self.tenants)
 
 
 def _fields() -> dict[str, tuple[str, Any]]:
     """option name -> (owner, type string) for every daemon and engine option."""
-    out = {f.name: ("daemon", f.type) for f in dataclasses.fields(DaemonSettings)}
+    out = {
+        f.name: ("daemon", f.type)
+        for f in dataclasses.fields(DaemonSettings)
+        if f.name != "tenants"  # structured: see _load_tenants
+    }
     out.update({f.name: ("engine", f.type) for f in dataclasses.fields(ServerArgs)})
     return out
 
@@ -114,6 +128,15 @@ def _convert(name: str, typ: str, value: Any) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per option; defaults are None so unset flags fall through to env / TOML."""
     parser.add_argument("--config", help="TOML file with daemon and engine options")
+    parser.add_argument(
+        "--tenant",
+        dest="tenant",
+        action="append",
+        default=None,
+        metavar="NAME:TOKEN[,key=value...]",
+        help="(daemon) a tenant: its token, namespaces=a|b, quota_l1_tokens=N, quota_l2_tokens=N, "
+        "quota_l3_tokens=N; repeatable (env HICACHE_TENANTS: entries separated by ';')",
+    )
     parser.add_argument(
         "--model",
         dest="model_path",
@@ -179,9 +202,14 @@ def load(
     env = os.environ if env is None else env
     fields = _fields()
     values: dict[str, Any] = {}
+    tenants: tuple[Tenant, ...] = ()
     cfg = getattr(ns, "config", None) or env.get(ENV_PREFIX + "CONFIG")
     if cfg:
         data = tomllib.loads(Path(cfg).read_text())
+        tables = data.pop("tenants", {})
+        if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+            raise ValueError(f"{cfg}: tenants must be [tenants.<name>] tables")
+        tenants = tuple(tenancy.from_table(name, t) for name, t in tables.items())
         flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
         for table in ("server", "engine"):
             flat.update(data.get(table, {}))
@@ -202,8 +230,15 @@ def load(
         v = getattr(ns, name, None) if ns is not None else None
         if v is not None:
             values[name] = _convert("--" + name.replace("_", "-"), typ, v)
+    # NOTE: the tenant list comes whole from the highest source that sets one.
+    if env.get(ENV_PREFIX + "TENANTS") is not None:
+        tenants = tenancy.parse_specs(env[ENV_PREFIX + "TENANTS"])
+    if getattr(ns, "tenant", None):
+        tenants = tuple(tenancy.parse_spec(spec) for spec in ns.tenant)
     _apply_daemon_defaults(values, env)
-    daemon = DaemonSettings(**{k: v for k, v in values.items() if fields[k][0] == "daemon"})
+    daemon = DaemonSettings(
+        **{k: v for k, v in values.items() if fields[k][0] == "daemon"}, tenants=tenants
+    )
     engine = ServerArgs.from_kwargs(**{k: v for k, v in values.items() if fields[k][0] == "engine"})
     return daemon, engine
 

@@ -17,6 +17,8 @@ import grpc
 
 from engine.cache_admin import NotIdleError, TierUnavailableError
 from engine.errors import EngineShutdownError, QueueFullError
+from engine.server.auth import bearer, tenant_of
+from engine.server.tenants import PermissionDeniedError, Principal, TenantTable
 from engine.server.validate import ValidationError
 from hicache.hiradix_storage import StorageBusyError
 
@@ -26,6 +28,7 @@ T = TypeVar("T")
 # First match wins: (exception type, status code).
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineShutdownError, grpc.StatusCode.UNAVAILABLE),
     (NotIdleError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -48,6 +51,17 @@ class DaemonState:
     active: dict[str, Any] = field(default_factory=dict)  # rid -> RequestHandle
     event_log: Any = None
     metrics: Any = None
+    tenants: TenantTable = field(default_factory=TenantTable)
+
+    def __post_init__(self) -> None:
+        self.tenants = TenantTable(tuple(getattr(self.settings, "tenants", ()) or ()))
+
+    def principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        """Who makes this call (the auth interceptor has already let the token in)."""
+        if not self.tenants.tenants:
+            return Principal()
+        tenant = tenant_of(bearer(context.invocation_metadata()), self.tenants)
+        return Principal(tenant)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs a blocking call on the bridge pool (never on the event loop)."""

@@ -55,6 +55,11 @@ def test_evict_demotes_to_l2_and_next_request_loads_back(client):
     assert done.usage.cached_tokens > 0 and done.usage.cached_tokens_per_tier.l2 > 0
     kinds = {e.kind for e in _events(client)}
     assert {"demoted", "promoted"} <= kinds
+    stats = client.cache_stats()  # the movements are counted on the tier they enter / leave
+    l1, l2 = _tier(stats, "l1"), _tier(stats, "l2")
+    assert l1.demoted_tokens > 0 and l1.promoted_tokens > 0, l1
+    assert l1.bytes_in > 0 and l1.bytes_out > 0, l1
+    assert l2.demoted_tokens > 0 and l2.bytes_out > 0, l2  # backed up to the file L3
 
 
 def test_flush_empties_every_tier_including_l3(client):

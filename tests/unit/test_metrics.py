@@ -134,3 +134,17 @@ def test_engine_traffic_fills_every_tier_family(tiny_llama_dir, tmp_path):
     assert s[("hicache_evicted_tokens_total", "l3")] % S == 0
     assert s[("hicache_evicted_tokens_total", "l3")] >= stats["l3"]["evictions"] * S
     assert s[("hicache_backuped_tokens_total", "")] % S == 0
+
+
+def test_tenant_families():
+    stats = {"l1": {"used_tokens": 10, "capacity_tokens": 100},
+             "tenants": {"acme": {"cached": {"l1": 40, "l2": 8, "l3": 0},
+                                  "quota": {"l1": 64, "l2": 0, "l3": 0},
+                                  "evicted": {"l1": 205, "l2": 0, "l3": 0}}}}
+    s = {(x.name, x.labels.get("tenant"), x.labels.get("tier")): x.value
+         for f in text_string_to_metric_families(_scrape(stats)) for x in f.samples}
+    assert s[("hicache_tenant_cached_tokens", "acme", "l1")] == 40
+    assert s[("hicache_tenant_quota_tokens", "acme", "l1")] == 64
+    assert s[("hicache_tenant_quota_evicted_tokens_total", "acme", "l1")] == 205
+    assert not any(name.startswith("hicache_tenant") for name, _ in _samples(_scrape(
+        {"l1": {"used_tokens": 1}})))
