@@ -299,7 +299,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         owner = st.principal(context).name
         n, tokens = await st.in_scheduler(lambda s: cache_admin.unpin(s, pin_id, owner))
         if pin_id is not None and n == 0:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no pin {pin_id!r} (expired?)")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no pin {validate.shown(pin_id)} (expired?)"
+            )
         return admin_pb2.UnpinResponse(unpinned=n, unpinned_tokens=tokens)
 
     @rpc
@@ -460,7 +462,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             if request.url:
                 raise validate.ValidationError("url is for backend 'redis'")
         else:
-            raise validate.ValidationError(f"backend must be 'file' or 'redis', got {backend!r}")
+            raise validate.ValidationError(
+                f"backend must be 'file' or 'redis', got {validate.shown(backend)}"
+            )
         directory = None
         if backend == "file":
             directory = await st.run_input(

@@ -93,9 +93,22 @@ async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext) -> No
         raise exc
     for typ, code in _STATUS:
         if isinstance(exc, typ):
-            await context.abort(code, str(exc) or typ.__name__)
+            await context.abort(code, _details(str(exc) or typ.__name__))
     log.exception("internal error in an RPC handler", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    await context.abort(
+        grpc.StatusCode.INTERNAL, _details(f"internal error: {type(exc).__name__}: {exc}")
+    )
+
+
+MAX_DETAILS = 2000  # characters of a status message (gRPC's metadata limit is 16 KiB)
+
+
+def _details(text: str) -> str:
+    """A status message no longer than MAX_DETAILS: one that echoes a long input (a path, a
+    value) must still reach the client with our code."""
+    if len(text) <= MAX_DETAILS:
+        return text
+    return f"{text[:MAX_DETAILS]}... ({len(text)} characters)"
 
 
 def rpc(fn: Callable) -> Callable:

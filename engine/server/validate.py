@@ -20,6 +20,14 @@ class ValidationError(ValueError):
     """An invalid request field (maps to INVALID_ARGUMENT)."""
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters, for an error message: a status message that
+    echoed a long request value would pass gRPC's metadata limit (the client would then get
+    RESOURCE_EXHAUSTED instead of our code)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def namespace(value: str, field: str = "cache_namespace") -> str | None:
     if value == "":
         return None
@@ -68,7 +76,7 @@ def prompt(
         if m.role not in CHAT_ROLES:
             raise ValidationError(
                 f"{field}.chat.messages[{i}].role must be one of "
-                f"{', '.join(CHAT_ROLES)}, got {m.role!r}"
+                f"{', '.join(CHAT_ROLES)}, got {shown(m.role)}"
             )
         out.append({"role": m.role, "content": m.content})
     return out

@@ -347,18 +347,12 @@ ALLOWED = {name: _COMMON for name in METHODS} | {
 }
 assert all(codes - {"CANCELLED_BY_TEST", "DEADLINE_EXCEEDED"} <= DOCUMENTED
            for codes in ALLOWED.values())
-# NOTE: a known bug (test_long_values_in_error_messages, xfail): a status message that echoes a
-# long request value exceeds gRPC's metadata limit, and the client gets RESOURCE_EXHAUSTED with
-# this text instead of the daemon's code. Remove with that test's xfail mark.
-METADATA_OVERFLOW = "received metadata size exceeds"
 SEEN: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
 
 def check(ch: grpc.Channel, name: str, payload: bytes, kind: str = "message") -> None:
     code, details, out = call_raw(ch, name, payload)
     SEEN[f"{kind} {name}"][code] += 1
-    if code == "RESOURCE_EXHAUSTED" and METADATA_OVERFLOW in details:
-        return
     assert code in ALLOWED[name], f"{name}: {code} {details[:300]!r}"
     m = METHODS[name]
     if code == "OK" and name in ("Generate", "Prefetch"):
@@ -402,11 +396,6 @@ LONG = "x" * 20_000
     ("AttachStorage", admin_pb2.AttachStorageRequest(backend="file", directory=LONG),
      "INVALID_ARGUMENT"),
 ])
-@pytest.mark.xfail(strict=True, reason="the status message echoes the whole request value "
-                   "(Unpin pin_id, chat role, AttachStorage backend / directory): past gRPC's "
-                   "metadata limit "
-                   "(16 KiB) the client gets RESOURCE_EXHAUSTED 'received metadata size exceeds "
-                   "hard limit' instead of the daemon's code")
 def test_long_values_in_error_messages(channel, name, payload, code):
     got, details, _ = call_raw(channel, name, payload.SerializeToString())
     assert got == code, f"{got}: {details[:200]}"
