@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from hicache.hiradix_storage import StorageBusyError
+
 TIERS = ("l1", "l2", "l3")
 
 
@@ -372,6 +374,15 @@ def _storage(tree: Any) -> Any:
     return None
 
 
+def check_storage_idle(tree: Any, tiers: list[str]) -> None:
+    """Raises StorageBusyError, before anything changes, when a flush of L3 would have to wait
+    for L3 work in flight (a stalled store must not hold the scheduler thread; the caller
+    retries until its own deadline)."""
+    busy = getattr(tree, "storage_busy", None)
+    if "l3" in tiers and busy is not None and busy():
+        raise StorageBusyError("L3 backups / prefetches are in flight; nothing was flushed")
+
+
 def flush(scheduler: Any, tiers: list[str] | None = None) -> FlushInfo:
     """Empties the chosen tiers (None = every enabled tier). Needs an idle scheduler; otherwise
     raises NotIdleError before changing anything. Pins are released first."""
@@ -384,6 +395,7 @@ def flush(scheduler: Any, tiers: list[str] | None = None) -> FlushInfo:
             raise TierUnavailableError(f"tier {t} is not enabled in this engine")
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return FlushInfo(wanted, 0, 0)
+    check_storage_idle(tree, wanted)
     unpinned, _ = unpin(scheduler)
     freed = 0
     custom = getattr(tree, "flush_tier", None)

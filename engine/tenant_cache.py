@@ -154,6 +154,7 @@ def flush(
             raise cache_admin.TierUnavailableError(f"tier {t} is not enabled in this engine")
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return cache_admin.FlushInfo(wanted, 0, 0)
+    cache_admin.check_storage_idle(tree, wanted)
     unpinned, _ = cache_admin.unpin(scheduler, None, owner)
     freed = 0
     if "l3" in wanted:  # before L1 / L2 drop the nodes that name the objects

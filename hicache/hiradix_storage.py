@@ -44,6 +44,7 @@ MAX_BACKUP_HOST_SHARE = 0.5
 # Admin flush / reset let pending L3 work land for at most this long (a hung store must not
 # hang the scheduler thread)
 STORAGE_SETTLE_S = 30.0
+FLUSH_SETTLE_S = 2.0  # a flush of L3 on the scheduler thread waits at most this for L3 work
 
 
 class StorageBusyError(RuntimeError):
@@ -415,10 +416,24 @@ class StorageMixin:
                 # request sees its tokens in L2 at its next match.
                 self._collect(st)
 
-    def clear_storage(self) -> int:
-        """Empty L3 (after pending backups landed); returns 0 (tokens are not counted)."""
-        self.controller.wait_storage_idle(STORAGE_SETTLE_S)
+    def storage_busy(self) -> bool:
+        """Are L3 backups or prefetches in flight (a flush of L3 would have to wait)?"""
+        return self.storage_io is not None and self.storage_io.pending() > 0
+
+    def _settle_storage(self, timeout: float) -> None:
+        """Waits up to ``timeout`` for the L3 work in flight and takes its acks; raises
+        StorageBusyError (changing nothing on L3) when a stalled store keeps it."""
+        if not self.controller.wait_storage_idle(timeout):
+            raise StorageBusyError(
+                f"L3 still has {self.storage_io.pending()} backups / prefetches in flight after "
+                f"{timeout:g} s; L3 was not changed")
         self.storage_check()
+
+    def clear_storage(self, timeout: float = FLUSH_SETTLE_S) -> int:
+        """Empty L3 (after pending backups landed); returns 0 (tokens are not counted). Raises
+        StorageBusyError when they do not land within ``timeout`` (the scheduler thread must
+        not wait on a stalled store)."""
+        self._settle_storage(timeout)
         self.storage.clear()
         for n in self._all_nodes():
             n.in_storage = False
@@ -431,8 +446,7 @@ class StorageMixin:
         this tree knows, leaving every other namespace's objects alone."""
         if self.storage_io is None:
             return 0
-        self.controller.wait_storage_idle(STORAGE_SETTLE_S)
-        self.storage_check()
+        self._settle_storage(FLUSH_SETTLE_S)
         deleted, S = 0, self.object_size
         for node in nodes:
             path = self._path(node)

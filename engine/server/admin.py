@@ -16,6 +16,7 @@ from engine.server.pb import EVENT_TO_ENUM, TIER_TO_ENUM, admin_grpc, admin_pb2,
 from engine.server.settings import ensure_dir
 from engine.server.state import DaemonState, iter_chunks, rpc
 from engine.server.tenants import Principal
+from hicache.hiradix_storage import StorageBusyError
 
 _STAT_FIELDS = {  # TierStats field <- engine cache_stats() keys (first present wins)
     "capacity_tokens": ("capacity_tokens", "capacity"),
@@ -320,27 +321,30 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         if who.tenant is not None:  # its namespaces only; others' requests may run meanwhile
             namespaces = who.namespaces()
             assert namespaces is not None
-            info = await st.in_scheduler(
-                lambda s: tenant_cache.flush(s, namespaces, tiers or None, who.name),
-                timeout=max(timeout, 30.0),
-            )
-            return admin_pb2.FlushResponse(
-                flushed=[TIER_TO_ENUM[t] for t in info.flushed],
-                freed_tokens=info.freed_tokens,
-                unpinned=info.unpinned,
-            )
+
+            def run(s: Any) -> cache_admin.FlushInfo:
+                return tenant_cache.flush(s, namespaces, tiers or None, who.name)
+        else:
+
+            def run(s: Any) -> cache_admin.FlushInfo:
+                return cache_admin.flush(s, tiers or None)
+
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(timeout, remaining if remaining is not None else timeout)
         while True:
             try:
-                info = await st.in_scheduler(lambda s: cache_admin.flush(s, tiers or None))
+                info = await st.in_scheduler(run)
                 break
-            except cache_admin.NotIdleError:
+            except (cache_admin.NotIdleError, StorageBusyError) as e:
                 if time.monotonic() >= deadline:
+                    why = (
+                        f"the engine is not idle ({len(st.active)} streams running)"
+                        if isinstance(e, cache_admin.NotIdleError)
+                        else "L3 backups / prefetches are still in flight"
+                    )
                     await context.abort(
                         grpc.StatusCode.FAILED_PRECONDITION,
-                        f"the engine is not idle after {timeout:g}s "
-                        f"({len(st.active)} streams running); nothing was flushed",
+                        f"{why} after {timeout:g}s; nothing was flushed",
                     )
                 await asyncio.sleep(0.05)
         return admin_pb2.FlushResponse(
