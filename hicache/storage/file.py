@@ -452,6 +452,15 @@ class FileStorageBackend(StorageBackend):
         found = self._scan()
         if found is None:
             return 0
+        # files we could not remove before (a read-only directory): try again, so a flushed or
+        # evicted object does not stay on disk, uncounted, to be adopted at the next start
+        with self._lock:
+            retry = [p for p in self._unremovable if p in found]
+        removed = [p for p in retry if _remove(p)]
+        with self._lock:
+            self._unremovable.difference_update(removed)
+        for p in removed:
+            found.pop(p, None)
         gone = damaged = 0
         paths: list[str] = []
         with self._lock:

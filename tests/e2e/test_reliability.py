@@ -53,11 +53,8 @@ def _violations(res_or_rec) -> str:
 
 
 def test_soak_with_faults(tiny_llama_dir, tmp_path):
-    # NOTE: kill9 shares the read-only round: files L3 cannot remove while read-only stay out
-    # of its index until a restart (test_files_not_removed_while_read_only, xfail); give kill9
-    # a round of its own once that is fixed.
-    cfg = SoakConfig(model=tiny_llama_dir, duration_s=30, round_s=5, clients=3, seed=1,
-                     faults=("corrupt+delete", "readonly+diskfull+kill9", "sigterm"),
+    cfg = SoakConfig(model=tiny_llama_dir, duration_s=35, round_s=5, clients=3, seed=1,
+                     faults=("corrupt+delete", "readonly+diskfull", "kill9", "sigterm"),
                      fault_hold_s=1.5, grace_period_s=15, work_dir=str(tmp_path / "soak"),
                      **TINY)
     res = run_soak(cfg, log=lambda msg: None)
@@ -74,7 +71,7 @@ def test_soak_with_faults(tiny_llama_dir, tmp_path):
     assert all(r["leaks"] == {"l1": 0, "l2": 0, "l3": 0} for r in res["rounds"])
     assert res["greedy_mismatches"] == 0
     assert res["rss"]["flat"] is True, res["rss"]
-    assert len(res["rounds"]) == 6
+    assert len(res["rounds"]) == 7
 
 
 @pytest.fixture
@@ -162,11 +159,6 @@ def test_flush_while_storage_stalls(stalling_daemon):
     assert got.get("flush") == "FAILED_PRECONDITION", got
 
 
-@pytest.mark.xfail(strict=True, reason="objects the file L3 could not remove while its "
-                   "directory was read-only (a clear, an LRU eviction, a corrupt object found) "
-                   "are dropped from the index but stay on disk: never removed once writable "
-                   "again, never counted (stats and the cap disagree with the disk), and adopted "
-                   "again at the next start (a Flush of L3 that answered OK is undone)")
 def test_files_not_removed_while_read_only(tmp_path):
     l3 = L3Dir(tmp_path, fs_mb=16)
     if l3.unsupported("readonly"):
