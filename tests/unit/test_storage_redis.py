@@ -7,6 +7,7 @@ reused across tests; each test works in its own scope (a fresh hex string) and c
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -458,6 +459,81 @@ def test_cluster_down_answers_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert b.batch_set(["a"], [b"x"]) == [False] and b.batch_exists(["a"]) == 0
     s = b.stats()
     assert s["outages"] == 1 and s["errors"] == 1 and s["connected"] == 0
+
+
+def _hang(server: ValkeyServer) -> None:
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)  # accepts connections (the kernel), answers nothing
+
+
+def _resume(server: ValkeyServer) -> None:
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGCONT)
+
+
+def test_hung_server_costs_one_timeout_then_answers_at_once(
+        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A server that stops answering (stopped, swapping, a network black hole): the first call
+    waits one socket timeout, later calls answer from the backoff state without the network,
+    one warning; when it answers again the data is there and nothing is believed wrongly."""
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
+    b = RedisStorageBackend(valkey_server.url, scope(), socket_timeout_s=0.5)
+    keys, parents = chain(3)
+    values = [tensor(i) for i in range(3)]
+    assert all(b.batch_set(keys, values, parents))
+    _hang(valkey_server)
+    try:
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            assert b.batch_get(keys) == [None] * 3  # one socket timeout, then backoff
+            net = NetworkCounter(monkeypatch)
+            assert b.batch_set(keys[:1], [tensor(9)]) == [False]  # never half-written
+            assert b.batch_exists(keys) == 0
+            assert net.total == 0
+            monkeypatch.undo()
+            monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
+            s = b.stats()
+            assert s["connected"] == 0 and s["outages"] == 1 and s["errors"] >= 1
+    finally:
+        _resume(valkey_server)
+    wait_backoff(b)
+    got = b.batch_get(keys)
+    assert all(same(v, g) for v, g in zip(values, got)), got  # the old data, not tensor(9)
+    assert b.stats()["connected"] == 1
+    assert len(our_warnings(caplog)) == 1
+
+
+def test_one_hung_cluster_node_never_returns_wrong_data(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One primary of three stops answering: calls end within the socket timeout with misses
+    or the right data, never an exception; when it answers again every object is read back."""
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
+    cluster = ValkeyCluster(3).start()
+    try:
+        b = RedisStorageBackend(cluster.url, scope(), socket_timeout_s=0.5)
+        keys = [f"obj-{i}" for i in range(24)]  # independent objects, spread over the slots
+        values = [tensor(i, shape=(4, 8)) for i in range(24)]
+        assert all(b.batch_set(keys, values))
+        _hang(cluster.nodes[1])
+        try:
+            for _ in range(3):
+                got = b.batch_get(keys)
+                assert all(g is None or same(v, g) for v, g in zip(values, got))
+                assert b.batch_set(["new"], [tensor(99, shape=(4, 8))]) in ([True], [False])
+                wait_backoff(b)
+            assert b.stats()["errors"] >= 1
+        finally:
+            _resume(cluster.nodes[1])
+        deadline = time.monotonic() + 30
+        while True:  # the cluster client reconnects to the node once its backoff ends
+            wait_backoff(b)
+            got = b.batch_get(keys)
+            if all(g is not None for g in got) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert all(same(v, g) for v, g in zip(values, got))
+    finally:
+        cluster.stop()
 
 
 # ---- stats and reconcile -----------------------------------------------------------------------
