@@ -201,7 +201,8 @@ def _evict_fn(tree: Any, tier: str) -> Any:
     return fn
 
 
-def _held(node: Any, tier: str) -> bool:
+def held(node: Any, tier: str) -> bool:
+    """Does the node hold its KV in this tier (l1: device, l2: host)?"""
     return getattr(node, "value" if tier == "l1" else "host_value", None) is not None
 
 
@@ -211,7 +212,7 @@ def _simulate_evict(
     """What evict(num_tokens) would free among `nodes`, leaves first, in the tree's order; and
     the nodes it would free."""
     cand = {
-        n.id: n for n in nodes if n is not tree.root_node and n.lock_ref == 0 and _held(n, tier)
+        n.id: n for n in nodes if n is not tree.root_node and n.lock_ref == 0 and held(n, tier)
     }
     kids = {i: sum(1 for c in n.children.values() if c.id in cand) for i, n in cand.items()}
     prio = getattr(tree, "_priority", lambda n: (n.last_access_time,))
@@ -383,16 +384,23 @@ def check_storage_idle(tree: Any, tiers: list[str]) -> None:
         raise StorageBusyError("L3 backups / prefetches are in flight; nothing was flushed")
 
 
+def flush_tiers(tree: Any, tiers: list[str] | None) -> list[str]:
+    """The tiers a flush empties (None = every enabled one); TierUnavailableError for one that
+    is not enabled."""
+    wanted = [t for t in TIERS if tier_enabled(tree, t)] if not tiers else list(tiers)
+    for t in wanted:
+        if not tier_enabled(tree, t):
+            raise TierUnavailableError(f"tier {t} is not enabled in this engine")
+    return wanted
+
+
 def flush(scheduler: Any, tiers: list[str] | None = None) -> FlushInfo:
     """Empties the chosen tiers (None = every enabled tier). Needs an idle scheduler; otherwise
     raises NotIdleError before changing anything. Pins are released first."""
     if not scheduler.is_idle():
         raise NotIdleError("requests are running or waiting")
     tree = scheduler.tree_cache
-    wanted = [t for t in TIERS if tier_enabled(tree, t)] if not tiers else list(tiers)
-    for t in wanted:
-        if not tier_enabled(tree, t):
-            raise TierUnavailableError(f"tier {t} is not enabled in this engine")
+    wanted = flush_tiers(tree, tiers)
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return FlushInfo(wanted, 0, 0)
     check_storage_idle(tree, wanted)

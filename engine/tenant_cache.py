@@ -31,7 +31,6 @@ class TenantQuota:
     namespaces: frozenset[str]
     quota_tokens: dict[str, int]  # tier -> tokens
     evicted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    l3_tokens: int = 0  # the last count of its tokens in L3 (for the backup gate)
 
 
 def usage(tree: Any, namespaces: frozenset[str]) -> dict[str, TierUsage]:
@@ -50,16 +49,12 @@ def usage(tree: Any, namespaces: frozenset[str]) -> dict[str, TierUsage]:
                 held = (end // per_object - start // per_object) * per_object if (
                     per_object and getattr(n, "in_storage", False)) else 0
             else:
-                held = len(n.key) if _holds(n, tier) else 0
+                held = len(n.key) if cache_admin.held(n, tier) else 0
             if held:
                 t = totals[tier]
                 t[0] += held
                 t[2 if n.lock_ref > 0 else 1] += held
     return {tier: TierUsage(*t) for tier, t in totals.items()}
-
-
-def _holds(node: Any, tier: str) -> bool:
-    return getattr(node, "value" if tier == "l1" else "host_value", None) is not None
 
 
 class QuotaEnforcer:
@@ -120,7 +115,6 @@ class QuotaEnforcer:
                                          namespaces=q.namespaces, settle_first=False)
                 q.evicted_tokens[tier] += info.evicted_tokens
                 within = within and info.evicted_tokens >= over
-        q.l3_tokens = usage(tree, q.namespaces)["l3"].used_tokens
         return within
 
     def allow_backup(self, node: Any) -> bool:
@@ -137,8 +131,7 @@ class QuotaEnforcer:
             for job, _, _ in getattr(tree, "ongoing_backup", {}).values()
             if job.namespace in q.namespaces
         )
-        q.l3_tokens = usage(tree, q.namespaces)["l3"].used_tokens
-        return q.l3_tokens + in_flight < quota
+        return usage(tree, q.namespaces)["l3"].used_tokens + in_flight < quota
 
 
 def flush(
@@ -148,10 +141,7 @@ def flush(
     pins are released, unlocked L1 / L2 nodes evicted, and the L3 objects of the nodes this tree
     knows deleted. Other namespaces' requests may keep running."""
     tree = scheduler.tree_cache
-    wanted = [t for t in TIERS if cache_admin.tier_enabled(tree, t)] if not tiers else list(tiers)
-    for t in wanted:
-        if not cache_admin.tier_enabled(tree, t):
-            raise cache_admin.TierUnavailableError(f"tier {t} is not enabled in this engine")
+    wanted = cache_admin.flush_tiers(tree, tiers)
     if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
         return cache_admin.FlushInfo(wanted, 0, 0)
     cache_admin.check_storage_idle(tree, wanted)
