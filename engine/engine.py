@@ -8,7 +8,6 @@ import functools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -328,40 +327,10 @@ def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Sc
     thread.join(timeout=SCHEDULER_JOIN_S)
     tree = scheduler.tree_cache
     if not thread.is_alive() and getattr(tree, "storage_io", None) is not None:
-        _land_l3_backups(tree, L3_DRAIN_S)  # the tree is ours now
+        tree.drain_storage(L3_DRAIN_S)  # the tree is ours now
     close = getattr(tree, "shutdown", None)
     if close is not None:
         close()
-
-
-def _land_l3_backups(tree: Any, timeout: float) -> None:
-    """Every L3 backup the tree queued or deferred (waiting for room) lands, within ``timeout``
-    seconds; otherwise log how many objects are not stored (the backup threads then stop)."""
-    io, deadline = tree.storage_io, time.monotonic() + timeout
-    tree.cancel_all_prefetches()
-    tree.controller.start_writing()  # device->host writes whose acks queue backups
-    tree.controller.wait_idle(timeout)
-    while True:
-        tree.check()  # acks: deferred backups go out as earlier ones land
-        if not tree.ongoing_backup and not tree.deferred_backups:
-            return
-        if not tree.controller.wait_storage_idle(max(0.0, deadline - time.monotonic())):
-            break
-    running = io.pending_objects()
-    deferred = sum(_objects_ending_in(n, io.object_size) for n in tree.deferred_backups.values())
-    log.warning("L3: %d objects not stored at shutdown: %d in backups still running after "
-                "%.0f s, %d waiting for backup room", running + deferred, running, timeout,
-                deferred)
-    io.shutdown(timeout=0.0, warn=False)
-
-
-def _objects_ending_in(node: Any, object_size: int) -> int:
-    """L3 objects ending inside ``node`` (see hicache.hiradix_storage)."""
-    end, n = 0, node
-    while n is not None:
-        end += len(n.key)
-        n = n.parent
-    return end // object_size - (end - len(node.key)) // object_size
 
 
 def _collect_stats(s: Scheduler) -> dict[str, Any]:

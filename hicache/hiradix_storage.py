@@ -416,6 +416,33 @@ class StorageMixin:
                 # request sees its tokens in L2 at its next match.
                 self._collect(st)
 
+    def drain_storage(self, timeout: float) -> int:
+        """At shutdown (the scheduler stopped): every L3 backup queued or deferred (waiting for
+        room) lands within ``timeout`` seconds; otherwise logs how many objects are not stored
+        and stops the backup threads. Returns the objects not stored."""
+        io, deadline = self.storage_io, time.monotonic() + timeout
+        self.cancel_all_prefetches()
+        self.controller.start_writing()  # device->host writes whose acks queue backups
+        self.controller.wait_idle(timeout)
+        while True:
+            self.check()  # acks: deferred backups go out as earlier ones land
+            if not self.ongoing_backup and not self.deferred_backups:
+                return 0
+            if not self.controller.wait_storage_idle(max(0.0, deadline - time.monotonic())):
+                break
+        running, S = io.pending_objects(), self.object_size
+        deferred = 0
+        for node in self.deferred_backups.values():
+            end, n = 0, node
+            while n is not None:  # its position (whether or not it is still in the tree)
+                end, n = end + len(n.key), n.parent
+            deferred += end // S - (end - len(node.key)) // S
+        log.warning("L3: %d objects not stored at shutdown: %d in backups still running after "
+                    "%.0f s, %d waiting for backup room", running + deferred, running, timeout,
+                    deferred)
+        io.shutdown(timeout=0.0, warn=False)
+        return running + deferred
+
     def storage_busy(self) -> bool:
         """Are L3 backups or prefetches in flight (a flush of L3 would have to wait)?"""
         return self.storage_io is not None and self.storage_io.pending() > 0
