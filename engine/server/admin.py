@@ -198,12 +198,12 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         # The scheduler always computes the last prompt token, so only len-1 can be a device hit.
         if m.per_tier["l1"] < (len(ids) - 1) // m.page_size * m.page_size:
             rid = who.request_id(f"prefetch-{time.monotonic_ns()}")
-            handle = await st.run_input(
-                engine.submit, ids, {"max_new_tokens": 1, "temperature": 0.0}, ns, rid
+            handle = await st.submit(
+                engine, ids, {"max_new_tokens": 1, "temperature": 0.0}, ns, rid=rid
             )
-            yield resp(admin_pb2.PREFETCH_STAGE_RUNNING, m.per_tier)
             done = False
-            try:
+            try:  # NOTE: from here a cancel (even at the next yield) aborts the request
+                yield resp(admin_pb2.PREFETCH_STAGE_RUNNING, m.per_tier)
                 async for chunk in iter_chunks(handle.chunks, st.pool):
                     if chunk.finished:
                         done = True

@@ -83,7 +83,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         st.active[rid] = None
         t0 = time.monotonic()
         try:
-            handle = await st.run_input(engine.submit, prompt, params, ns, rid)
+            handle = await st.submit(engine, prompt, params, ns, rid=rid)
         except BaseException:
             st.active.pop(rid, None)
             raise

@@ -77,6 +77,23 @@ class DaemonState:
         except ValueError as e:
             raise ValidationError(str(e)) from e
 
+    async def submit(self, engine: Any, *args: Any, rid: str) -> Any:
+        """engine.submit(*args, rid) off the event loop. If the call goes away (client cancel,
+        deadline) while the engine is taking the request, the request is aborted as soon as it
+        is in: it must not run for nobody."""
+        fut = asyncio.get_running_loop().run_in_executor(
+            self.pool, functools.partial(engine.submit, *args, rid)
+        )
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() else engine.abort(rid)
+            )
+            raise
+        except ValueError as e:
+            raise ValidationError(str(e)) from e
+
     async def in_scheduler(self, fn: Callable[[Any], T], timeout: float = 30.0) -> T:
         return await self.run(self.engine.call_in_scheduler, fn, timeout)
 

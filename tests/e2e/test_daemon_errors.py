@@ -191,6 +191,34 @@ def test_concurrent_duplicate_request_ids_only_one_accepted(daemon, client, monk
     assert codes == ["ALREADY_EXISTS"] * 3 + ["OK"], codes
 
 
+def test_request_cancelled_while_being_submitted_does_not_run(daemon, client, monkeypatch):
+    """A deadline that passes while the engine is taking the request: the request is aborted
+    once it is in, not left to generate for nobody."""
+    import queue
+    import time
+
+    engine = daemon.daemon.state.engine
+    submit = engine.submit
+    handles: queue.Queue = queue.Queue()
+
+    def slow_submit(*a, **kw):
+        time.sleep(0.5)
+        handle = submit(*a, **kw)
+        handles.put(handle)
+        return handle
+
+    monkeypatch.setattr(engine, "submit", slow_submit)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate_text("hello there", max_new_tokens=200, temperature=0.0,
+                             ignore_eos=True, timeout=0.2)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    handle = handles.get(timeout=10)
+    chunk = handle.chunks.get(timeout=30)
+    while not chunk.finished:
+        chunk = handle.chunks.get(timeout=30)
+    assert chunk.finish_reason == "abort", chunk.finish_reason
+
+
 def _raw(daemon, method: str, payload: bytes, streaming: bool) -> grpc.RpcError:
     with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
         kind = ch.unary_stream if streaming else ch.unary_unary
