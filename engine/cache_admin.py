@@ -94,6 +94,12 @@ def pin_table(scheduler: Any) -> PinTable:
     return table
 
 
+def pin_summary(scheduler: Any) -> tuple[int, int]:
+    """(number of pins, tokens they pin)."""
+    table = pin_table(scheduler)
+    return len(table.pins), table.pinned_tokens()
+
+
 # --- walking the tree without side effects ---------------------------------------------------
 def _ns_key(scheduler: Any, key: list[int], namespace: str | None) -> tuple[list[int], int]:
     """The key as the tree stores it for this namespace, and how many tokens the namespace

@@ -20,13 +20,14 @@ from engine.model_runner import ModelRunner
 from engine.request import Req, StreamChunk
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
+from engine.tokenizer import Prompt, TokenizerManager
 from engine.tree_factory import build_tree_cache
+from hicache.events import CacheEventLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SCHEDULER_JOIN_S = 30.0  # shutdown waits this long for the scheduler's current step
 L3_DRAIN_S = 60.0  # and this long for queued L3 backups to land (a hung store must not hang it)
-Prompt = str | list[int] | list[dict[str, str]]
 
 
 @dataclass
@@ -42,26 +43,29 @@ class GenerateResult:
     error: str | None = None
 
 
-@dataclass
 class RequestHandle:
-    rid: str
-    req: Req
-    alive: Callable[[], bool] = lambda: True  # is the scheduler thread still running?
+    """A submitted request: its StreamChunks arrive on `chunks` (a thread-safe queue; an
+    exception put there ends the stream with that error)."""
 
-    @property
-    def chunks(self):  # queue.Queue[StreamChunk], thread-safe
-        return self.req.chunks
+    def __init__(self, rid: str, chunks: queue.Queue, alive: Callable[[], bool] = lambda: True):
+        self.rid = rid
+        self.chunks = chunks
+        self.alive = alive  # is whatever fills `chunks` still running?
+        self.done = False  # the finished chunk was read
 
     def __iter__(self) -> Iterator[StreamChunk]:
         while True:
             try:
-                chunk = self.req.chunks.get(timeout=1.0)
+                chunk = self.chunks.get(timeout=1.0)
             except queue.Empty:
                 if not self.alive():
                     raise EngineShutdownError("the engine stopped before the request finished")
                 continue
+            if isinstance(chunk, BaseException):
+                raise chunk
             yield chunk
             if chunk.finished:
+                self.done = True
                 return
 
     def result(self) -> GenerateResult:
@@ -86,13 +90,87 @@ class RequestHandle:
         )
 
 
-class Engine:
+class EngineFront:
+    """What callers of an engine share, in-process or split: prompts in, streams out.
+    Subclasses set `tokenizer_manager` and implement submit / abort."""
+
+    tokenizer_manager: TokenizerManager
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tokenizer_manager.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer_manager.vocab_size
+
+    @property
+    def max_context_len(self) -> int:
+        return self.tokenizer_manager.max_context_len
+
+    def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        return self.tokenizer_manager.tokenize(prompt, chat)
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: dict | None = None,
+        namespace: str | None = None,
+        rid: str | None = None,
+        chat: bool = False,
+    ) -> RequestHandle:
+        raise NotImplementedError
+
+    def abort(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: dict | list[dict] | None = None,
+        namespace: str | None = None,
+        chat: bool = False,
+    ) -> GenerateResult | list[GenerateResult]:
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
+        )
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise ValueError("prompt is empty: give a non-empty string, token-id list or batch")
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+        )
+        if len(params) != len(batch):
+            raise ValueError("sampling_params list must match the number of prompts")
+        # Validate everything before queueing anything: a bad prompt never half-runs a batch.
+        for p, sp in zip(batch, params):
+            self.tokenizer_manager.prepare(p, sp, chat)
+        handles = [self.submit(p, sp, namespace, chat=chat) for p, sp in zip(batch, params)]
+        results = [h.result() for h in handles]
+        return results[0] if single else results
+
+    def generate_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: dict | None = None,
+        namespace: str | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamChunk]:
+        handle = self.submit(prompt, sampling_params, namespace, chat=chat)
+        try:
+            yield from handle
+        finally:
+            if not handle.done:
+                self.abort(handle.rid)
+
+
+class Engine(EngineFront):
     def __init__(self, model: str | None = None, device: str = "cpu", **server_args: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model, device=device, **server_args)
         self.runner = ModelRunner(self.server_args)
-        self.tokenizer = self.runner.tokenizer
-        self.vocab_size = self.runner.vocab_size
-        self.max_context_len = self.runner.max_context_len
+        self.tokenizer_manager = TokenizerManager(
+            self.runner.tokenizer, self.runner.vocab_size, self.runner.max_context_len
+        )
         self.eos_token_ids = _eos_ids(self.runner.hf_config, self.tokenizer)
         tree_cache = build_tree_cache(self.server_args, self.runner)
         self.scheduler = Scheduler(self.server_args, self.runner, tree_cache, self.max_context_len)
@@ -116,40 +194,6 @@ class Engine:
         atexit.register(self._at_exit)
 
     # --- requests ----------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        needs_tokenizer = isinstance(prompt, str) or (
-            isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
-        )
-        if needs_tokenizer and self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: send prompts as token id lists")
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise ValueError("prompt is empty")
-            if chat:
-                return list(
-                    self.tokenizer.apply_chat_template(
-                        [{"role": "user", "content": prompt}],
-                        add_generation_prompt=True,
-                        tokenize=True,
-                        return_dict=False,
-                    )
-                )
-            return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return list(
-                self.tokenizer.apply_chat_template(
-                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("token id prompts must contain only integers")
-        bad = [t for t in prompt if t < 0 or t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
-        return list(prompt)
-
     def submit(
         self,
         prompt: Prompt,
@@ -160,16 +204,21 @@ class Engine:
     ) -> RequestHandle:
         if self._closed:
             raise EngineShutdownError("the engine has been shut down")
-        params = SamplingParams.from_dict(sampling_params)
-        params.validate(self.vocab_size)
-        ids = self.tokenize(prompt, chat)
-        if not ids:
-            raise ValueError("prompt is empty after tokenization")
-        if len(ids) >= self.max_context_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the context limit is "
-                f"{self.max_context_len} including at least one output token"
-            )
+        ids, params = self.tokenizer_manager.prepare(prompt, sampling_params, chat)
+        return self.enqueue(ids, params, namespace, rid)
+
+    def enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        namespace: str | None,
+        rid: str | None,
+        sink: Callable[[StreamChunk], None] | None = None,
+    ) -> RequestHandle:
+        """Queue a prepared request (TokenizerManager.prepare); its chunks go to the handle,
+        or to `sink` when one is given."""
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
         if self.scheduler.num_queued() >= self.server_args.max_queued_requests:
             raise QueueFullError(
                 f"{self.server_args.max_queued_requests} requests are already queued; retry later"
@@ -183,49 +232,10 @@ class Engine:
             self.max_context_len,
             self.runner.device,
             namespace,
+            sink,
         )
         self.scheduler.submit(req)
-        return RequestHandle(req.rid, req, self._thread.is_alive)
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: dict | list[dict] | None = None,
-        namespace: str | None = None,
-        chat: bool = False,
-    ) -> GenerateResult | list[GenerateResult]:
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
-        )
-        batch = [prompts] if single else list(prompts)
-        if not batch:
-            raise ValueError("prompt is empty: give a non-empty string, token-id list or batch")
-        params = (
-            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
-        )
-        if len(params) != len(batch):
-            raise ValueError("sampling_params list must match the number of prompts")
-        # Validate everything before queueing anything: a bad prompt never half-runs a batch.
-        for p, sp in zip(batch, params):
-            SamplingParams.from_dict(sp).validate(self.vocab_size)
-            self.tokenize(p, chat)
-        handles = [self.submit(p, sp, namespace, chat=chat) for p, sp in zip(batch, params)]
-        results = [h.result() for h in handles]
-        return results[0] if single else results
-
-    def generate_stream(
-        self,
-        prompt: Prompt,
-        sampling_params: dict | None = None,
-        namespace: str | None = None,
-        chat: bool = False,
-    ) -> Iterator[StreamChunk]:
-        handle = self.submit(prompt, sampling_params, namespace, chat=chat)
-        try:
-            yield from handle
-        finally:
-            if not handle.req.finished():
-                self.abort(handle.rid)
+        return RequestHandle(req.rid, req.chunks, self._thread.is_alive)
 
     def abort(self, rid: str) -> None:
         self.scheduler.request_abort(rid)
@@ -238,6 +248,11 @@ class Engine:
 
     def cache_stats(self) -> dict[str, Any]:
         return self.call_in_scheduler(_collect_stats)
+
+    def event_log(self) -> CacheEventLog:
+        """The cache's event log; one is attached (to the scheduler and its tree) when the tree
+        brought none, so that Flush's `cleared` events are still observable."""
+        return self.call_in_scheduler(_ensure_event_log)
 
     def model_info(self) -> dict[str, Any]:
         return self.runner.model_info()
@@ -331,6 +346,14 @@ def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Sc
     close = getattr(tree, "shutdown", None)
     if close is not None:
         close()
+
+
+def _ensure_event_log(scheduler: Scheduler) -> CacheEventLog:
+    if getattr(scheduler, "event_log", None) is None:
+        scheduler.event_log = CacheEventLog()
+        if getattr(scheduler.tree_cache, "event_log", None) is None:
+            scheduler.tree_cache.event_log = scheduler.event_log
+    return scheduler.event_log
 
 
 def _collect_stats(s: Scheduler) -> dict[str, Any]:

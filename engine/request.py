@@ -6,12 +6,13 @@ import itertools
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import TextStream
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,10 @@ class Req:
         max_context_len: int,
         device: torch.device,
         namespace: str | None = None,
+        sink: Callable[[StreamChunk], None] | None = None,
     ):
+        """`sink`: where chunks go instead of `chunks` (the split daemon's scheduler process
+        sends them to the detokenizer process, and detokenizes here only for stop strings)."""
         self.rid = rid if rid is not None else f"req-{next(_rid_counter)}"
         self.origin_input_ids = input_ids
         self.params = params
@@ -88,7 +92,9 @@ class Req:
         self.to_abort = False
         # Streaming
         self.chunks: queue.Queue[StreamChunk] = queue.Queue()
-        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.sink = sink or self.chunks.put
+        text_tokenizer = tokenizer if sink is None or params.stop else None
+        self.text = TextStream(text_tokenizer, params.skip_special_tokens, params.stop)
         self.sent_ids = 0
         self.created = time.monotonic()
         self.first_token_time: float | None = None
@@ -136,35 +142,24 @@ class Req:
     def emit(self, flush: bool = False) -> None:
         """Pushes a chunk with the tokens and text produced since the last one."""
         finished = self.finished()
-        ids = self.output_ids
-        if (
-            finished
-            and self.finished_reason.kind == "stop"
-            and isinstance(self.finished_reason.matched, int)
-        ):
-            ids = ids[:-1]  # the stop token itself is not part of the text
+        fr = self.finished_reason
+        stop_token = finished and fr.kind == "stop" and isinstance(fr.matched, int)
         try:
-            delta = self.detok.step(ids, final=finished)
+            delta, stop = self.text.step(self.output_ids, finished, stop_token)
         except Exception:
             # NOTE: a chunk must still go out: the caller's handle waits for it (the ids are
             # exact; only this step's text is lost)
             log.exception("detokenizing request %s failed; sending token ids only", self.rid)
-            delta = ""
-        if self.params.stop and not finished:
-            hit = _find_stop(self.detok.text, self.params.stop, len(delta))
-            if hit is not None:
-                stop, cut = hit
-                drop = len(self.detok.text) - cut
-                delta = delta[: len(delta) - drop] if drop <= len(delta) else ""
-                self.detok.text = self.detok.text[:cut]
-                self.finished_reason = FinishReason("stop", matched=stop)
-                finished = True
+            delta, stop = "", None
+        if stop is not None:
+            self.finished_reason = FinishReason("stop", matched=stop)
+            finished = True
         new_ids = self.output_ids[self.sent_ids :]
         if not new_ids and not delta and not finished and not flush:
             return
         self.sent_ids = len(self.output_ids)
         fr = self.finished_reason
-        self.chunks.put(
+        self.sink(
             StreamChunk(
                 token_ids=new_ids,
                 text=delta,
@@ -179,13 +174,3 @@ class Req:
             )
         )
 
-
-def _find_stop(text: str, stops: list[str], delta_len: int) -> tuple[str, int] | None:
-    """Earliest stop string that ends inside the newest text; returns (stop, cut position)."""
-    best: tuple[str, int] | None = None
-    for s in stops:
-        start = max(0, len(text) - delta_len - len(s) + 1)
-        pos = text.find(s, start)
-        if pos != -1 and (best is None or pos < best[1]):
-            best = (s, pos)
-    return best

@@ -172,3 +172,14 @@ def tenant_figures(scheduler: Any, tenants: Any) -> dict[str, dict[str, dict[str
             "evicted": dict(q.evicted_tokens) if q is not None else dict.fromkeys(TIERS, 0),
         }
     return out
+
+
+def tenant_view(
+    scheduler: Any, tenant: str, namespaces: frozenset[str] | set[str]
+) -> tuple[dict[str, Any], list[Any], dict[str, int]]:
+    """A tenant's usage per tier, its pins and its quota evictions (GetCacheStats)."""
+    pins = [p for p in cache_admin.pin_table(scheduler).pins.values() if p.owner == tenant]
+    enforcer = getattr(scheduler, "quota_enforcer", None)
+    q = enforcer.by_name.get(tenant) if enforcer is not None else None
+    evicted = dict(q.evicted_tokens) if q is not None else {}
+    return usage(scheduler.tree_cache, namespaces), pins, evicted

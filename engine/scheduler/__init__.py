@@ -1,3 +1,3 @@
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.scheduler import Scheduler, SchedulerCall
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "SchedulerCall"]

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +35,19 @@ IDLE_WAIT_S = 0.5  # longest sleep with nothing to do (pin TTLs are checked at t
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+@dataclass(frozen=True)
+class SchedulerCall:
+    """fn(scheduler, *args, **kwargs) as a value: picklable when fn is a module-level function
+    and the arguments are plain data, so the split daemon sends it to the scheduler process."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, scheduler: Scheduler) -> Any:
+        return self.fn(scheduler, *self.args, **self.kwargs)
 
 
 class Scheduler:

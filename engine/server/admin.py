@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from engine import cache_admin, tenant_cache
+from engine.scheduler import SchedulerCall
 from engine.server import validate
 from engine.server.pb import EVENT_TO_ENUM, TIER_TO_ENUM, admin_grpc, admin_pb2, tier_tokens
 from engine.server.settings import ensure_dir
@@ -102,9 +103,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         who = st.principal(context)
         if who.tenant is not None:
             return await self._tenant_stats(who, stats)
-        num_pins, pinned = await st.in_scheduler(
-            lambda s: (len(cache_admin.pin_table(s).pins), cache_admin.pin_table(s).pinned_tokens())
-        )
+        num_pins, pinned = await st.in_scheduler(cache_admin.pin_summary)
         tiers = [tier_stats(t, stats.get(t)) for t in cache_admin.TIERS]
         for msg, t in zip(tiers, cache_admin.TIERS):
             if msg.enabled:
@@ -123,15 +122,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         tier's without one), its quota evictions, its pins; nothing of anyone else's."""
         tenant, namespaces = who.tenant, who.namespaces()
         assert tenant is not None and namespaces is not None
-
-        def collect(s: Any) -> tuple[dict[str, Any], list[Any], dict[str, int]]:
-            pins = [p for p in cache_admin.pin_table(s).pins.values() if p.owner == tenant.name]
-            enforcer = getattr(s, "quota_enforcer", None)
-            q = enforcer.by_name.get(tenant.name) if enforcer is not None else None
-            evicted = dict(q.evicted_tokens) if q is not None else {}
-            return tenant_cache.usage(s.tree_cache, namespaces), pins, evicted
-
-        use, pins, evicted = await self.state.in_scheduler(collect)
+        use, pins, evicted = await self.state.in_scheduler(
+            tenant_cache.tenant_view, tenant.name, namespaces
+        )
         tiers = []
         for t in cache_admin.TIERS:
             enabled = isinstance(stats.get(t), dict)
@@ -163,7 +156,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         engine = await st.require_engine(context)
         ns = st.principal(context).namespace(validate.namespace(request.cache_namespace))
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
-        m = await st.in_scheduler(lambda s: cache_admin.match_prefix(s, ids, ns))
+        m = await st.in_scheduler(cache_admin.match_prefix, ids, ns)
         return admin_pb2.MatchPrefixResponse(
             prompt_tokens=len(ids),
             matched_tokens=m.matched_tokens,
@@ -192,7 +185,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                 **kw,
             )
 
-        m = await st.in_scheduler(lambda s: cache_admin.match_prefix(s, ids, ns))
+        m = await st.in_scheduler(cache_admin.match_prefix, ids, ns)
         yield resp(admin_pb2.PREFETCH_STAGE_MATCHED, m.per_tier)
         computed = 0
         # The scheduler always computes the last prompt token, so only len-1 can be a device hit.
@@ -217,9 +210,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                     engine.abort(rid)
         pin_id = ""
         if request.pin:
-            p = await st.in_scheduler(lambda s: cache_admin.pin(s, ids, ns, ttl, owner=who.name))
+            p = await st.in_scheduler(cache_admin.pin, ids, ns, ttl, owner=who.name)
             pin_id = p.pin_id if p is not None else ""
-        m = await st.in_scheduler(lambda s: cache_admin.match_prefix(s, ids, ns))
+        m = await st.in_scheduler(cache_admin.match_prefix, ids, ns)
         yield resp(
             admin_pb2.PREFETCH_STAGE_DONE, m.per_tier, computed_tokens=computed, pin_id=pin_id
         )
@@ -246,15 +239,13 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         elif not request.all:
             raise validate.ValidationError("all must be true when it is the target")
         info = await st.in_scheduler(
-            lambda s: cache_admin.evict(
-                s,
-                tier,
-                num_tokens=num_tokens,
-                prefix=prefix,
-                namespace=ns,
-                dry_run=request.dry_run,
-                namespaces=who.namespaces() if prefix is None else None,
-            )
+            cache_admin.evict,
+            tier,
+            num_tokens=num_tokens,
+            prefix=prefix,
+            namespace=ns,
+            dry_run=request.dry_run,
+            namespaces=who.namespaces() if prefix is None else None,
         )
         if st.metrics is not None and not request.dry_run:
             st.metrics.admin_evicted(tier, info.evicted_tokens)
@@ -275,7 +266,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         ns = who.namespace(validate.namespace(request.cache_namespace))
         ttl = validate.seconds(request.ttl_s, "ttl_s")
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
-        p = await st.in_scheduler(lambda s: cache_admin.pin(s, ids, ns, ttl, owner=who.name))
+        p = await st.in_scheduler(cache_admin.pin, ids, ns, ttl, owner=who.name)
         if p is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -298,7 +289,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             raise validate.ValidationError("target is required (a pin_id, or all=true)")
         pin_id = request.pin_id if target == "pin_id" else None
         owner = st.principal(context).name
-        n, tokens = await st.in_scheduler(lambda s: cache_admin.unpin(s, pin_id, owner))
+        n, tokens = await st.in_scheduler(cache_admin.unpin, pin_id, owner)
         if pin_id is not None and n == 0:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no pin {validate.shown(pin_id)} (expired?)"
@@ -319,15 +310,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         )
         who = st.principal(context)
         if who.tenant is not None:  # its namespaces only; others' requests may run meanwhile
-            namespaces = who.namespaces()
-            assert namespaces is not None
-
-            def run(s: Any) -> cache_admin.FlushInfo:
-                return tenant_cache.flush(s, namespaces, tiers or None, who.name)
+            run = SchedulerCall(tenant_cache.flush, (who.namespaces(), tiers or None, who.name))
         else:
-
-            def run(s: Any) -> cache_admin.FlushInfo:
-                return cache_admin.flush(s, tiers or None)
+            run = SchedulerCall(cache_admin.flush, (tiers or None,))
 
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(timeout, remaining if remaining is not None else timeout)
@@ -373,7 +358,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         offset = int(token or 0)
         namespaces = st.principal(context).namespaces()
         nodes, total = await st.in_scheduler(
-            lambda s: cache_admin.inspect_tree(s, offset, limit, preview, namespaces)
+            cache_admin.inspect_tree, offset, limit, preview, namespaces
         )
         texts = await st.run(lambda: [engine.tokenizer.decode(n.preview_ids) for n in nodes])
         out = [

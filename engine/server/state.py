@@ -17,6 +17,7 @@ import grpc
 
 from engine.cache_admin import NotIdleError, TierUnavailableError
 from engine.errors import EngineShutdownError, QueueFullError
+from engine.scheduler import SchedulerCall
 from engine.server.auth import bearer, tenant_of
 from engine.server.tenants import PermissionDeniedError, Principal, TenantTable
 from engine.server.validate import ValidationError
@@ -94,8 +95,13 @@ class DaemonState:
         except ValueError as e:
             raise ValidationError(str(e)) from e
 
-    async def in_scheduler(self, fn: Callable[[Any], T], timeout: float = 30.0) -> T:
-        return await self.run(self.engine.call_in_scheduler, fn, timeout)
+    async def in_scheduler(
+        self, fn: Callable[..., T], *args: Any, timeout: float = 30.0, **kwargs: Any
+    ) -> T:
+        """fn(scheduler, *args, **kwargs) on the scheduler thread (in the scheduler process of
+        a split daemon: fn must be module-level, the arguments and result plain data)."""
+        call = fn if isinstance(fn, SchedulerCall) else SchedulerCall(fn, args, kwargs)
+        return await self.run(self.engine.call_in_scheduler, call, timeout)
 
     async def require_engine(self, context: grpc.aio.ServicerContext) -> Any:
         if self.draining:
@@ -174,6 +180,8 @@ async def iter_chunks(
     loop = asyncio.get_running_loop()
     while True:
         for chunk in await loop.run_in_executor(pool, _get_batch, q, poll_s):
+            if isinstance(chunk, BaseException):  # the engine failed under the request
+                raise chunk
             yield chunk
             if chunk.finished:
                 return
