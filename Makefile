@@ -20,8 +20,9 @@ setup: $(STAMP)
 
 # The daemon's defaults: L1 + L2 + the file L3 in $XDG_CACHE_HOME/hicache/kv (else
 # ~/.cache/hicache/kv), created on the first start; README.md "Defaults" turns tiers off.
+# gRPC on 127.0.0.1:50051, the OpenAI-compatible HTTP API on 127.0.0.1:8000.
 run: $(STAMP)
-	$(VENV)/bin/hicache serve
+	$(VENV)/bin/hicache serve --http-port 8000
 
 demo: $(STAMP)
 	$(PY) -m engine.run_demo

@@ -24,19 +24,21 @@ from grpc_reflection.v1alpha import reflection
 
 from engine import cache_admin, tenant_cache
 from engine.config import ServerArgs
+from engine.scheduler import SchedulerCall
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
 from engine.server.generation import GenerationServicer
 from engine.server.metrics import Metrics
+from engine.server.openai_api import HttpApi
 from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
 from engine.server.settings import DaemonSettings, describe_tiers
 from engine.server.state import DaemonState
 from engine.tenant_cache import TIERS, QuotaEnforcer, TenantQuota
-from hicache.events import CacheEventLog
 
 log = logging.getLogger(__name__)
 SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE)
+FAILURE_LINGER_S = 2.0  # NOT_SERVING before exiting when a child process died
 
 
 def default_engine_factory(args: ServerArgs) -> Callable[[], Any]:
@@ -45,6 +47,17 @@ def default_engine_factory(args: ServerArgs) -> Callable[[], Any]:
 
         kw = args.to_dict()
         return Engine(model=kw.pop("model_path"), device=kw.pop("device"), **kw)
+
+    return build
+
+
+def split_engine_factory(
+    args: ServerArgs, on_failure: Callable[[str], None], log_level: str
+) -> Callable[[], Any]:
+    def build() -> Any:
+        from engine.procs.split_engine import SplitEngine
+
+        return SplitEngine(args, on_failure, log_level)
 
     return build
 
@@ -58,7 +71,13 @@ class Daemon:
     ):
         self.settings = settings
         self.server_args = server_args  # None with a custom engine_factory
-        self.factory = engine_factory or default_engine_factory(server_args or ServerArgs())
+        args = server_args or ServerArgs()
+        self.factory = engine_factory or (
+            split_engine_factory(args, self._engine_failed, settings.log_level)
+            if settings.processes == "split"
+            else default_engine_factory(args)
+        )
+        self.engine_error: str | None = None  # why the engine (a child process) died
         self.state = DaemonState(
             settings, ThreadPoolExecutor(settings.bridge_threads, thread_name_prefix="hicache-rpc")
         )
@@ -66,12 +85,16 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
+        self.http: HttpApi | None = None  # the OpenAI-compatible API (--http-port)
+        self.http_port = 0
         self.load_error: BaseException | None = None
         self._loaded = asyncio.Event()
         self._stop = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> int:
         """Binds and starts serving (health NOT_SERVING); the model loads in the background."""
+        self._loop = asyncio.get_running_loop()
         s = self.settings
         mb = s.max_message_mb * 2**20
         options = [
@@ -125,6 +148,9 @@ class Daemon:
             self.metrics_port = self.state.metrics.serve(s.metrics_port, s.metrics_host)
         elif s.metrics_port == 0:
             self.state.metrics = None
+        if s.http_port:
+            self.http = HttpApi(self.state, s)
+            self.http_port = await self.http.start()
         asyncio.get_running_loop().create_task(self._load())
         log.info("listening on %s:%d (%s)", s.host, self.port, "TLS" if s.tls_cert else "plaintext")
         if not s.auth_enabled:
@@ -144,7 +170,7 @@ class Daemon:
         stats = engine.cache_stats()
         if self.settings.tenants:
             stats["tenants"] = engine.call_in_scheduler(
-                lambda s: tenant_cache.tenant_figures(s, self.settings.tenants)
+                SchedulerCall(tenant_cache.tenant_figures, (self.settings.tenants,))
             )
         return stats
 
@@ -154,7 +180,7 @@ class Daemon:
             t0 = time.monotonic()
             engine = await st.run(self.factory)
             st.engine = engine
-            st.event_log = await st.run(engine.call_in_scheduler, _ensure_event_log)
+            st.event_log = await st.run(engine.event_log)
             await st.run(engine.call_in_scheduler, _install_pin_expiry)
             if self.settings.tenants:
                 enforcer = QuotaEnforcer(
@@ -178,6 +204,22 @@ class Daemon:
         finally:
             self._loaded.set()
 
+    def _engine_failed(self, reason: str) -> None:
+        """From the split engine's monitor thread: a child process died. Its requests have
+        ended with UNAVAILABLE; health goes NOT_SERVING and the daemon exits with status 1."""
+        self.engine_error = reason
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._on_engine_failure()))
+
+    async def _on_engine_failure(self) -> None:
+        for name in SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # NOTE: still answering for a moment, so that health probes see NOT_SERVING and new
+        # calls get UNAVAILABLE with the reason, rather than a refused connection only
+        await asyncio.sleep(FAILURE_LINGER_S)
+        self._stop.set()
+
     async def wait_loaded(self) -> None:
         await self._loaded.wait()
 
@@ -198,6 +240,8 @@ class Daemon:
             await asyncio.sleep(0.05)
         if self.server is not None:
             await self.server.stop(max(0.0, deadline - time.monotonic()))
+        if self.http is not None:
+            await self.http.stop(max(0.0, deadline - time.monotonic()))
         if st.metrics is not None:
             st.metrics.close()
         if st.engine is not None:
@@ -216,17 +260,7 @@ class Daemon:
         await self._stop.wait()
         log.info("draining (grace %.1fs)", self.settings.grace_period_s)
         await self.stop()
-        return 1 if self.load_error is not None else 0
-
-
-def _ensure_event_log(scheduler: Any) -> CacheEventLog:
-    """The scheduler's event log; one is attached (to the scheduler and its tree) when the
-    tree brought none, so that Flush's `cleared` events are still observable."""
-    if getattr(scheduler, "event_log", None) is None:
-        scheduler.event_log = CacheEventLog()
-        if getattr(scheduler.tree_cache, "event_log", None) is None:
-            scheduler.tree_cache.event_log = scheduler.event_log
-    return scheduler.event_log
+        return 1 if self.load_error is not None or self.engine_error is not None else 0
 
 
 def _install_pin_expiry(scheduler: Any) -> None:
@@ -239,7 +273,7 @@ def _warm_up(engine: Any) -> None:
     """One prefill + decode so the first request does not pay for lazy initialisation; the
     cache is emptied afterwards."""
     engine.generate([0, 0], {"max_new_tokens": 2, "temperature": 0.0}, namespace="warmup")
-    engine.call_in_scheduler(lambda s: cache_admin.evict(s, "l1"))
+    engine.call_in_scheduler(SchedulerCall(cache_admin.evict, ("l1",)))
 
 
 class DaemonThread:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -179,6 +180,10 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             features += ["radix_cache"] if not args.disable_radix_cache else []
             features += ["hierarchical_cache"] if hier else []
             features += ["l3_storage"] if hier and args.hicache_storage_backend else []
+        config["process.api_server"] = json.dumps(os.getpid())
+        pids = getattr(st.engine, "child_pids", None)
+        for name, pid in (pids() if pids is not None else {}).items():
+            config[f"process.{name}"] = json.dumps(pid)  # the split daemon's children
         features += ["cache_events"] if st.event_log is not None else []
         features += ["auth"] if st.settings.auth_enabled else []
         features += ["tenants"] if st.settings.tenants else []

@@ -59,6 +59,10 @@ class DaemonSettings:
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
     metrics_port: int = 0  # 0 = off
     metrics_host: str = "127.0.0.1"
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off
+    http_host: str = "127.0.0.1"
+    # "split": scheduler and detokenizer in their own processes (seed 002); "single": one process
+    processes: str = "split"
     grace_period_s: float = 10.0
     max_message_mb: int = 64
     bridge_threads: int = 256
@@ -69,8 +73,10 @@ class DaemonSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenants", tuple(self.tenants))
         tenancy.check_unique(self.tenants, (self.token, self.admin_token))
-        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+        if not all(0 <= p <= 65535 for p in (self.port, self.metrics_port, self.http_port)):
             raise ValueError("ports must be in [0, 65535]")
+        if self.processes not in ("split", "single"):
+            raise ValueError(f"processes must be 'split' or 'single', got {self.processes!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.grace_period_s < 0:

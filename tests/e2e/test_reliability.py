@@ -93,7 +93,8 @@ def stalling_daemon(tiny_llama_dir, tmp_path, monkeypatch):
                       hicache_storage_dir=str(l3.path), hicache_storage_page_size=16,
                       hicache_prefetch_threshold=0, max_queued_requests=4,
                       debug_check_invariants=True)
-    dt = DaemonThread(DaemonSettings(port=0, grace_period_s=2), args).start()
+    # NOTE: one process: the gated backend is patched into this interpreter's engine
+    dt = DaemonThread(DaemonSettings(port=0, grace_period_s=2, processes="single"), args).start()
     try:
         yield f"127.0.0.1:{dt.port}", stores[0], l3
     finally:
