@@ -1,0 +1,278 @@
+"""Serving benchmark of the daemon as a user runs it: `hicache serve` (the embedded SmolLM2-135M
+GGUF) started as a subprocess per process mode, loaded by C closed-loop streaming clients over
+gRPC and over the OpenAI-compatible HTTP API.
+
+For each mode (--processes single: one process; split: scheduler and detokenizer in their own
+processes, the daemon's default), each concurrency C and each transport: C clients, each sending
+one request after another for a warm-up and then --duration-s; every request is a fresh random
+~--prompt-tokens text prompt (seeded; little prefix sharing, so the cache does not make it
+trivial) and streams --max-new-tokens tokens, greedy, ignore_eos. Measured (tools/servinglib.py
+has the exact windows): output tok/s, requests/s, TTFT and inter-token latency percentiles,
+errors; the load average before each run and the machine go into the JSON as well.
+
+Both modes see the same prompts; each mode gets a fresh daemon and a fresh L3 directory. The
+clients run on the same machine as the daemon: on a small machine they take CPU from it.
+
+Usage: python tools/bench_serving.py [--modes single,split] [--concurrency 1,16,64]
+           [--transports grpc,http] [--duration-s 30] [--out docs/bench_serving.json]
+           [--plot docs/bench_serving.png]
+       python tools/bench_serving.py --quick --out /tmp/bs.json --plot /tmp/bs.png   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# run as a script (python tools/bench_serving.py), tools/ is on sys.path but not the repo root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.client import AsyncHicacheClient
+from tools import servinglib as sl
+
+FULL = {"concurrency": "1,16,64", "duration_s": 30.0, "warmup_s": 5.0, "max_new_tokens": 64}
+QUICK = {"concurrency": "1,4", "duration_s": 5.0, "warmup_s": 2.0, "max_new_tokens": 16}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default="single,split", help="daemon --processes values")
+    p.add_argument("--concurrency", help=f"client counts ({FULL['concurrency']})")
+    p.add_argument("--transports", default="grpc,http")
+    p.add_argument("--duration-s", type=float, help=f"measured window ({FULL['duration_s']:g})")
+    p.add_argument("--warmup-s", type=float, help=f"load before the window ({FULL['warmup_s']:g})")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, help=f"({FULL['max_new_tokens']})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settle-s", type=float, default=2.0, help="idle pause between runs")
+    p.add_argument("--daemon-arg", action="append", default=[],
+                   help="extra `hicache serve` argument (repeatable, e.g. --daemon-arg=--x=1)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: concurrency 1,4, 5 s, 16 new tokens")
+    p.add_argument("--out", default="docs/bench_serving.json")
+    p.add_argument("--plot", default="docs/bench_serving.png")
+    a = p.parse_args()
+    for k, v in (QUICK if a.quick else FULL).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.modes = [m for m in a.modes.split(",") if m]
+    a.transports = [t for t in a.transports.split(",") if t]
+    a.concurrency = [int(c) for c in str(a.concurrency).split(",") if c]
+    if set(a.transports) - {"grpc", "http"} or set(a.modes) - {"single", "split"}:
+        p.error("--transports takes grpc,http and --modes single,split")
+    return a
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=sl.ROOT, capture_output=True, text=True,
+                                  timeout=10, check=False).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"cpu_count": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": metadata.version("torch"),
+            "grpcio": metadata.version("grpcio"), "git_commit": git("rev-parse", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+async def one_run(d: sl.Daemon, transport: str, c: int, a: argparse.Namespace,
+                  num_words: int) -> dict[str, Any]:
+    # NOTE: the seed leaves the mode out, so that both modes get the same prompts.
+    make_prompt = sl.prompt_maker(f"{a.seed}-{transport}-{c}", num_words)
+    if transport == "grpc":
+        client = AsyncHicacheClient(d.addr, timeout=60)
+        try:
+            send = sl.grpc_sender(client, a.max_new_tokens)
+            records, w0, w1 = await sl.closed_loop(send, c, a.warmup_s, a.duration_s, make_prompt)
+        finally:
+            await client.close()
+    else:
+        limits = sl.httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+        async with sl.httpx.AsyncClient(limits=limits) as http:
+            send = sl.http_sender(http, d.http_url, a.max_new_tokens)
+            records, w0, w1 = await sl.closed_loop(send, c, a.warmup_s, a.duration_s, make_prompt)
+    return sl.summarize(records, w0, w1, a.max_new_tokens)
+
+
+def bench_mode(mode: str, a: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
+    with tempfile.TemporaryDirectory(prefix=f"bench_serving_{mode}_") as tmp:
+        d = sl.Daemon(mode, Path(tmp), a.daemon_arg)
+        info: dict[str, Any] = {"mode": mode, "argv": d.argv[1:]}
+        result["daemons"].append(info)
+        try:
+            info["startup_s"] = d.start()
+            info.update(sl.server_facts(d.addr))
+            wpt = sl.words_per_token(d.addr, a.seed)
+            num_words = max(1, round(a.prompt_tokens * wpt))
+            info["prompt_words"] = num_words
+            print(f"[{mode}] SERVING after {info['startup_s']:.1f}s; prompts of {num_words} "
+                  "words", flush=True)
+            for c in a.concurrency:
+                for transport in a.transports:
+                    load = os.getloadavg()
+                    t0 = time.time()
+                    run = asyncio.run(one_run(d, transport, c, a, num_words))
+                    run = {"mode": mode, "transport": transport, "concurrency": c,
+                           "loadavg_before": load, "started_at": t0, **run}
+                    result["runs"].append(run)
+                    save()
+                    print(f"[{mode}] {row(run)}", flush=True)
+                    time.sleep(a.settle_s)
+        except Exception as e:  # noqa: BLE001 - recorded; the other mode still runs
+            info["error"] = f"{type(e).__name__}: {e}"
+            print(f"[{mode}] FAILED: {info['error']}", file=sys.stderr, flush=True)
+        finally:
+            info["exit_code"] = d.stop()
+            info["log_problems"] = d.log_problems()[:20]
+            save()
+
+
+# --- report -----------------------------------------------------------------------------------
+HEADER = ["mode", "transport", "conc", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms",
+          "ITL p50 ms", "ITL p99 ms", "errors"]
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def row(r: dict[str, Any]) -> str:
+    cells = [r["mode"], r["transport"], str(r["concurrency"]), _f(r["out_tok_s"]),
+             _f(r["req_s"], 2), _f(r["ttft_ms"]["p50"]), _f(r["ttft_ms"]["p99"]),
+             _f(r["itl_ms"]["p50"]), _f(r["itl_ms"]["p99"]), str(r["errors"])]
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return "\n".join(lines + [row(r) for r in runs])
+
+
+def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """split / single at each (transport, concurrency) that both modes ran."""
+    by = {(r["mode"], r["transport"], r["concurrency"]): r for r in runs}
+
+    def div(x: float | None, y: float | None) -> float | None:
+        return x / y if x is not None and y else None
+
+    out = []
+    for (mode, transport, c), split in by.items():
+        single = by.get(("single", transport, c))
+        if mode != "split" or single is None:
+            continue
+        out.append({"transport": transport, "concurrency": c,
+                    "out_tok_s": div(split["out_tok_s"], single["out_tok_s"]),
+                    "ttft_p50": div(split["ttft_ms"]["p50"], single["ttft_ms"]["p50"]),
+                    "itl_p50": div(split["itl_ms"]["p50"], single["itl_ms"]["p50"])})
+    return out
+
+
+def ratio_table(rs: list[dict[str, Any]]) -> str:
+    cols = ["transport", "conc", "out tok/s", "TTFT p50", "ITL p50"]
+    lines = ["| " + " | ".join(cols) + " |  (split / single)", "|---|---|---|---|---|"]
+    lines += [f"| {r['transport']} | {r['concurrency']} | {_f(r['out_tok_s'], 2)} | "
+              f"{_f(r['ttft_p50'], 2)} | {_f(r['itl_p50'], 2)} |" for r in rs]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    panels = [("out_tok_s", None, "output tok/s"), ("ttft_ms", "p50", "TTFT p50 (ms)"),
+              ("itl_ms", "p50", "ITL p50 (ms)")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    series = sorted({(r["mode"], r["transport"]) for r in result["runs"]})
+    colors = {"grpc": "tab:blue", "http": "tab:orange"}
+    for ax, (key, sub, title) in zip(axes, panels, strict=True):
+        for mode, transport in series:
+            rs = sorted((r for r in result["runs"]
+                         if (r["mode"], r["transport"]) == (mode, transport)),
+                        key=lambda r: r["concurrency"])
+            ys = [r[key] if sub is None else r[key][sub] for r in rs]
+            ys = [float("nan") if y is None else y for y in ys]
+            ax.plot([r["concurrency"] for r in rs], ys, marker="o", color=colors[transport],
+                    linestyle="-" if mode == "split" else "--", label=f"{mode} / {transport}")
+        ax.set_xscale("log", base=2)
+        cs = sorted({r["concurrency"] for r in result["runs"]})
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if key == "ttft_ms":  # queueing at high concurrency spans decades
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+    axes[0].legend()
+    m, cfg = result["machine"], result["config"]
+    fig.suptitle(f"hicache serve, SmolLM2-135M: {cfg['prompt_tokens']}-token prompts, "
+                 f"{cfg['max_new_tokens']} new tokens, {cfg['duration_s']:g} s per point; "
+                 f"{m['cpu_count']} x {m['cpu_model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    a = parse_args()
+    result: dict[str, Any] = {
+        "command": [sys.executable, *sys.argv],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "loadavg_at_start": os.getloadavg(),
+        "config": {k: getattr(a, k) for k in ("modes", "transports", "concurrency", "duration_s",
+                                              "warmup_s", "prompt_tokens", "max_new_tokens",
+                                              "seed", "quick")},
+        "daemons": [],
+        "runs": [],
+    }
+    if os.path.dirname(a.out):
+        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+
+    def save() -> None:
+        result["ratios_split_over_single"] = ratios(result["runs"])
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for mode in a.modes:
+        bench_mode(mode, a, result, save)
+    save()
+    print("\n" + table(result["runs"]))
+    if result["ratios_split_over_single"]:
+        print("\n" + ratio_table(result["ratios_split_over_single"]))
+    print(f"\nload average at start {result['loadavg_at_start']}; wrote {a.out}", end="")
+    if result["runs"] and a.plot:
+        plot(result, a.plot)
+        print(f" and {a.plot}", end="")
+    print()
+    failed = [d["mode"] for d in result["daemons"] if "error" in d]
+    return 1 if failed or any(r["errors"] for r in result["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Pieces of tools/bench_serving.py: `hicache serve` as a subprocess, random text prompts, one
+streamed request over gRPC or HTTP timed chunk by chunk, a closed-loop load of C clients, and
+the per-run statistics.
+
+Timeline of one run (every time is time.perf_counter() in this process):
+
+    t_start          w0 = t_start + warmup_s          w1 = w0 + duration_s        drained
+    |---- warm-up ---|------------- window ------------|--- in-flight requests end ---|
+    clients loop: send, stream, record; none starts a request after w1
+
+    out tok/s  = tokens of the chunks that arrived in [w0, w1) / duration_s
+    req/s      = requests that ended without error in [w0, w1) / duration_s
+    TTFT, ITL  = over the requests that started in [w0, w1) and ended without error
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+try:
+    import httpx
+except ImportError:  # the venv has httpx2 (the openai client's fork), same API
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+from engine.client import AsyncHicacheClient, HicacheClient
+from engine.server.pb import gen_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUEST_TIMEOUT_S = 600.0
+
+# Common English words (one token each, with their leading space, in most BPE vocabularies).
+_WORDS_TEXT = """
+time year people way day man thing woman life child world school state family student group
+country problem hand part place case week company system program question work government
+number night point home water room mother area money story fact month lot right study book eye
+job word business issue side kind head house service friend father power hour game line end
+member law car city community name president team minute idea kid body information back parent
+face others level office door health person art war history party result change morning reason
+research girl guy moment air teacher force education foot boy age policy music market sense
+nation plan college interest death experience effect class control care field development role
+effort rate heart drug show leader light voice wife police mind price report decision son view
+relationship town road arm difference value building action model season society tax director
+position player record paper space ground form event official matter center couple site project
+activity star table need court oil situation cost industry figure street image phone data
+picture practice piece land product doctor wall patient worker news test movie north love
+support technology step baby computer type attention film tree source organization hair window
+evidence population site glass river bank summer garden stone winter bridge island forest
+"""
+WORDS = tuple(dict.fromkeys(_WORDS_TEXT.split()))  # distinct, in order
+
+
+# --- the daemon -------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """`hicache serve --processes MODE` on free gRPC and HTTP ports; L3 (file) and the log live
+    in `work_dir`. The model is the daemon's default unless `extra_args` says otherwise."""
+
+    def __init__(self, mode: str, work_dir: Path, extra_args: list[str] | None = None) -> None:
+        self.mode, self.work_dir = mode, work_dir
+        self.port, self.http_port = free_port(), free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
+        self.log = work_dir / f"daemon-{mode}.log"
+        self.argv = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port),
+                     "--http-port", str(self.http_port), "--processes", mode,
+                     *(extra_args or [])]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 600.0) -> float:
+        """Starts the daemon; seconds until health says SERVING. RuntimeError (with the log's
+        tail) if it exits or times out first."""
+        # NOTE: the user's HICACHE_* settings would change what is measured; the model cache
+        # stays (the converted GGUF).
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
+        env.update(XDG_CACHE_HOME=str(self.work_dir / "xdg"), HICACHE_LOG_LEVEL="warning",
+                   PYTHONUNBUFFERED="1")
+        t0 = time.monotonic()
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT)
+        with HicacheClient(self.addr, timeout=5) as c:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the daemon exited ({self.proc.returncode}):\n"
+                                       f"{self.log_tail()}")
+                try:
+                    if c.health() == "SERVING":
+                        return time.monotonic() - t0
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() - t0 > timeout_s:
+                    raise RuntimeError(f"not SERVING after {timeout_s:.0f}s:\n{self.log_tail()}")
+                time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM (a drain), then wait; killed after timeout_s (returns None then)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def log_problems(self) -> list[str]:
+        """ERROR / CRITICAL / Traceback lines of the log (warnings are expected under load)."""
+        if not self.log.exists():
+            return []
+        keys = ("ERROR", "CRITICAL", "Traceback")
+        return [ln for ln in self.log.read_text(errors="replace").splitlines()
+                if any(k in ln for k in keys)]
+
+
+def server_facts(addr: str) -> dict[str, Any]:
+    """What the daemon says it runs: features and its config (JSON values decoded)."""
+    with HicacheClient(addr, timeout=30) as c:
+        info, model = c.server_info(), c.model_info()
+    config = {}
+    for k, v in info.config.items():
+        try:
+            config[k] = json.loads(v)
+        except ValueError:
+            config[k] = v
+    return {"version": info.version, "features": list(info.features), "config": config,
+            "model_path": model.model_path, "architecture": model.architecture,
+            "dtype": model.dtype, "max_context_len": model.max_context_len}
+
+
+def words_per_token(addr: str, seed: int) -> float:
+    """Calibrates the prompt length: the daemon's prompt_tokens for 200 random words."""
+    text = " ".join(random.Random(f"{seed}-calibrate").choices(WORDS, k=200))
+    with HicacheClient(addr, timeout=120) as c:
+        _, _, done = c.generate_text(text, max_new_tokens=1, temperature=0.0)
+    return 200 / max(1, done.usage.prompt_tokens)
+
+
+def prompt_maker(seed: str, num_words: int) -> Callable[[], str]:
+    """A fresh random prompt per call: `num_words` words drawn from WORDS (seeded)."""
+    rng = random.Random(seed)
+    return lambda: " ".join(rng.choices(WORDS, k=num_words))
+
+
+# --- one request ------------------------------------------------------------------------------
+@dataclass
+class Record:
+    """One streamed request. events: (arrival time, tokens) per token-bearing chunk; over HTTP
+    the tokens of a chunk are an estimate (completion_tokens / text chunks)."""
+
+    start: float = 0.0
+    end: float = 0.0
+    events: list[tuple[float, float]] = field(default_factory=list)
+    tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+Sender = Callable[[str, Record], Awaitable[None]]
+
+
+def grpc_sender(client: AsyncHicacheClient, max_new: int) -> Sender:
+    async def send(prompt: str, rec: Record) -> None:
+        rec.start = time.perf_counter()
+        try:
+            stream = client.generate(prompt, max_new_tokens=max_new, temperature=0.0,
+                                     ignore_eos=True, timeout=REQUEST_TIMEOUT_S)
+            async for r in stream:
+                now = time.perf_counter()
+                if r.HasField("chunk"):
+                    if r.chunk.token_ids:
+                        rec.events.append((now, len(r.chunk.token_ids)))
+                    continue
+                done = r.complete
+                rec.tokens, rec.prompt_tokens = (done.usage.completion_tokens,
+                                                 done.usage.prompt_tokens)
+                if done.finish_reason == gen_pb2.FINISH_REASON_ABORT:
+                    rec.error = f"abort: {done.abort_message}"
+        except grpc.RpcError as e:
+            rec.error = f"grpc {e.code().name}: {e.details()}"
+        rec.end = time.perf_counter()
+
+    return send
+
+
+def http_sender(client: httpx.AsyncClient, url: str, max_new: int) -> Sender:
+    """POST /v1/completions, stream=true; ignore_eos is the server's vLLM-style extension."""
+    body = {"max_tokens": max_new, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def send(prompt: str, rec: Record) -> None:
+        rec.start = time.perf_counter()
+        times: list[float] = []
+        usage: dict[str, Any] | None = None
+        try:
+            async with client.stream("POST", f"{url}/v1/completions",
+                                      json={**body, "prompt": prompt},
+                                      timeout=REQUEST_TIMEOUT_S) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    rec.error = f"http {resp.status_code}: {text[:300]}"
+                async for line in resp.aiter_lines():
+                    if rec.error or not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        rec.error = f"in-band: {obj['error'].get('message')}"
+                    elif obj.get("choices") and obj["choices"][0].get("text"):
+                        times.append(time.perf_counter())
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+        except (httpx.HTTPError, ValueError) as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        rec.end = time.perf_counter()
+        rec.tokens = usage["completion_tokens"] if usage else len(times)
+        rec.prompt_tokens = usage["prompt_tokens"] if usage else 0
+        per_chunk = rec.tokens / len(times) if times else 0.0
+        rec.events = [(t, per_chunk) for t in times]
+
+    return send
+
+
+# --- a run ------------------------------------------------------------------------------------
+async def closed_loop(send: Sender, concurrency: int, warmup_s: float, duration_s: float,
+                      make_prompt: Callable[[], str]) -> tuple[list[Record], float, float]:
+    """`concurrency` clients each send one request after another until w1; (records, w0, w1)."""
+    records: list[Record] = []
+    w0 = time.perf_counter() + warmup_s
+    w1 = w0 + duration_s
+
+    async def client() -> None:
+        while time.perf_counter() < w1:
+            rec = Record()
+            records.append(rec)
+            await send(make_prompt(), rec)
+            if rec.error:
+                await asyncio.sleep(0.05)  # no hot loop against a failing server
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return records, w0, w1
+
+
+def _pcts(xs: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    a = np.asarray(xs) * scale
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(a.mean())}
+
+
+def summarize(records: list[Record], w0: float, w1: float, max_new: int) -> dict[str, Any]:
+    """Per-run numbers (see the module docstring); times in ms."""
+    window = w1 - w0
+    ok = [r for r in records if r.error is None]
+    measured = [r for r in ok if w0 <= r.start < w1 and r.events]
+    tokens = sum(n for r in records for t, n in r.events if w0 <= t < w1)
+    # NOTE: an ITL sample is the gap before a chunk divided by that chunk's tokens.
+    itl = [(t1 - t0) / n1 for r in measured
+           for (t0, _), (t1, n1) in pairwise(r.events) if n1 > 0]
+    errors = [r.error for r in records if r.error]
+    chunks = sum(len(r.events) for r in ok)
+    return {
+        "window_s": window,
+        "requests_started": len(records),
+        "requests_done_in_window": sum(1 for r in ok if w0 <= r.end < w1),
+        "requests_measured": len(measured),
+        "out_tok_s": tokens / window,
+        "req_s": sum(1 for r in ok if w0 <= r.end < w1) / window,
+        "ttft_ms": _pcts([r.events[0][0] - r.start for r in measured]),
+        "itl_ms": _pcts(itl),
+        "latency_ms": _pcts([r.end - r.start for r in measured]),
+        "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in ok])) if ok else None,
+        "mean_tokens_per_chunk": sum(r.tokens for r in ok) / chunks if chunks else None,
+        "short_requests": sum(1 for r in ok if r.tokens < max_new),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:5],
+        "drain_s": max((r.end for r in records), default=w1) - w1,
+    }
