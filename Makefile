@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(VENV)/bin/hicache serve --http-port 8000
 
 demo: $(STAMP)
-	$(PY) -m engine.run_demo
+	$(PY) -m engine.client.run_demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x tests -p no:cacheprovider

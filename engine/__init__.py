@@ -12,7 +12,7 @@ __all__ = ["Engine", "GenerateResult", "ServerArgs"]
 
 def __getattr__(name: str) -> Any:
     if name in ("Engine", "GenerateResult"):
-        from engine import engine as _engine
+        from engine.runtime import engine as _engine
 
         return getattr(_engine, name)
     if name == "ServerArgs":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling import SamplingParams
+from engine.runtime.sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict[str, str]]
 

@@ -50,7 +50,7 @@ from bench_pressure import (
 )
 
 from engine import Engine
-from engine.cache_admin import evict
+from engine.runtime.cache_admin import evict
 from tests.valkey_servers import ValkeyServer
 
 STEPS = ("recompute", "l2", "file_l3", "redis_l3", "redis_l3_live")

@@ -56,7 +56,7 @@ class _Counter(logging.Handler):
 
 
 REQUEUES = _Counter()
-_sched_log = logging.getLogger("engine.scheduler.scheduler")
+_sched_log = logging.getLogger("engine.runtime.scheduler.scheduler")
 _sched_log.addHandler(REQUEUES)
 _sched_log.propagate = False
 TOK_LO, TOK_HI = 1000, 40000  # "random-ish" ordinary vocabulary ids, no special tokens

@@ -9,7 +9,7 @@ the embedded SmolLM2-135M-Instruct, fp32, CPU).
 
 Weights: ``--load-format auto`` loads the checkpoint on both sides (the default model: its GGUF
 converted once to an HF directory, which both read); ``dummy`` builds the engine's model with
-seeded random weights (``engine/models/loader.py``) and copies the same tensors, q/k/v and
+seeded random weights (``engine/runtime/models/loader.py``) and copies the same tensors, q/k/v and
 gate/up split back to HF names, into a transformers model built from the same config.json. A
 directory without a tokenizer (e.g. tools/configs/llama3-8b) gets seeded random token-id
 prompts of similar lengths. On CUDA every clock read follows ``torch.cuda.synchronize()``.
@@ -34,11 +34,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import Engine
-from engine.layers.attention import default_backend
-from engine.layers.linear import MergedLinear
-from engine.model_runner import resolve_dtype
-from engine.models.llama import FUSED_SHARDS
-from engine.models.loader import LOAD_FORMATS, load_model, load_tokenizer, resolve_model_dir
+from engine.runtime.layers.attention import default_backend
+from engine.runtime.layers.linear import MergedLinear
+from engine.runtime.model_runner import resolve_dtype
+from engine.runtime.models.llama import FUSED_SHARDS
+from engine.runtime.models.loader import LOAD_FORMATS, load_model, load_tokenizer, resolve_model_dir
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "How do bees make honey?",

@@ -93,7 +93,7 @@ class _Tally(logging.Handler):
 LOGS: dict[str, Any] = {"counts": {}, "tracebacks": []}
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 logging.getLogger().addHandler(_Tally(echo=False))
-logging.getLogger("engine.scheduler.scheduler").addHandler(_Tally(echo=True))
+logging.getLogger("engine.runtime.scheduler.scheduler").addHandler(_Tally(echo=True))
 
 
 def reset_logs() -> None:

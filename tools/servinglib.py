@@ -82,7 +82,7 @@ class Daemon:
         self.addr = f"127.0.0.1:{self.port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.log = work_dir / f"daemon-{mode}.log"
-        self.argv = [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port),
+        self.argv = [sys.executable, "-m", "engine.client.cli", "serve", "--port", str(self.port),
                      "--http-port", str(self.http_port), "--processes", mode,
                      *(extra_args or [])]
         self.proc: subprocess.Popen | None = None

@@ -10,8 +10,8 @@ from typing import Any
 
 import grpc
 
-from engine import cache_admin, tenant_cache
-from engine.scheduler import SchedulerCall
+from engine.runtime import cache_admin, tenant_cache
+from engine.runtime.scheduler import SchedulerCall
 from engine.server import validate
 from engine.server.pb import EVENT_TO_ENUM, TIER_TO_ENUM, admin_grpc, admin_pb2, tier_tokens
 from engine.server.settings import ensure_dir

@@ -22,9 +22,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from engine import cache_admin, tenant_cache
 from engine.config import ServerArgs
-from engine.scheduler import SchedulerCall
+from engine.runtime import cache_admin, tenant_cache
+from engine.runtime.scheduler import SchedulerCall
+from engine.runtime.tenant_cache import TIERS, QuotaEnforcer, TenantQuota
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
@@ -34,7 +35,6 @@ from engine.server.openai_api import HttpApi
 from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
 from engine.server.settings import DaemonSettings, describe_tiers
 from engine.server.state import DaemonState
-from engine.tenant_cache import TIERS, QuotaEnforcer, TenantQuota
 
 log = logging.getLogger(__name__)
 SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE)
@@ -43,7 +43,7 @@ FAILURE_LINGER_S = 2.0  # NOT_SERVING before exiting when a child process died
 
 def default_engine_factory(args: ServerArgs) -> Callable[[], Any]:
     def build() -> Any:
-        from engine.engine import Engine
+        from engine.runtime.engine import Engine
 
         kw = args.to_dict()
         return Engine(model=kw.pop("model_path"), device=kw.pop("device"), **kw)
@@ -55,7 +55,7 @@ def split_engine_factory(
     args: ServerArgs, on_failure: Callable[[str], None], log_level: str
 ) -> Callable[[], Any]:
     def build() -> Any:
-        from engine.procs.split_engine import SplitEngine
+        from engine.server.split_engine import SplitEngine
 
         return SplitEngine(args, on_failure, log_level)
 

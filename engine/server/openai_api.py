@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.request import StreamChunk
+from engine.runtime.request import StreamChunk
 from engine.server import openai_edge as edge
 from engine.server import openai_protocol as proto
 from engine.server.openai_edge import (

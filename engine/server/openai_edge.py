@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.errors import EngineShutdownError, QueueFullError
-from engine.request import StreamChunk
+from engine.runtime.request import StreamChunk
 from engine.server import openai_protocol as proto
 from engine.server.auth import bearer, check, tenant_of
 from engine.server.pb import GENERATION_SERVICE

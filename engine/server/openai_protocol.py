@@ -51,7 +51,7 @@ class ParsedRequest:
 
     model: str | None  # None: the one model
     prompt: str | list[int] | list[dict[str, str]]  # chat: messages for the chat template
-    params: dict[str, Any]  # engine sampling_params (engine.sampling.SamplingParams keys)
+    params: dict[str, Any]  # engine sampling_params (engine.runtime.sampling.SamplingParams keys)
     stream: bool
     include_usage: bool  # stream_options.include_usage
     namespace: str | None  # cache_namespace as asked (the tenant rules apply later)

@@ -255,7 +255,7 @@ def ensure_storage_dir(args: ServerArgs) -> str | None:
     if not (args.enable_hierarchical_cache and args.hicache_storage_backend == "file"):
         return None
     if not args.hicache_storage_dir:
-        return None  # the engine's own default (engine/hicache_setup.py)
+        return None  # the engine's own default (engine/runtime/hicache_setup.py)
     return ensure_dir(args.hicache_storage_dir)
 
 

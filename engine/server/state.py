@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine.cache_admin import NotIdleError, TierUnavailableError
 from engine.errors import EngineShutdownError, QueueFullError
-from engine.scheduler import SchedulerCall
+from engine.runtime.cache_admin import NotIdleError, TierUnavailableError
+from engine.runtime.scheduler import SchedulerCall
 from engine.server.auth import bearer, tenant_of
 from engine.server.tenants import PermissionDeniedError, Principal, TenantTable
 from engine.server.validate import ValidationError

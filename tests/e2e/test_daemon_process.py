@@ -42,7 +42,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     env.update(XDG_CACHE_HOME=str(xdg), HICACHE_LOG_LEVEL="warning",
                HICACHE_MAX_TOTAL_TOKENS="4096")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--model", tiny_llama_dir, "--port",
+        [sys.executable, "-m", "engine.client.cli", "serve", "--model", tiny_llama_dir, "--port",
          str(port), "--metrics-port", str(metrics), "--max-running-requests", "1",
          "--max-queued-requests", "1", "--grace-period-s", "30"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -56,7 +56,7 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 def cli(*args: str, addr: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     extra = ["--addr", addr] if addr else []
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args, *extra], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "engine.client.cli", *args, *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine import cli
-from engine.client import AsyncHicacheClient, HicacheClient
+from engine.client import AsyncHicacheClient, HicacheClient, cli
 from engine.config import ServerArgs
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
@@ -123,7 +122,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=env or _env(),
+    return subprocess.run([sys.executable, "-m", "engine.client.cli", *args], cwd=ROOT, env=env or _env(),
                           capture_output=True, text=True, timeout=60, check=False)
 
 

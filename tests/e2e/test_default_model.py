@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.models.loader import resolve_model_dir
+from engine.runtime.models.loader import resolve_model_dir
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colors.",
@@ -54,7 +54,7 @@ def test_smollm2_greedy_matches_transformers(reference, page_size, chunk):
 
 def test_smollm2_prefill_logits_close(reference):
     """Prefill logits agree with transformers' forward within 1e-3 (fp32)."""
-    from engine.forward_batch import ForwardBatch, ForwardMode
+    from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 
     prompts, _, ref_logits = reference
     ids = prompts[0]

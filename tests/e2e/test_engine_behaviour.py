@@ -168,7 +168,7 @@ def test_detokenizer_failure_still_finishes_the_request(llama_dir):
 
     with Engine(llama_dir, max_total_tokens=1024) as e:
         ref = e.generate([5, 6, 7, 8], GREEDY)
-        e.tokenizer = BrokenDecode(e.tokenizer)
+        e.tokenizer_manager.tokenizer = BrokenDecode(e.tokenizer)
         out = e.generate([5, 6, 7, 8], GREEDY)
         assert out.token_ids == ref.token_ids and out.text == ""
         assert out.finish_reason == "length"

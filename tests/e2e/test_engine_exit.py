@@ -72,7 +72,7 @@ def test_shutdown_logs_the_objects_a_hung_store_did_not_take(tiny_llama_dir, tmp
                                                              monkeypatch):
     """Shutdown waits for queued L3 backups a bounded time; what a hung store did not take is
     logged (never lost silently) and the backup thread takes no more jobs."""
-    import engine.engine as engine_mod
+    import engine.runtime.engine as engine_mod
     from engine import Engine
     from tests.storage_fakes import gate_writes
 
@@ -88,7 +88,7 @@ def test_shutdown_logs_the_objects_a_hung_store_did_not_take(tiny_llama_dir, tmp
     try:
         res = eng.generate(prompts, {"max_new_tokens": 4, "temperature": 0})
         queued = sum(len(io.keys((p + r.token_ids)[:-1], None)) for p, r in zip(prompts, res))
-        with caplog.at_level(logging.WARNING, logger="engine.engine"):
+        with caplog.at_level(logging.WARNING, logger="engine.runtime.engine"):
             eng.shutdown()
     finally:
         gate.open()

@@ -48,7 +48,7 @@ def gated(monkeypatch, tmp_path):
         stores.append(store)
         return store
 
-    monkeypatch.setattr("engine.hicache_setup.build_storage", build)
+    monkeypatch.setattr("engine.runtime.hicache_setup.build_storage", build)
     yield stores
     for s in stores:
         s.release_all()
@@ -151,7 +151,7 @@ def test_load_backs_are_in_the_admission_budget(tiny_llama_dir, tmp_path, caplog
     with Engine(tiny_llama_dir, **opts) as eng:
         firsts = [eng.generate(p, GREEDY) for p in convs]
         turn2 = [p + f.token_ids + [7, 8, 9] for p, f in zip(convs, firsts)]
-        with caplog.at_level(logging.WARNING, logger="engine.scheduler.scheduler"):
+        with caplog.at_level(logging.WARNING, logger="engine.runtime.scheduler.scheduler"):
             handles = [eng.submit(p, GREEDY) for p in turn2]
             seconds = [h.result() for h in handles]
         stats = eng.cache_stats()

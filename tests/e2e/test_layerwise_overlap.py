@@ -9,7 +9,7 @@ import threading
 import time
 
 from engine import Engine
-from engine.layers.radix_attention import RadixAttention
+from engine.runtime.layers.radix_attention import RadixAttention
 from tests.tiny_models import hf_greedy, make_tiny_model_dir
 
 NUM_LAYERS = 4

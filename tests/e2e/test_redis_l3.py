@@ -84,7 +84,7 @@ def _spawn(model: str, url: str, tmp: Path, *extra: str) -> tuple[subprocess.Pop
            if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
     env.update(XDG_CACHE_HOME=str(tmp), HICACHE_LOG_LEVEL="warning")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--port", str(port),
+        [sys.executable, "-m", "engine.client.cli", "serve", "--model", model, "--port", str(port),
          "--max-total-tokens", "512", "--hicache-storage-backend", "redis",
          "--hicache-storage-url", url, "--hicache-storage-page-size", str(OBJECT),
          "--hicache-prefetch-threshold", "0", *extra],
@@ -113,12 +113,12 @@ def test_two_daemons_share_one_l3(tiny_llama_dir, tmp_path, topology, request):
             assert sb["hit_tokens"] == 112 and sb["errors"] == 0
             assert sb["backend"] == ("redis" if topology == "single" else "redis-cluster")
             assert b.health() == a.health() == "SERVING"
-        out = subprocess.run([sys.executable, "-m", "engine.cli", "storage", "--addr",
+        out = subprocess.run([sys.executable, "-m", "engine.client.cli", "storage", "--addr",
                               procs[1][1]], cwd=ROOT, capture_output=True, text=True,
                              timeout=60, check=True).stdout
         assert "attached:True" in out and f"object_tokens:{OBJECT}" in out
         assert f"address:{server.url.split('://')[0]}" in out
-        stats = subprocess.run([sys.executable, "-m", "engine.cli", "stats", "--addr",
+        stats = subprocess.run([sys.executable, "-m", "engine.client.cli", "stats", "--addr",
                                 procs[1][1]], cwd=ROOT, capture_output=True, text=True,
                                timeout=60, check=True).stdout
         tier3 = stats.split("# Tier l3")[1].split("#")[0]

@@ -86,7 +86,7 @@ def stalling_daemon(tiny_llama_dir, tmp_path, monkeypatch):
         stores.append(store)
         return store
 
-    monkeypatch.setattr("engine.hicache_setup.build_storage", build)
+    monkeypatch.setattr("engine.runtime.hicache_setup.build_storage", build)
     l3 = L3Dir(tmp_path, mount=False)
     args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=512, page_size=16,
                       enable_hierarchical_cache=True, hicache_storage_backend="file",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine
-from engine.scheduler.batch import OutOfKVError
+from engine.runtime.scheduler.batch import OutOfKVError
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 

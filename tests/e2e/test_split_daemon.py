@@ -21,7 +21,7 @@ import pytest
 
 from engine.client import HicacheClient
 from engine.config import ServerArgs
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
 from tests.daemon_process import wait_serving
@@ -95,7 +95,7 @@ def serve(tiny_llama_dir, tmp_path):
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), HICACHE_LOG_LEVEL="warning",
                HICACHE_MAX_TOTAL_TOKENS="4096", HICACHE_WARMUP="false")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--model", tiny_llama_dir, "--port",
+        [sys.executable, "-m", "engine.client.cli", "serve", "--model", tiny_llama_dir, "--port",
          str(port), "--http-port", str(http_port), "--grace-period-s", "5"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     addr = f"127.0.0.1:{port}"

@@ -9,9 +9,9 @@ import torch
 
 from engine import Engine
 from engine.config import ServerArgs
-from engine.cuda_graph_runner import PAD_SLOT
-from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.model_runner import ModelRunner
+from engine.runtime.cuda_graph_runner import PAD_SLOT
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

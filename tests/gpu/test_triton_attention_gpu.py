@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.layers.attention import create_backend
-from engine.layers.radix_attention import RadixAttention
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.layers.attention import create_backend
+from engine.runtime.layers.radix_attention import RadixAttention
 from hicache.kv_pool import MHATokenToKVPool
 from hicache.req_to_token import ReqToTokenPool
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import cache_admin
+from engine.runtime import cache_admin
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.events import CacheEventLog
 from hicache.radix_cache import RadixCache

@@ -1,4 +1,4 @@
-from engine.cli import _hoist_global_flags
+from engine.client.cli import _hoist_global_flags
 
 
 def test_global_flags_before_the_command_are_moved_after_it():

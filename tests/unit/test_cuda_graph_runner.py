@@ -22,22 +22,22 @@ if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
 os.environ["TRITON_INTERPRET"] = "1"
-_MOD = "engine.layers.attention.triton_kernels"
+_MOD = "engine.runtime.layers.attention.triton_kernels"
 triton_kernels = (
     importlib.reload(sys.modules[_MOD]) if _MOD in sys.modules else importlib.import_module(_MOD)
 )
 
 from engine.config import ServerArgs
-from engine.cuda_graph_runner import (
+from engine.runtime.cuda_graph_runner import (
     PAD_ROW,
     PAD_SEQ_LEN,
     PAD_SLOT,
     CudaGraphRunner,
     capture_batch_sizes,
 )
-from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.layers.attention import create_backend
-from engine.model_runner import ModelRunner
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.layers.attention import create_backend
+from engine.runtime.model_runner import ModelRunner
 from engine.server import settings
 from tests.tiny_models import make_tiny_model_dir
 

@@ -10,7 +10,7 @@ import stat
 import grpc
 import pytest
 
-from engine import cli
+from engine.client import cli
 from engine.config import ServerArgs
 from engine.server import auth, settings
 

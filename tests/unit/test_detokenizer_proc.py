@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.procs import ipc
-from engine.procs.detokenizer_proc import Detokenizer
-from engine.request import Req, StreamChunk
-from engine.sampling import SamplingParams
+from engine import ipc
+from engine.detokenizer.process import Detokenizer
+from engine.runtime.request import Req, StreamChunk
+from engine.runtime.sampling import SamplingParams
 from tests.tiny_models import make_tokenizer
 
 EOS = 0

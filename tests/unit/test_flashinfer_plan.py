@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.layers import attention
-from engine.layers.attention import available_backends, create_backend, default_backend
-from engine.layers.attention import flashinfer_backend as fib
-from engine.layers.radix_attention import RadixAttention
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.layers import attention
+from engine.runtime.layers.attention import available_backends, create_backend, default_backend
+from engine.runtime.layers.attention import flashinfer_backend as fib
+from engine.runtime.layers.radix_attention import RadixAttention
 from hicache.kv_pool import MHATokenToKVPool
 from hicache.req_to_token import ReqToTokenPool
 

@@ -8,16 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine
-from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.layers.attention import create_backend
-from engine.layers.linear import (
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.layers.attention import create_backend
+from engine.runtime.layers.linear import (
     Linear,
     LMHead,
     MergedLinear,
     prepack_linears,
     resolve_linear_backend,
 )
-from engine.models.loader import load_model
+from engine.runtime.models.loader import load_model
 from hicache.kv_pool import MHATokenToKVPool
 from hicache.req_to_token import ReqToTokenPool
 from tests.tiny_models import make_tiny_model_dir

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from engine import Engine
-from engine.models.loader import load_model
+from engine.runtime.models.loader import load_model
 from tests.tiny_models import make_config
 
 

@@ -1,7 +1,7 @@
 """Models + torch_native attention vs transformers: prefill, extend after a cached prefix, decode.
 
 Tiny random Llama / Qwen2 / Qwen3 checkpoints are saved as safetensors and loaded through
-``engine.models.loader``; pools and ForwardBatches are built by hand (``_Harness``), with KV
+``engine.runtime.models.loader``; pools and ForwardBatches are built by hand (``_Harness``), with KV
 slots handed out in a shuffled order so the gather through req_to_token is exercised.
 """
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.layers.attention import create_backend
-from engine.models.loader import load_model
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.layers.attention import create_backend
+from engine.runtime.models.loader import load_model
 from hicache.kv_pool import MHATokenToKVPool
 from hicache.req_to_token import ReqToTokenPool
 
@@ -187,7 +187,7 @@ def test_extend_with_prefix_then_decode(models):
 
 
 def test_registry_and_backend_errors():
-    from engine.models.registry import get_model_class
+    from engine.runtime.models.registry import get_model_class
 
     with pytest.raises(ValueError, match="unknown attention backend"):
         create_backend("nope", None)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.scheduler.policy import SchedulePolicy
+from engine.runtime.scheduler.policy import SchedulePolicy
 
 
 def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0,

@@ -1,7 +1,7 @@
 """The ``triton`` attention backend under TRITON_INTERPRET=1 on CPU == ``torch_native``.
 
 NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when
-engine.layers.attention.triton_kernels is imported; so this module sets it first and re-imports
+engine.runtime.layers.attention.triton_kernels is imported; so this module sets it first and re-imports
 the kernels module if something imported it earlier (the backend looks the kernels up through
 the module at call time, so it picks up the reloaded ones). With CUDA present the real kernels
 are tested in tests/gpu instead, and this module is skipped.
@@ -20,14 +20,14 @@ if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
 os.environ["TRITON_INTERPRET"] = "1"
-_MOD = "engine.layers.attention.triton_kernels"
+_MOD = "engine.runtime.layers.attention.triton_kernels"
 triton_kernels = (
     importlib.reload(sys.modules[_MOD]) if _MOD in sys.modules else importlib.import_module(_MOD)
 )
 
-from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.layers.attention import available_backends, create_backend
-from engine.layers.radix_attention import RadixAttention
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.layers.attention import available_backends, create_backend
+from engine.runtime.layers.radix_attention import RadixAttention
 from hicache.kv_pool import MHATokenToKVPool
 from hicache.req_to_token import ReqToTokenPool
 

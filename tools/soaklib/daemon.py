@@ -35,7 +35,7 @@ class DaemonProcess:
 
     def argv(self) -> list[str]:
         c = self.cfg
-        args = [sys.executable, "-m", "engine.cli", "serve", "--host", "127.0.0.1",
+        args = [sys.executable, "-m", "engine.client.cli", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), "--metrics-port", "0",
                 "--hicache-storage-dir", str(self.l3_dir),
                 "--hicache-storage-size-gb", f"{c.l3_cap_mb / 1024:.6f}",

@@ -1,0 +1,405 @@
+"""Engine: the Python API. Validates input, hands requests to the scheduler thread, and
+collects their streamed chunks."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.config import ServerArgs
+from engine.errors import EngineShutdownError, QueueFullError
+from engine.runtime import hicache_setup
+from engine.runtime.cache_admin import TierUnavailableError
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.request import Req, StreamChunk
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.tree_factory import build_tree_cache
+from engine.tokenizer import Prompt, TokenizerManager
+from hicache.events import CacheEventLog
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SCHEDULER_JOIN_S = 30.0  # shutdown waits this long for the scheduler's current step
+L3_DRAIN_S = 60.0  # and this long for queued L3 backups to land (a hung store must not hang it)
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    matched_stop: int | str | None
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_per_tier: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+
+class RequestHandle:
+    """A submitted request: its StreamChunks arrive on `chunks` (a thread-safe queue; an
+    exception put there ends the stream with that error)."""
+
+    def __init__(self, rid: str, chunks: queue.Queue, alive: Callable[[], bool] = lambda: True):
+        self.rid = rid
+        self.chunks = chunks
+        self.alive = alive  # is whatever fills `chunks` still running?
+        self.done = False  # the finished chunk was read
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        while True:
+            try:
+                chunk = self.chunks.get(timeout=1.0)
+            except queue.Empty:
+                if not self.alive():
+                    raise EngineShutdownError("the engine stopped before the request finished")
+                continue
+            if isinstance(chunk, BaseException):
+                raise chunk
+            yield chunk
+            if chunk.finished:
+                self.done = True
+                return
+
+    def result(self) -> GenerateResult:
+        ids: list[int] = []
+        text = ""
+        last: StreamChunk | None = None
+        for chunk in self:
+            ids += chunk.token_ids
+            text += chunk.text
+            last = chunk
+        assert last is not None
+        return GenerateResult(
+            self.rid,
+            ids,
+            text,
+            last.finish_reason,
+            last.matched_stop,
+            last.prompt_tokens,
+            last.cached_tokens,
+            last.cached_tokens_per_tier,
+            last.error,
+        )
+
+
+class EngineFront:
+    """What callers of an engine share, in-process or split: prompts in, streams out.
+    Subclasses set `tokenizer_manager` and implement submit / abort."""
+
+    tokenizer_manager: TokenizerManager
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tokenizer_manager.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer_manager.vocab_size
+
+    @property
+    def max_context_len(self) -> int:
+        return self.tokenizer_manager.max_context_len
+
+    def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        return self.tokenizer_manager.tokenize(prompt, chat)
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: dict | None = None,
+        namespace: str | None = None,
+        rid: str | None = None,
+        chat: bool = False,
+    ) -> RequestHandle:
+        raise NotImplementedError
+
+    def abort(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: dict | list[dict] | None = None,
+        namespace: str | None = None,
+        chat: bool = False,
+    ) -> GenerateResult | list[GenerateResult]:
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
+        )
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise ValueError("prompt is empty: give a non-empty string, token-id list or batch")
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+        )
+        if len(params) != len(batch):
+            raise ValueError("sampling_params list must match the number of prompts")
+        # Validate everything before queueing anything: a bad prompt never half-runs a batch.
+        for p, sp in zip(batch, params):
+            self.tokenizer_manager.prepare(p, sp, chat)
+        handles = [self.submit(p, sp, namespace, chat=chat) for p, sp in zip(batch, params)]
+        results = [h.result() for h in handles]
+        return results[0] if single else results
+
+    def generate_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: dict | None = None,
+        namespace: str | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamChunk]:
+        handle = self.submit(prompt, sampling_params, namespace, chat=chat)
+        try:
+            yield from handle
+        finally:
+            if not handle.done:
+                self.abort(handle.rid)
+
+
+class Engine(EngineFront):
+    def __init__(self, model: str | None = None, device: str = "cpu", **server_args: Any):
+        self.server_args = ServerArgs.from_kwargs(model_path=model, device=device, **server_args)
+        self.runner = ModelRunner(self.server_args)
+        self.tokenizer_manager = TokenizerManager(
+            self.runner.tokenizer, self.runner.vocab_size, self.runner.max_context_len
+        )
+        self.eos_token_ids = _eos_ids(self.runner.hf_config, self.tokenizer)
+        tree_cache = build_tree_cache(self.server_args, self.runner)
+        self.scheduler = Scheduler(self.server_args, self.runner, tree_cache, self.max_context_len)
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self.scheduler.run_loop,
+            args=(self._stop,),
+            name="hicache-scheduler",
+            daemon=True,
+        )
+        self._thread.start()
+        # NOTE: the engine's threads (scheduler, copy workers, L3 backup / prefetch) are daemons,
+        # so that an engine never shut down cannot hang interpreter exit; Python therefore does
+        # not join them before atexit handlers run, and left alone they would lose queued L3
+        # backups and still run torch ops while the interpreter finalizes (abort: "terminate
+        # called without an active exception"). An engine not shut down is stopped at exit.
+        # The hook holds the engine's parts, never the Engine: a dropped Engine is still freed.
+        self._at_exit = functools.partial(_stop_threads, self._stop, self._thread,
+                                          self.scheduler)
+        atexit.register(self._at_exit)
+
+    # --- requests ----------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: dict | None = None,
+        namespace: str | None = None,
+        rid: str | None = None,
+        chat: bool = False,
+    ) -> RequestHandle:
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+        ids, params = self.tokenizer_manager.prepare(prompt, sampling_params, chat)
+        return self.enqueue(ids, params, namespace, rid)
+
+    def enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        namespace: str | None,
+        rid: str | None,
+        sink: Callable[[StreamChunk], None] | None = None,
+    ) -> RequestHandle:
+        """Queue a prepared request (TokenizerManager.prepare); its chunks go to the handle,
+        or to `sink` when one is given."""
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+        if self.scheduler.num_queued() >= self.server_args.max_queued_requests:
+            raise QueueFullError(
+                f"{self.server_args.max_queued_requests} requests are already queued; retry later"
+            )
+        req = Req(
+            rid,
+            ids,
+            params,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.max_context_len,
+            self.runner.device,
+            namespace,
+            sink,
+        )
+        self.scheduler.submit(req)
+        return RequestHandle(req.rid, req.chunks, self._thread.is_alive)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.request_abort(rid)
+
+    # --- cache and introspection -------------------------------------------------------------
+    def call_in_scheduler(self, fn: Callable[[Scheduler], T], timeout: float | None = 60.0) -> T:
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+        return self.scheduler.call(fn).result(timeout)
+
+    def cache_stats(self) -> dict[str, Any]:
+        return self.call_in_scheduler(_collect_stats)
+
+    def event_log(self) -> CacheEventLog:
+        """The cache's event log; one is attached (to the scheduler and its tree) when the tree
+        brought none, so that Flush's `cleared` events are still observable."""
+        return self.call_in_scheduler(_ensure_event_log)
+
+    def model_info(self) -> dict[str, Any]:
+        return self.runner.model_info()
+
+    # --- L3 at run time -----------------------------------------------------------------------
+    def storage_info(self) -> dict[str, Any]:
+        """The attached L3 backend: {"attached", "backend", "address", ...} (see storage_info)."""
+        return self.call_in_scheduler(lambda s: hicache_setup.storage_info(s.tree_cache))
+
+    def attach_storage(self, backend: str, url: str | None = None,
+                       directory: str | None = None) -> dict[str, Any]:
+        """Attach an L3 backend to the running engine (none may be attached); its objects
+        are the ones a daemon with the same model and options would use. Returns storage_info.
+        The backend is built here (a directory scan may take a while), attached on the
+        scheduler thread between steps."""
+        tree = self.scheduler.tree_cache
+        if not hasattr(tree, "attach_storage"):
+            raise TierUnavailableError("L3 needs the hierarchical cache "
+                                       "(enable_hierarchical_cache)")
+        storage = hicache_setup.build_storage(
+            self.server_args, hicache_setup.storage_scope(tree.controller.model_fingerprint,
+                                                          tree.host_pool),
+            backend=backend, url=url, directory=directory)  # fmt: skip
+        try:
+            self.call_in_scheduler(
+                lambda s: s.tree_cache.attach_storage(storage,
+                                                      self.server_args.hicache_storage_page_size))
+        except BaseException:
+            hicache_setup.close_storage(storage)
+            raise
+        a = self.server_args
+        a.hicache_storage_backend = backend
+        a.hicache_storage_url = url if backend == "redis" else None
+        a.hicache_storage_dir = directory if backend == "file" else a.hicache_storage_dir
+        return self.storage_info()
+
+    def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Stop using L3 (pending backups and prefetches finish first; see
+        HiRadixCache.detach_storage). Returns what was attached (storage_info before)."""
+        tree = self.scheduler.tree_cache
+        if not hasattr(tree, "detach_storage"):
+            raise TierUnavailableError("L3 needs the hierarchical cache "
+                                       "(enable_hierarchical_cache)")
+
+        def detach(s: Scheduler) -> dict[str, Any]:
+            before = hicache_setup.storage_info(s.tree_cache)
+            hicache_setup.close_storage(s.tree_cache.detach_storage(timeout))
+            return before
+
+        before = self.call_in_scheduler(detach, timeout=timeout + 30.0)
+        self.server_args.hicache_storage_backend = None
+        return before
+
+    def shutdown(self) -> None:
+        """Stop the scheduler, land queued L3 backups (at most ``L3_DRAIN_S``; the objects
+        left are logged), stop the copy threads and give the pools back. An engine not shut
+        down has its threads stopped the same way at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
+        _stop_threads(self._stop, self._thread, self.scheduler)
+        tree = self.scheduler.tree_cache
+        if self._thread.is_alive():
+            return  # still stepping: it may touch the pools
+        # NOTE: the pools (GBs) are also reachable through reference cycles (scheduler <-> tree
+        # <-> controller), which only the cyclic GC frees: a script that replaces an engine by
+        # a new one held both sets at once (measured: 7.6 GB each, OOM-killed at the third).
+        self.runner.kv_pool.release_memory()
+        self.runner.model = None
+        io = getattr(tree, "storage_io", None)
+        host = getattr(tree, "host_pool", None)
+        if host is not None and (io is None or io.pending() == 0):
+            host.release_memory()
+
+    def __enter__(self) -> Engine:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Scheduler) -> None:
+    """Stop the scheduler thread, land the L3 backups it queued, stop the cache's threads."""
+    stop.set()
+    scheduler.wake()
+    thread.join(timeout=SCHEDULER_JOIN_S)
+    tree = scheduler.tree_cache
+    if not thread.is_alive() and getattr(tree, "storage_io", None) is not None:
+        tree.drain_storage(L3_DRAIN_S)  # the tree is ours now
+    close = getattr(tree, "shutdown", None)
+    if close is not None:
+        close()
+
+
+def _ensure_event_log(scheduler: Scheduler) -> CacheEventLog:
+    if getattr(scheduler, "event_log", None) is None:
+        scheduler.event_log = CacheEventLog()
+        if getattr(scheduler.tree_cache, "event_log", None) is None:
+            scheduler.tree_cache.event_log = scheduler.event_log
+    return scheduler.event_log
+
+
+def _collect_stats(s: Scheduler) -> dict[str, Any]:
+    tree, alloc, c = s.tree_cache, s.runner.allocator, s.counters
+    held = int(s.held_slots().numel())
+    l1 = {
+        "hit_tokens": c.hit_tokens.get("l1", 0),
+        "capacity_tokens": alloc.size,
+        "used_tokens": alloc.size - alloc.available_size(),
+        "free_tokens": alloc.available_size(),
+        "cached_tokens": tree.total_size(),
+        "evictable_tokens": tree.evictable_size(),
+        "protected_tokens": tree.protected_size(),
+        "held_by_requests_tokens": held,
+        "evicted_tokens": getattr(tree, "evicted_tokens", 0),
+    }
+    stats: dict[str, Any] = {
+        "l1": l1,
+        "miss_tokens": c.miss_tokens,
+        "prompt_tokens": c.prompt_tokens,
+        "requests": c.requests,
+        "finished_requests": c.finished,
+        "retractions": c.retractions,
+        "running_requests": len(s.running),
+        "waiting_requests": len(s.waiting),
+        "page_size": s.page_size,
+    }
+    tier_stats = getattr(tree, "tier_stats", None)
+    if tier_stats is not None:
+        for tier, d in tier_stats().items():
+            stats.setdefault(tier, {}).update(d)
+    for tier in ("l1", "l2", "l3"):
+        if tier in stats:
+            stats[tier]["hit_tokens"] = c.hit_tokens.get(tier, 0)
+    hits = sum(c.hit_tokens.values())
+    stats["hit_rate"] = hits / c.prompt_tokens if c.prompt_tokens else 0.0
+    return stats
+
+
+def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

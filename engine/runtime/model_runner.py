@@ -1,0 +1,135 @@
+"""ModelRunner: loads the model, sizes and owns the KV pools, runs one forward batch."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.config import ServerArgs
+from engine.runtime.cuda_graph_runner import CudaGraphRunner
+from engine.runtime.forward_batch import ForwardBatch
+from engine.runtime.layers.attention import create_backend, default_backend
+from engine.runtime.layers.linear import prepack_linears, resolve_linear_backend
+from engine.runtime.models.loader import load_model
+from engine.runtime.request import Req
+from engine.runtime.sampling import Sampler
+from hicache.allocator import TokenToKVPoolAllocator
+from hicache.kv_pool import MHATokenToKVPool
+from hicache.req_to_token import ReqToTokenPool
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_GB = 2.0
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+            name
+        ]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} (auto, float32, float16, bfloat16)") from None
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        torch.manual_seed(args.random_seed)
+        self.model, self.hf_config, self.tokenizer = load_model(
+            args.model_path, self.device, self.dtype, args.load_format, args.random_seed
+        )
+        self.linear_backend = resolve_linear_backend(args.linear_backend, self.device, self.dtype)
+        if self.linear_backend == "onednn":
+            log.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
+        cfg = self.hf_config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.max_context_len = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
+        self._init_pools()
+        self.attn_backend = create_backend(
+            args.attention_backend or default_backend(self.device, self.dtype), self
+        )
+        self.cuda_graph_runner: CudaGraphRunner | None = None
+        if (
+            self.device.type == "cuda"
+            and not args.disable_cuda_graph
+            and getattr(self.attn_backend, "supports_cuda_graph", False)
+        ):
+            self.cuda_graph_runner = CudaGraphRunner(self)
+        self.sampler = Sampler()
+
+    def _init_pools(self) -> None:
+        args, ps = self.args, self.args.page_size
+        bytes_per_token = (
+            2
+            * self.num_layers
+            * self.num_kv_heads
+            * self.head_dim
+            * torch.tensor([], dtype=self.dtype).element_size()
+        )
+        if args.max_total_tokens is not None:
+            size = args.max_total_tokens
+        else:
+            gb = args.kv_cache_memory_gb or DEFAULT_CPU_KV_GB
+            if self.device.type == "cuda" and args.kv_cache_memory_gb is None:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                gb = free * 0.8 / 2**30
+            size = int(gb * 2**30 // bytes_per_token)
+            # A pool larger than every running request at full context buys nothing.
+            size = min(size, args.max_running_requests * self.max_context_len)
+        size = max(ps, (size // ps) * ps)
+        self.max_total_tokens = size
+        # The context can never exceed the pool: one request must fit on its own.
+        self.max_context_len = min(self.max_context_len, size)
+        self.req_to_token_pool = ReqToTokenPool(
+            args.max_running_requests + 8, self.max_context_len + ps, self.device
+        )
+        self.allocator = TokenToKVPoolAllocator(size, ps, self.device)
+        self.kv_pool = MHATokenToKVPool(
+            size, ps, self.dtype, self.num_kv_heads, self.head_dim, self.num_layers, self.device
+        )
+        log.info(
+            "KV pool: %d tokens (%.2f GB), page size %d", size, size * bytes_per_token / 2**30, ps
+        )
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of ``fb`` (see the model's forward); DECODE batches a captured CUDA graph can
+        run are replayed from it (logits valid until the next forward)."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            return self.cuda_graph_runner.replay(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        return self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+
+    def model_info(self) -> dict[str, Any]:
+        cfg = self.hf_config
+        return {
+            "model_path": self.args.model_path or "embedded:SmolLM2-135M-Instruct",
+            "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
+            "vocab_size": self.vocab_size,
+            "max_context_len": self.max_context_len,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_size": cfg.hidden_size,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "max_total_tokens": self.max_total_tokens,
+            "page_size": self.args.page_size,
+            "linear_backend": self.linear_backend,
+            "cuda_graph_batch_sizes": (
+                self.cuda_graph_runner.batch_sizes if self.cuda_graph_runner else []
+            ),
+        }

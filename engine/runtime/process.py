@@ -1,0 +1,141 @@
+"""The scheduler process: owns the Engine (model runner, pools, radix / hierarchical cache and
+its controller, the scheduler thread). Takes tokenized requests and admin calls from the API
+server, sends token ids to the detokenizer and call results back to the API server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from engine import ipc
+from engine.config import ServerArgs
+from engine.runtime.request import StreamChunk
+
+log = logging.getLogger(__name__)
+CALL_THREADS = 16  # admin calls that may block (on the scheduler thread) run side by side
+EVENT_THREADS = 32  # event-log reads: WatchCacheEvents streams wait here, not on admin calls
+
+
+@dataclass(frozen=True)
+class SchedulerInfo:
+    """What the API server needs from the loaded engine (sent with the ready signal)."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_context_len: int
+    server_args: ServerArgs
+
+
+class _Sink:
+    """A request's chunks, to the detokenizer; the first carries what its text needs."""
+
+    def __init__(self, rid: str, start: tuple[bool, list[str]], outbox: ipc.Outbox):
+        self.rid, self.start, self.outbox = rid, start, outbox
+
+    def __call__(self, chunk: StreamChunk) -> None:
+        self.outbox.put("detok", ipc.TokenOut(self.rid, chunk, self.start))
+        self.start = None
+
+
+class SchedulerServer:
+    def __init__(self, engine: Any, addrs: ipc.Addresses, ctx: zmq.Context):
+        self.engine = engine
+        self.inbox = ipc.pull(ctx, addrs.sched_in)
+        self.outbox = ipc.Outbox(
+            {"api": ipc.push(ctx, addrs.api_reply), "detok": ipc.push(ctx, addrs.detok_in)}
+        )
+        self.calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="hicache-call")
+        self.event_calls = ThreadPoolExecutor(EVENT_THREADS, thread_name_prefix="hicache-events")
+        self._events: Any = None
+        self._events_lock = threading.Lock()
+
+    def serve(self) -> None:
+        """Until Shutdown: then the engine shuts down (L3 backups land), the detokenizer is
+        told, and the Shutdown is answered."""
+        while True:
+            batch = ipc.recv(self.inbox, 1000)
+            for msg in batch or ():
+                if isinstance(msg, ipc.SubmitReq):
+                    self._submit(msg)
+                elif isinstance(msg, ipc.AbortReq):
+                    self.engine.abort(msg.rid)
+                elif isinstance(msg, ipc.CallReq):
+                    pool = self.event_calls if msg.target == "events" else self.calls
+                    pool.submit(self._call, msg)
+                elif isinstance(msg, ipc.Shutdown):
+                    self._shutdown(msg)
+                    return
+
+    def _reply(self, call_id: int, fn: Any, *args: Any) -> None:
+        try:
+            reply = ipc.Reply(call_id, True, fn(*args))
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+            reply = ipc.Reply(call_id, False, ipc.picklable_error(e))
+        self.outbox.put("api", reply)
+
+    def _submit(self, m: ipc.SubmitReq) -> None:
+        sink = _Sink(m.rid, (m.params.skip_special_tokens, list(m.params.stop)), self.outbox)
+        self._reply(
+            m.call_id, lambda: self.engine.enqueue(m.ids, m.params, m.namespace, m.rid, sink).rid
+        )
+
+    def _call(self, m: ipc.CallReq) -> None:
+        self._reply(m.call_id, self._run, m)
+
+    def _run(self, m: ipc.CallReq) -> Any:
+        if m.target == "scheduler":
+            fn, timeout = m.args
+            return self.engine.call_in_scheduler(fn, timeout)
+        if m.target == "events":
+            with self._events_lock:
+                if self._events is None:
+                    self._events = self.engine.event_log()
+            obj = self._events
+        elif m.target == "engine":
+            obj = self.engine
+        else:
+            raise ValueError(f"unknown call target {m.target!r}")
+        attr = getattr(obj, m.name)
+        return attr(*m.args, **(m.kwargs or {})) if callable(attr) else attr
+
+    def _shutdown(self, m: ipc.Shutdown) -> None:
+        self.calls.shutdown(wait=False, cancel_futures=True)
+        self.event_calls.shutdown(wait=False, cancel_futures=True)
+        self._reply(m.call_id, self.engine.shutdown)
+        self.outbox.put("detok", ipc.DetokStop())
+        self.outbox.close()
+
+
+def scheduler_main(
+    server_args: ServerArgs, addrs: ipc.Addresses, conn: Connection, log_level: str
+) -> None:
+    """The process' entry point: load, say ready (or why not) on `conn`, serve."""
+    ipc.child_setup("scheduler", log_level)
+    try:
+        from engine.runtime.engine import Engine
+
+        kw = server_args.to_dict()
+        engine = Engine(model=kw.pop("model_path"), device=kw.pop("device"), **kw)
+    except BaseException:  # noqa: BLE001 - reported to the API server, which exits
+        conn.send(("error", traceback.format_exc()))
+        return
+    ctx = zmq.Context()
+    server = SchedulerServer(engine, addrs, ctx)
+    conn.send(
+        (
+            "ready",
+            SchedulerInfo(
+                engine.tokenizer, engine.vocab_size, engine.max_context_len, engine.server_args
+            ),
+        )
+    )
+    log.info("scheduler ready")
+    server.serve()
+    ctx.destroy(linger=2000)

@@ -1,0 +1,3 @@
+from engine.runtime.scheduler.scheduler import Scheduler, SchedulerCall
+
+__all__ = ["Scheduler", "SchedulerCall"]

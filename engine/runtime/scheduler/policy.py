@@ -1,0 +1,114 @@
+"""SchedulePolicy: the order in which waiting requests are considered (seed 004).
+
+Aging (``lpm``, ``dfs-weight``): cache-aware orders serve well-cached requests first, which
+wins on the median but, without aging, lets follow-up turns overtake a first turn forever. A
+request that ``max_bypass`` later arrivals have overtaken (``req.bypassed``, counted at
+admission) is *aged*: it goes ahead of the cache-ordered rest, in arrival order.
+NOTE: measured under pressure (tools/bench_pressure.py --mode load, docs/benchmarks.md), aging
+that lets old requests go first too early makes the waiting follow-ups lose their cached
+prefixes and the median collapses to fcfs's: a time limit below the queue's drain time, a
+deadline of 1.25x the estimated fcfs wait, or max_bypass 8 / 16 all did; 32 kept lpm's median.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections import defaultdict
+from typing import Any
+
+from engine.runtime.request import Req
+
+# Above this many waiting requests LPM's per-request prefix matching costs more than it saves.
+LPM_FALLBACK_TO_FCFS = 128
+# A request whose cached prefix is shorter than this, but which shares this many leading tokens
+# with an earlier waiting request, waits one round so that the earlier one caches the prefix.
+IN_BATCH_PREFIX_THRESHOLD = 32
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache: Any, seed: int = 0, max_bypass: int = 0):
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.rng = random.Random(seed)
+        self.max_bypass = max_bypass
+
+    def calc_priority(self, waiting: list[Req], match_fn) -> set[str]:
+        """Sorts `waiting` in place; returns rids deprioritized by in-batch prefix dedup.
+        match_fn(req) computes req.prefix_indices / req.last_node from the tree."""
+        policy = self.policy
+        if policy == "lpm" and len(waiting) > LPM_FALLBACK_TO_FCFS:
+            policy = "fcfs"
+        for r in waiting:
+            match_fn(r)
+        deprioritized = self._in_batch_dedup(waiting)
+        aging = self.max_bypass > 0 and policy in ("lpm", "dfs-weight")
+
+        def aged(r: Req) -> bool:
+            return aging and r.bypassed >= self.max_bypass
+
+        if policy == "lpm":
+            # cached = device + host part, or what L3 holds (loads are far cheaper than a
+            # recompute: a request whose prefix was evicted while it waited keeps its place)
+            waiting.sort(key=lambda r: (0, r.created, 0) if aged(r) else (
+                1, r.rid in deprioritized,
+                -max(len(r.prefix_indices) + r.host_hit_length, r.l3_hit)))
+        elif policy == "dfs-weight":
+            self._sort_dfs_weight(waiting)
+            # stable: keeps DFS order among the young
+            waiting.sort(key=lambda r: (0, r.created) if aged(r) else (1, r.rid in deprioritized))
+        elif policy == "lof":
+            waiting.sort(key=lambda r: (r.rid in deprioritized, -r.max_new_tokens))
+        elif policy == "random":
+            self.rng.shuffle(waiting)
+            waiting.sort(key=lambda r: r.rid in deprioritized)
+        else:  # fcfs: arrival order, deduped requests last
+            waiting.sort(key=lambda r: r.rid in deprioritized)
+        return deprioritized
+
+    @staticmethod
+    def count_bypasses(waiting: list[Req], admitted: list[Req]) -> None:
+        """``admitted`` went ahead of ``waiting``: each waiting request counts the admitted
+        ones that arrived after it."""
+        times = sorted(r.created for r in admitted)
+        for r in waiting:
+            r.bypassed += len(times) - bisect.bisect_right(times, r.created)
+
+    def _in_batch_dedup(self, waiting: list[Req]) -> set[str]:
+        seen: set[tuple[str | None, tuple[int, ...]]] = set()
+        out: set[str] = set()
+        for r in waiting:
+            if len(r.prefix_indices) > IN_BATCH_PREFIX_THRESHOLD:
+                continue
+            ids = r.fill_ids
+            if len(ids) <= IN_BATCH_PREFIX_THRESHOLD:
+                continue
+            key = (r.cache_namespace, tuple(ids[:IN_BATCH_PREFIX_THRESHOLD]))
+            if key in seen:
+                out.add(r.rid)
+            else:
+                seen.add(key)
+        return out
+
+    def _sort_dfs_weight(self, waiting: list[Req]) -> None:
+        """Visit the tree depth first, heavier subtrees (more waiting requests) first."""
+        by_node: dict[int, list[Req]] = defaultdict(list)
+        weight: dict[int, int] = defaultdict(int)
+        nodes: dict[int, Any] = {}
+        root = self.tree_cache.root_node
+        for r in waiting:
+            node = r.last_node if r.last_node is not None else root
+            by_node[id(node)].append(r)
+            while node is not None:
+                nodes[id(node)] = node
+                weight[id(node)] += 1
+                node = node.parent
+        order: list[Req] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            order.extend(by_node.get(id(node), []))
+            kids = [c for c in node.children.values() if id(c) in weight]
+            kids.sort(key=lambda c: weight[id(c)])  # heaviest popped first
+            stack.extend(kids)
+        waiting[:] = order

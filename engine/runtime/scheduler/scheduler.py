@@ -1,0 +1,565 @@
+"""Scheduler: waiting queue -> prefill/decode batches -> results (seeds 000, 002, 004).
+
+One thread owns every cache structure; other threads talk to it only through the inbox.
+The loop never spins: when a step does nothing it blocks on the inbox, which new requests,
+aborts, admin calls and every cache-copy acknowledgement (``wake``) feed, with a timeout for
+prefetch deadlines. A waiting request's prefix match is computed on arrival and again only
+when the tree changed (``tree_cache.version``); its L3 prefetch starts on arrival, and again
+if its prefix was evicted while it waited (its object keys are hashed once).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.config import ServerArgs
+from engine.runtime.cache_admin import settle
+from engine.runtime.request import FinishReason, Req
+from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
+from engine.runtime.scheduler.policy import SchedulePolicy
+from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
+from engine.runtime.scheduler.stats import CacheCounters
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # longest sleep with nothing to do (pin TTLs are checked at this resolution)
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+@dataclass(frozen=True)
+class SchedulerCall:
+    """fn(scheduler, *args, **kwargs) as a value: picklable when fn is a module-level function
+    and the arguments are plain data, so the split daemon sends it to the scheduler process."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, scheduler: Scheduler) -> Any:
+        return self.fn(scheduler, *self.args, **self.kwargs)
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: Any, tree_cache: Any, max_context_len: int):
+        self.args = args
+        self.runner = runner
+        self.tree_cache = tree_cache
+        self.max_context_len = max_context_len
+        self.page_size = args.page_size
+        self.builder = BatchBuilder(
+            runner.req_to_token_pool,
+            runner.allocator,
+            runner.kv_pool,
+            tree_cache,
+            runner.attn_backend,
+            args.page_size,
+            runner.device,
+        )
+        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, args.random_seed,
+                                     max_bypass=args.schedule_max_bypass)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.inbox: queue.Queue[tuple] = queue.Queue()
+        self.counters = CacheCounters()
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
+        self.event_log = getattr(tree_cache, "event_log", None)
+        self.step_hooks: list[Callable[[Scheduler], None]] = []
+        self.forward_ct = 0
+        self._inflight: list[Req] = []  # the extend batch being run (for failure cleanup)
+        self._oom_streak = 0  # consecutive prefill batches that did not fit
+        self._prefill_cap: int | None = None  # max requests per prefill while recovering
+        self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
+        self._wake_pending = threading.Event()
+        self._inbox_lock = threading.Lock()
+        self._inbox_reqs = 0  # ("req", ...) items in the inbox
+        self._inbox_aborts = 0  # ("abort", ...) items in the inbox
+        controller = getattr(tree_cache, "controller", None)
+        if controller is not None:
+            controller.notify = self.wake  # copy acks wake a sleeping loop
+
+    # --- inbox -------------------------------------------------------------------------------
+    def num_queued(self) -> int:
+        """Requests not yet admitted: waiting, or still in the inbox (not wake-ups, aborts or
+        admin calls)."""
+        # NOTE: an abort still in the inbox frees its place already (the client is gone); for
+        # a running request that undercounts by one until the abort is processed
+        return max(0, len(self.waiting) + self._inbox_reqs - self._inbox_aborts)
+
+    def request_abort(self, rid: str) -> None:
+        """Any thread: abort ``rid`` (waiting or running) at the next loop pass."""
+        with self._inbox_lock:
+            self._inbox_aborts += 1
+        self.inbox.put(("abort", rid))
+
+    def submit(self, req: Req) -> None:
+        """Any thread: hand a new request to the scheduler thread."""
+        with self._inbox_lock:
+            self._inbox_reqs += 1
+        self.inbox.put(("req", req))
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked_req is None
+
+    def wake(self) -> None:
+        """Any thread: make a sleeping loop run a step (coalesced)."""
+        if not self._wake_pending.is_set():
+            self._wake_pending.set()
+            self.inbox.put(("wake",))
+
+    def process_inbox(self, block: bool, timeout: float = IDLE_WAIT_S) -> None:
+        try:
+            item = self.inbox.get(block=block, timeout=timeout if block else None)
+        except queue.Empty:
+            return
+        while True:
+            kind = item[0]
+            if kind == "wake":
+                self._wake_pending.clear()
+            elif kind == "req":
+                with self._inbox_lock:
+                    self._inbox_reqs -= 1
+                self._on_arrival(item[1])
+            elif kind == "abort":
+                with self._inbox_lock:
+                    self._inbox_aborts -= 1
+                self.abort(item[1])
+            elif kind == "call":
+                fn, fut = item[1], item[2]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self))
+                    except BaseException as e:  # noqa: BLE001 - delivered to the caller's thread
+                        fut.set_exception(e)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def call(self, fn: Callable[[Scheduler], Any]) -> Future:
+        fut: Future = Future()
+        self.inbox.put(("call", fn, fut))
+        return fut
+
+    # --- main loop ---------------------------------------------------------------------------
+    def run_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.loop_iterations += 1
+            self.process_inbox(block=False)
+            try:
+                worked = self.step()
+            except Exception:  # never let one bad batch kill the daemon
+                log.exception("scheduler step failed; aborting every request")
+                self._fail_all("internal error in the scheduler step")
+                worked = True
+            if not worked and not stop.is_set():
+                # NOTE: nothing could run: sleep until a request, an abort, a copy ack or the
+                # next prefetch deadline instead of polling (the copy threads need the GIL).
+                self.process_inbox(block=True, timeout=self._sleep_time())
+
+    def _sleep_time(self) -> float:
+        deadline = getattr(self.tree_cache, "prefetch_deadline", lambda: None)()
+        if deadline is None:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(0.001, deadline - time.monotonic()))
+
+    def step(self) -> bool:
+        check = getattr(self.tree_cache, "check", None)
+        if check is not None:  # HiRadixCache: drain finished host writes/loads
+            check()
+        for hook in self.step_hooks:
+            hook(self)
+        batch = self.get_new_batch_prefill()
+        if batch:
+            self.run_extend(batch)
+        elif self.running:
+            self.run_decode()
+        else:
+            return False
+        if self.args.debug_check_invariants:
+            self.check_kv_invariant()
+        return True
+
+    def _on_arrival(self, req: Req) -> None:
+        """A new request: its match, its L3 prefetch."""
+        self.waiting.append(req)
+        self._match(req)
+        self._start_prefetch(req)
+
+    def _start_prefetch(self, req: Req) -> int:
+        """Read what L3 holds beyond the request's match into L2 (its object keys are hashed
+        once per request); returns the tokens the started prefetch will add."""
+        start = getattr(self.tree_cache, "start_prefetch", None)
+        if start is None or getattr(self.tree_cache, "storage_io", None) is None:
+            return 0
+        key = req.fill_ids[: len(req.fill_ids) - 1]
+        if req.l3_keys is None:
+            req.l3_keys = self.tree_cache.prefetch_keys(key, req.cache_namespace)
+        res = start(req.rid, key, req.cache_namespace, req.match_result, keys=req.l3_keys)
+        req.l3_hit = res.in_l3
+        return res.tokens
+
+    def _match(self, req: Req) -> None:
+        """The request's L1 + L2 prefix match, recomputed only when the tree changed. A match
+        does not count as a hit (``record_hit`` at admission does)."""
+        if req.match_result is not None and req.match_version == self.tree_cache.version:
+            return
+        req.fill_ids = req.all_ids()
+        # Keep at least one token to compute: its logits give the next token.
+        key = req.fill_ids[: len(req.fill_ids) - 1]
+        res = self.tree_cache.match_prefix(key, namespace=req.cache_namespace, touch=False)
+        req.prefix_indices = res.device_indices
+        req.last_node = res.last_device_node
+        req.host_hit_length = getattr(res, "host_hit_length", 0)
+        req.match_result = res
+        req.match_version = self.tree_cache.version  # after the match: it may drain acks
+        matched = len(res.device_indices) + req.host_hit_length
+        if matched < req.matched_seen:
+            # NOTE: its prefix was evicted while it waited: L3 may still hold it
+            self._start_prefetch(req)
+        req.matched_seen = max(req.matched_seen, matched)
+
+    def get_new_batch_prefill(self) -> list[Req] | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        max_running = self.args.max_running_requests
+        if len(self.running) >= max_running and self.chunked_req is None:
+            return None
+        deprioritized = (
+            self.policy.calc_priority(self.waiting, self._match) if self.waiting else set()
+        )
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.runner.allocator,
+            self.running,
+            self.new_token_ratio,
+            self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size,
+            self.page_size,
+        )
+        cont = id(self.chunked_req)
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        if adder.new_chunked_req is None:
+            for req in self.waiting:
+                if len(self.running) + len(adder.can_run) >= max_running:
+                    break
+                if req.rid in deprioritized:
+                    continue
+                if self._prefill_cap is not None and len(adder.can_run) >= self._prefill_cap:
+                    break
+                if not self._prefetch_ready(req):
+                    continue  # its L3 prefetch policy says wait; later requests may go
+                self._match(req)  # an earlier admission or the prefetch may have changed it
+                res = adder.add_one_req(req, num_running=len(self.running),
+                                        load_back=self._load_back)
+                if res != AddResult.CONTINUE:
+                    break
+        if not adder.can_run:
+            return None
+        picked = {id(r) for r in adder.can_run}
+        self.waiting = [r for r in self.waiting if id(r) not in picked]
+        # a chunked request's next chunk is no new overtake
+        self.policy.count_bypasses(self.waiting, [r for r in adder.can_run if id(r) != cont])
+        self.chunked_req = adder.new_chunked_req
+        for req in adder.can_run:
+            self._count_hit(req)
+        return adder.can_run
+
+    def _prefetch_ready(self, req: Req) -> bool:
+        """HiRadixCache + L3: may ``req`` be admitted now (prefetch policy)?"""
+        poll = getattr(self.tree_cache, "poll_prefetch", None)
+        if poll is None:
+            return True
+        got = poll(req.rid)
+        if got is None:
+            return False
+        if got == 0 and req.l3_hit > len(req.prefix_indices) + req.host_hit_length:
+            # L3 holds more than the tree and nothing is being read (L2 was full when it
+            # last tried): try now; the policy then decides how long to wait for it
+            self._match(req)
+            if self._start_prefetch(req):
+                return False
+        req.l3_tokens = got
+        return True
+
+    def _load_back(self, req: Req) -> None:
+        """HiRadixCache hook: bring the host-resident part of ``req``'s match to the device.
+        NOTE: wait=False: the load overlaps the next forward layer by layer (run_extend sets
+        fb.wait_layer); every path that skips that forward calls _wait_pending_loads."""
+        init = getattr(self.tree_cache, "init_load_back", None)
+        if init is None or not req.host_hit_length:
+            return
+        indices, node = init(req.last_node, req.match_result, wait=False)
+        req.prefix_indices, req.last_node = indices, node
+
+    def _pending_layer_wait(self) -> Callable[[int], None] | None:
+        """HiRadixCache: per-layer wait on the in-flight load (None when nothing is loading)."""
+        return getattr(self.tree_cache, "pending_layer_wait", lambda: None)()
+
+    def _wait_pending_loads(self) -> None:
+        wait = getattr(self.tree_cache, "wait_pending_loads", None)
+        if wait is not None:
+            wait()
+
+    def _count_hit(self, req: Req) -> None:
+        """Admission: the hit counts once (tree access times / hit counts, and our tiers)."""
+        if getattr(req, "_counted", False):
+            return  # a chunk of an admitted request, or a retracted one coming back
+        req._counted = True
+        finish = getattr(self.tree_cache, "finish_prefetch", None)
+        if finish is not None:
+            finish(req.rid)
+        if req.last_node is not None:
+            self.tree_cache.record_hit(req.last_node)
+        res = req.match_result
+        tiers = dict(getattr(res, "tier_tokens", None) or {"l1": len(req.prefix_indices)})
+        # NOTE: a prefetch lands in L2, so the match sees those tokens as L2: they came from L3
+        moved = min(req.l3_tokens, tiers.get("l2", 0))
+        tiers["l2"] = tiers.get("l2", 0) - moved
+        tiers["l3"] = tiers.get("l3", 0) + moved
+        for tier, n in tiers.items():
+            req.cached_tokens_per_tier[tier] = n
+        req.cached_tokens = len(req.prefix_indices)
+        self.counters.record_match(
+            req.cached_tokens_per_tier, len(req.origin_input_ids) - req.cached_tokens
+        )
+
+    # --- extend ------------------------------------------------------------------------------
+    def run_extend(self, reqs: list[Req]) -> None:
+        self._inflight = reqs
+        try:
+            fb = self.builder.prepare_extend(reqs)
+        except OutOfKVError as e:
+            # The budget was too optimistic: nothing was allocated, so requeue and decode.
+            log.warning("prefill batch of %d did not fit the KV pool (%s); requeued",
+                        len(reqs), e)
+            self._wait_pending_loads()  # no forward will wait: land the loads (acked later)
+            self._requeue(reqs)
+            self._inflight = []
+            self._on_prefill_oom(reqs, str(e))
+            return
+        self._oom_streak, self._prefill_cap = 0, None
+        fb.wait_layer = self._pending_layer_wait()
+        logits = self.runner.forward(fb)
+        next_ids = self.runner.sample(logits, reqs).tolist()  # the one host sync per step
+        self.forward_ct += 1
+        now = time.monotonic()
+        for req, tok in zip(reqs, next_ids):
+            req.kv_len += req.extend_len
+            req.extend_len = 0
+            if req is self.chunked_req:
+                req.is_chunked = True
+                self._cache_unfinished(req)
+                continue
+            req.is_chunked = False
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._after_token(req)
+            if not req.finished():
+                self._cache_unfinished(req)
+                self.running.append(req)
+        self._inflight = []
+
+    def _on_prefill_oom(self, reqs: list[Req], why: str) -> None:
+        """Never spin on a batch that cannot fit: decode if anything runs; otherwise let
+        in-flight tier copies land (their nodes become evictable), then admit one request at a
+        time, and fail a lone request that still cannot fit."""
+        self._oom_streak += 1
+        if self.running:
+            self.run_decode()
+            return
+        settle(self.tree_cache)
+        if self._oom_streak < 2:
+            return
+        if len(reqs) > 1:
+            self._prefill_cap = 1
+            return
+        req = reqs[0]
+        self.waiting.remove(req)
+        self._cancel_prefetch(req)
+        req.finished_reason = FinishReason(
+            "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
+        req.emit()
+        self._oom_streak = 0
+
+    def _requeue(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if req is self.chunked_req:
+                self.chunked_req = None
+            if req.req_pool_idx is not None:  # a chunked request: give its KV to the tree
+                self.release(req)
+                self.counters.finished -= 1
+                req.reset_for_retract()
+            elif req.last_node is not None:
+                self.tree_cache.dec_lock_ref(req.last_node)
+                req.last_node = None
+            req.match_result = None  # re-match: the locks (and maybe the tree) changed
+        self.waiting[:0] = reqs
+
+    def _cache_unfinished(self, req: Req) -> None:
+        req.fill_ids = req.all_ids()[: req.kv_len]
+        self.tree_cache.cache_unfinished_req(req)
+
+    def _after_token(self, req: Req) -> None:
+        if req.to_abort:
+            req.finished_reason = FinishReason("abort", message="aborted by the client")
+        req.check_finished(self.max_context_len)
+        req.emit()
+        if req.finished():
+            self.release(req)
+
+    def release(self, req: Req) -> None:
+        """Gives a finished request's KV to the tree (or frees it), its row back, its lock up."""
+        if req.req_pool_idx is not None:
+            req.fill_ids = req.all_ids()[: req.kv_len]
+            self.tree_cache.cache_finished_req(req)  # also frees the row and the lock
+            req.req_pool_idx = None
+            self.counters.finished += 1
+        elif req.last_node is not None:  # admitted to a batch that never ran
+            self.tree_cache.dec_lock_ref(req.last_node)
+        req.last_node = None
+
+    # --- decode ------------------------------------------------------------------------------
+    def run_decode(self) -> None:
+        self._ensure_decode_memory()
+        if not self.running:
+            return
+        reqs = self.running
+        fb = self.builder.prepare_decode(reqs)
+        # Defensive: decode never reads slots of an in-flight load (those belong to requests
+        # whose extend has not run), but a still-loading batch is waited for layer by layer.
+        fb.wait_layer = self._pending_layer_wait()
+        logits = self.runner.forward(fb)
+        next_ids = self.runner.sample(logits, reqs).tolist()
+        self.forward_ct += 1
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+        still = []
+        for req, tok in zip(reqs, next_ids):
+            req.kv_len += 1
+            req.output_ids.append(tok)
+            self._after_token(req)
+            if not req.finished():
+                still.append(req)
+        self.running = still
+
+    def _ensure_decode_memory(self) -> None:
+        alloc = self.runner.allocator
+        while self.running:
+            need = self.builder.decode_pages_needed(self.running) * self.page_size
+            if alloc.available_size() < need:
+                self.tree_cache.evict(need - alloc.available_size())
+            if alloc.available_size() >= need:
+                return
+            self.retract_one()
+
+    def retract_one(self) -> None:
+        """Returns the request with the fewest outputs (longest prompt on ties) to the waiting
+        queue; its KV goes into the tree, so re-running it is mostly a cache hit."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        if len(self.running) == 1:
+            log.warning("KV pool too small for a single request: retracting %s", victim.rid)
+        self.running.remove(victim)
+        self.release(victim)
+        self.counters.finished -= 1
+        self.counters.retractions += 1
+        victim.reset_for_retract()
+        self.waiting.insert(0, victim)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+
+    # --- aborts ------------------------------------------------------------------------------
+    def _cancel_prefetch(self, req: Req) -> None:
+        cancel = getattr(self.tree_cache, "cancel_prefetch", None)
+        if cancel is not None:
+            cancel(req.rid)
+
+    def abort(self, rid: str) -> None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._cancel_prefetch(req)
+                req.finished_reason = FinishReason("abort", message="aborted by the client")
+                req.emit()
+                return
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid:
+                self._abort_active(req, "aborted by the client")
+                return
+
+    def _abort_active(self, req: Req, message: str) -> None:
+        req.finished_reason = FinishReason("abort", message=message)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if req in self.running:
+            self.running.remove(req)
+        self.release(req)
+        req.emit()
+
+    def _fail_all(self, message: str) -> None:
+        active = list(self.running) + ([self.chunked_req] if self.chunked_req else [])
+        active += [r for r in self._inflight if r not in active and not r.finished()]
+        self._inflight = []
+        for req in active:
+            try:
+                self._abort_active(req, message)
+            except Exception:
+                log.exception("cleanup of %s failed", req.rid)
+        self.running = []
+        self.chunked_req = None
+        # Waiting requests are failed too: a step that fails before running a batch would
+        # otherwise fail again on the same queue forever.
+        for req in self.waiting:
+            if req.last_node is not None and req.req_pool_idx is None:
+                req.last_node = None  # matched but never locked
+            try:
+                self._cancel_prefetch(req)
+            except Exception:
+                log.exception("cancelling the prefetch of %s failed", req.rid)
+            req.finished_reason = FinishReason("abort", message=message)
+            req.emit()
+        self.waiting = []
+
+    # --- invariants --------------------------------------------------------------------------
+    def held_slots(self) -> torch.Tensor:
+        """Slots active requests hold that the tree does not ([n] int64 on CPU)."""
+        r2t = self.runner.req_to_token_pool.req_to_token
+        parts = [torch.empty(0, dtype=torch.int64)]
+        active = self.running + ([self.chunked_req] if self.chunked_req else [])
+        for r in active:
+            if r.req_pool_idx is not None:
+                parts.append(r2t[r.req_pool_idx, : r.kv_len].to(torch.int64).cpu())
+        held = torch.cat(parts).unique()
+        tree = self.tree_cache.all_device_slots().to(torch.int64).cpu()
+        return held[~torch.isin(held, tree)]
+
+    def check_kv_invariant(self) -> None:
+        """NOTE: every KV page is exactly one of: free, in the tree, held by a request."""
+        ps = self.page_size
+        alloc = self.runner.allocator
+        free = alloc.debug_free_pages().to(torch.int64).cpu()
+        tree = (self.tree_cache.all_device_slots().to(torch.int64).cpu() // ps).unique()
+        held = (self.held_slots().cpu() // ps).unique()
+        total = alloc.size // ps
+        counts = torch.zeros(total + 1, dtype=torch.int64)
+        for group in (free, tree, held):
+            counts.index_add_(0, group, torch.ones_like(group))
+        bad = (counts[1:] != 1).nonzero().flatten() + 1
+        if len(bad):
+            raise AssertionError(
+                f"KV accounting broken for pages {bad[:10].tolist()}: free={len(free)} "
+                f"tree={len(tree)} held={len(held)} total={total}"
+            )

@@ -1,0 +1,185 @@
+"""A tenant's share of the cache: what its namespaces hold per tier, its quotas (enforced on the
+scheduler thread after its requests are cached), and a flush of its namespaces only.
+
+Runs on the scheduler thread (step hooks, call_in_scheduler). Knows namespaces, not tokens:
+the daemon maps tokens to tenants (engine/server/tenants.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from engine.runtime import cache_admin
+
+TIERS = cache_admin.TIERS
+RETRY_S = 0.25  # how often a tenant still over a quota (its nodes locked) is looked at again
+
+
+class TierUsage(NamedTuple):
+    used_tokens: int
+    evictable_tokens: int
+    pinned_tokens: int  # locked by running requests or pins
+
+
+@dataclass
+class TenantQuota:
+    """One tenant's quotas (0 = none) and what enforcing them evicted so far."""
+
+    name: str
+    namespaces: frozenset[str]
+    quota_tokens: dict[str, int]  # tier -> tokens
+    evicted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
+
+def usage(tree: Any, namespaces: frozenset[str]) -> dict[str, TierUsage]:
+    """Tokens the nodes of `namespaces` hold in each tier. L3: the whole objects ending inside
+    nodes this tree knows are stored (objects of `tree.object_size` tokens)."""
+    per_object = int(getattr(tree, "object_size", 0) or 0)
+    totals = {tier: [0, 0, 0] for tier in TIERS}  # used, evictable, pinned
+    roots = cache_admin.namespace_roots(tree, namespaces) if hasattr(tree, "root_node") else []
+    stack = [(c, 0) for c in roots]  # (node, tokens before it)
+    while stack:
+        n, start = stack.pop()
+        end = start + len(n.key)
+        stack.extend((c, end) for c in n.children.values())
+        for tier in TIERS:
+            if tier == "l3":
+                held = (end // per_object - start // per_object) * per_object if (
+                    per_object and getattr(n, "in_storage", False)) else 0
+            else:
+                held = len(n.key) if cache_admin.held(n, tier) else 0
+            if held:
+                t = totals[tier]
+                t[0] += held
+                t[2 if n.lock_ref > 0 else 1] += held
+    return {tier: TierUsage(*t) for tier, t in totals.items()}
+
+
+class QuotaEnforcer:
+    """A scheduler step hook: after requests finish (and are cached), each tenant over a quota
+    has its least valuable unlocked nodes evicted from that tier until it is within quota; and
+    the L3 backup gate that stops backups of a tenant at its L3 quota."""
+
+    __name__ = "enforce_quotas"  # step hooks are told apart by name
+
+    def __init__(self, quotas: list[TenantQuota]):
+        self.quotas = [q for q in quotas if any(q.quota_tokens.values())]
+        self.by_namespace = {ns: q for q in self.quotas for ns in q.namespaces}
+        self.by_name = {q.name: q for q in self.quotas}
+        self._seen_finished = -1
+        self._over: set[str] = set()  # tenants still over a quota (locked nodes): retried
+        self._next_retry = 0.0
+        self.tree: Any = None
+
+    def install(self, scheduler: Any) -> None:
+        hooks = scheduler.step_hooks
+        hooks[:] = [h for h in hooks if getattr(h, "__name__", "") != self.__name__]
+        hooks.append(self)
+        scheduler.quota_enforcer = self
+        tree = self.tree = scheduler.tree_cache
+        if hasattr(tree, "backup_gate") and any(q.quota_tokens.get("l3") for q in self.quotas):
+            tree.backup_gate = self.allow_backup
+
+    def __call__(self, scheduler: Any) -> None:
+        finished = scheduler.counters.finished
+        now = time.monotonic()
+        if finished != self._seen_finished:  # requests were cached: check everyone
+            self._seen_finished = finished
+            todo = self.quotas
+        elif self._over and now >= self._next_retry:
+            todo = [q for q in self.quotas if q.name in self._over]
+        else:
+            return
+        self._next_retry = now + RETRY_S
+        for q in todo:
+            if self.enforce(scheduler, q):
+                self._over.discard(q.name)
+            else:
+                self._over.add(q.name)
+
+    def enforce(self, scheduler: Any, q: TenantQuota) -> bool:
+        """Evicts what is over; True when the tenant is within its L1 / L2 quotas."""
+        tree = scheduler.tree_cache
+        within = True
+        for tier in ("l1", "l2"):
+            quota = q.quota_tokens.get(tier, 0)
+            if not quota or (tier == "l2" and not hasattr(tree, "evict_host")):
+                continue
+            over = usage(tree, q.namespaces)[tier].used_tokens - quota
+            if over > 0:
+                # NOTE: no settle: the scheduler thread must not wait for copies here; nodes
+                # still locked (by a backup, a request, a pin) are retried every RETRY_S.
+                info = cache_admin.evict(scheduler, tier, num_tokens=over,
+                                         namespaces=q.namespaces, settle_first=False)
+                q.evicted_tokens[tier] += info.evicted_tokens
+                within = within and info.evicted_tokens >= over
+        return within
+
+    def allow_backup(self, node: Any) -> bool:
+        """The tree's backup gate: False while the node's tenant is at its L3 quota, counting
+        what the tree knows is stored and the backups in flight."""
+        tree = self.tree
+        ns = tree.split_key(tuple(node.key[:1]))[0] if tree is not None else None
+        q = self.by_namespace.get(ns) if ns is not None else None
+        quota = q.quota_tokens.get("l3", 0) if q is not None else 0
+        if not quota:
+            return True
+        in_flight = sum(
+            len(job.host_indices)
+            for job, _, _ in getattr(tree, "ongoing_backup", {}).values()
+            if job.namespace in q.namespaces
+        )
+        return usage(tree, q.namespaces)["l3"].used_tokens + in_flight < quota
+
+
+def flush(
+    scheduler: Any, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
+) -> cache_admin.FlushInfo:
+    """Empties the chosen tiers of `namespaces` only (None = every enabled tier): the owner's
+    pins are released, unlocked L1 / L2 nodes evicted, and the L3 objects of the nodes this tree
+    knows deleted. Other namespaces' requests may keep running."""
+    tree = scheduler.tree_cache
+    wanted = cache_admin.flush_tiers(tree, tiers)
+    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+        return cache_admin.FlushInfo(wanted, 0, 0)
+    cache_admin.check_storage_idle(tree, wanted)
+    unpinned, _ = cache_admin.unpin(scheduler, None, owner)
+    freed = 0
+    if "l3" in wanted:  # before L1 / L2 drop the nodes that name the objects
+        delete = getattr(tree, "delete_from_storage", None)
+        nodes = [n for n in cache_admin.namespace_nodes(tree, namespaces) if n.in_storage]
+        if delete is not None:
+            delete(nodes)
+    for t in ("l1", "l2"):
+        if t in wanted:
+            freed += cache_admin.evict(scheduler, t, namespaces=namespaces).evicted_tokens
+    return cache_admin.FlushInfo(wanted, freed, unpinned)
+
+
+def tenant_figures(scheduler: Any, tenants: Any) -> dict[str, dict[str, dict[str, int]]]:
+    """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} for /metrics; `tenants` are
+    objects with name, namespaces and quota(tier) (engine/server/tenants.py's Tenant)."""
+    enforcer = getattr(scheduler, "quota_enforcer", None)
+    out = {}
+    for t in tenants:
+        use = usage(scheduler.tree_cache, frozenset(t.namespaces))
+        q = enforcer.by_name.get(t.name) if enforcer is not None else None
+        out[t.name] = {
+            "cached": {tier: u.used_tokens for tier, u in use.items()},
+            "quota": {tier: t.quota(tier) for tier in TIERS},
+            "evicted": dict(q.evicted_tokens) if q is not None else dict.fromkeys(TIERS, 0),
+        }
+    return out
+
+
+def tenant_view(
+    scheduler: Any, tenant: str, namespaces: frozenset[str] | set[str]
+) -> tuple[dict[str, Any], list[Any], dict[str, int]]:
+    """A tenant's usage per tier, its pins and its quota evictions (GetCacheStats)."""
+    pins = [p for p in cache_admin.pin_table(scheduler).pins.values() if p.owner == tenant]
+    enforcer = getattr(scheduler, "quota_enforcer", None)
+    q = enforcer.by_name.get(tenant) if enforcer is not None else None
+    evicted = dict(q.evicted_tokens) if q is not None else {}
+    return usage(scheduler.tree_cache, namespaces), pins, evicted

@@ -1,0 +1,26 @@
+"""Picks the prefix cache the options ask for: ChunkCache, RadixCache or HiRadixCache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import ServerArgs
+
+
+def build_tree_cache(args: ServerArgs, runner: Any) -> Any:
+    if args.disable_radix_cache:
+        from hicache.chunk_cache import ChunkCache
+
+        return ChunkCache(runner.req_to_token_pool, runner.allocator, args.page_size)
+    if args.enable_hierarchical_cache:
+        from engine.runtime.hicache_setup import build_hiradix_cache
+
+        return build_hiradix_cache(args, runner)
+    from hicache.radix_cache import RadixCache
+
+    return RadixCache(
+        runner.req_to_token_pool,
+        runner.allocator,
+        args.page_size,
+        eviction_policy=args.radix_eviction_policy,
+    )

@@ -1,3 +1,0 @@
-from engine.scheduler.scheduler import Scheduler, SchedulerCall
-
-__all__ = ["Scheduler", "SchedulerCall"]
