@@ -11,7 +11,6 @@ in order: scheduler (its queued L3 backups land), then the detokenizer, which fl
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -23,7 +22,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -40,10 +39,6 @@ from engine.tokenizer import Prompt, TokenizerManager
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # model conversion + load on a slow machine
 CALL_MARGIN_S = 10.0  # a call's reply may take this much longer than its own timeout
-# NOTE: OpenMP threads that spin at barriers lose badly when another process takes a core (the
-# API server and the detokenizer work while the forward runs): measured on 2 cores, 16 streams,
-# 34 tok/s spinning vs 79 passive. The user's own OMP_WAIT_POLICY wins.
-CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class SplitEngine(EngineFront):
@@ -98,8 +93,7 @@ class SplitEngine(EngineFront):
         ours, theirs = mp.Pipe(duplex=False)
         proc = mp.Process(target=target, args=(*args, theirs, log_level),
                           name=f"hicache-{name}", daemon=True)  # fmt: skip
-        with _child_env(CHILD_ENV):
-            proc.start()
+        proc.start()
         theirs.close()
         self.procs[name] = proc
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -301,18 +295,6 @@ class SplitEngine(EngineFront):
 
     def __repr__(self) -> str:
         return f"SplitEngine(pid={os.getpid()}, children={self.child_pids()})"
-
-
-@contextlib.contextmanager
-def _child_env(defaults: dict[str, str]) -> Iterator[None]:
-    """The environment a spawned child starts with: `defaults` where the user set nothing."""
-    added = [k for k in defaults if k not in os.environ]
-    os.environ.update({k: defaults[k] for k in added})
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 class RemoteEventLog:
