@@ -13,7 +13,7 @@ import grpc
 
 from engine.server import validate
 from engine.server.pb import FINISH_TO_ENUM, gen_grpc, gen_pb2, tier_tokens
-from engine.server.state import DaemonState, iter_chunks, rpc
+from engine.server.state import DaemonState, EngineRequest, rpc
 
 VERSION = "0.1.0"
 
@@ -79,27 +79,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {client_rid!r} is already running"
             )
-        # NOTE: the id is claimed before the first await: on the one event loop, check and claim
-        # are one step, so concurrent calls with one id cannot all get past the check.
-        st.active[rid] = None
-        t0 = time.monotonic()
+        run = await EngineRequest.start(st, engine, prompt, params, ns, rid)
         try:
-            handle = await st.submit(engine, prompt, params, ns, rid=rid)
-        except BaseException:
-            st.active.pop(rid, None)
-            raise
-        st.active[rid] = handle
-        finished = False
-        metrics = st.metrics
-        if metrics is not None:
-            metrics.stream_started()
-        t_first = t_last = None
-        try:
-            async for chunk in iter_chunks(handle.chunks, st.pool):
-                now = time.monotonic()
-                if chunk.token_ids and t_first is None:
-                    t_first = now
-                t_last = now if chunk.token_ids else t_last
+            async for chunk in run.chunks():
                 if chunk.token_ids or chunk.text:
                     yield gen_pb2.GenerateResponse(
                         request_id=client_rid,
@@ -108,18 +90,11 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                         ),
                     )
                 if chunk.finished:
-                    finished = True
-                    if metrics is not None:
-                        metrics.request_finished(chunk, t0, t_first, t_last)
                     yield gen_pb2.GenerateResponse(
                         request_id=client_rid, complete=complete(chunk)
                     )
         finally:
-            if not finished:  # client cancel, deadline, or server shutdown: free the KV
-                engine.abort(rid)
-            st.active.pop(rid, None)
-            if metrics is not None:
-                metrics.stream_ended()
+            run.release()  # client cancel, deadline, or server shutdown: the KV is freed
 
     @rpc
     async def Abort(

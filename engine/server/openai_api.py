@@ -34,14 +34,13 @@ from engine.runtime.request import StreamChunk
 from engine.server import openai_edge as edge
 from engine.server import openai_protocol as proto
 from engine.server.openai_edge import (
-    EngineRequest,
     EventStream,
     HttpError,
     authorize,
     error_response,
     require_engine,
 )
-from engine.server.state import DaemonState
+from engine.server.state import DaemonState, EngineRequest
 
 log = logging.getLogger(__name__)
 

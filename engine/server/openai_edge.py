@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,7 +20,7 @@ from engine.runtime.request import StreamChunk
 from engine.server import openai_protocol as proto
 from engine.server.auth import bearer, check, tenant_of
 from engine.server.pb import GENERATION_SERVICE
-from engine.server.state import DaemonState, iter_chunks
+from engine.server.state import DaemonState
 from engine.server.tenants import PermissionDeniedError, Principal
 from engine.server.validate import ValidationError
 
@@ -124,73 +123,6 @@ async def read_json(request: Request, limit: int) -> Any:
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-class EngineRequest:
-    """One engine request at the HTTP edge, with generation.py's lifecycle: claimed in
-    state.active (the drain waits for it), counted in the metrics, and aborted - its KV freed -
-    by release() unless it finished."""
-
-    def __init__(
-        self, state: DaemonState, engine: Any, rid: str, running: dict[str, EngineRequest]
-    ):
-        self.state, self.engine, self.rid = state, engine, rid
-        self.running = running  # the HTTP API's open requests (HttpApi.stop aborts them)
-        self.metrics = state.metrics
-        self.handle: Any = None
-        self.finished = False
-        self.released = False
-        self.t0 = time.monotonic()
-
-    @classmethod
-    async def start(
-        cls,
-        state: DaemonState,
-        engine: Any,
-        prompt: Any,
-        params: dict[str, Any],
-        namespace: str | None,
-        rid: str,
-        running: dict[str, EngineRequest],
-    ) -> EngineRequest:
-        run = cls(state, engine, rid, running)
-        # NOTE: claimed before the first await, as generation.py does (ids are fresh uuids here)
-        state.active[rid] = None
-        try:
-            run.handle = await state.submit(engine, prompt, params, namespace, rid=rid)
-        except BaseException:
-            state.active.pop(rid, None)
-            raise
-        state.active[rid] = run.handle
-        running[rid] = run
-        if run.metrics is not None:
-            run.metrics.stream_started()
-        return run
-
-    async def chunks(self) -> AsyncIterator[StreamChunk]:
-        """The request's StreamChunks, up to and including the finished one."""
-        t_first = t_last = None
-        async for chunk in iter_chunks(self.handle.chunks, self.state.pool):
-            if chunk.token_ids:
-                t_last = time.monotonic()
-                t_first = t_last if t_first is None else t_first
-            if chunk.finished:
-                self.finished = True
-                if self.metrics is not None:
-                    self.metrics.request_finished(chunk, self.t0, t_first, t_last)
-            yield chunk
-
-    def release(self) -> None:
-        """Idempotent; client gone, failure or shutdown before the end: abort, free the KV."""
-        if self.released:
-            return
-        self.released = True
-        if not self.finished:
-            self.engine.abort(self.rid)
-        self.state.active.pop(self.rid, None)
-        self.running.pop(self.rid, None)
-        if self.metrics is not None:
-            self.metrics.stream_ended()
 
 
 class EventStream(StreamingResponse):

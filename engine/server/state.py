@@ -17,6 +17,7 @@ import grpc
 
 from engine.errors import EngineShutdownError, QueueFullError
 from engine.runtime.cache_admin import NotIdleError, TierUnavailableError
+from engine.runtime.request import StreamChunk
 from engine.runtime.scheduler import SchedulerCall
 from engine.server.auth import bearer, tenant_of
 from engine.server.tenants import PermissionDeniedError, Principal, TenantTable
@@ -185,3 +186,75 @@ async def iter_chunks(
             yield chunk
             if chunk.finished:
                 return
+
+
+class EngineRequest:
+    """One engine request at an API edge (gRPC Generate, the HTTP API): claimed in
+    state.active (the drain waits for it), counted in the metrics, and aborted - its KV freed -
+    by release() unless it finished."""
+
+    def __init__(
+        self,
+        state: DaemonState,
+        engine: Any,
+        rid: str,
+        running: dict[str, EngineRequest] | None = None,
+    ):
+        self.state, self.engine, self.rid = state, engine, rid
+        self.running = {} if running is None else running  # the edge's open requests
+        self.metrics = state.metrics
+        self.handle: Any = None
+        self.finished = False
+        self.released = False
+        self.t0 = time.monotonic()
+
+    @classmethod
+    async def start(
+        cls,
+        state: DaemonState,
+        engine: Any,
+        prompt: Any,
+        params: dict[str, Any],
+        namespace: str | None,
+        rid: str,
+        running: dict[str, EngineRequest] | None = None,
+    ) -> EngineRequest:
+        """Submits; the caller has checked that `rid` is not in state.active. NOTE: the id is
+        claimed before the first await: on the one event loop, check and claim are one step."""
+        run = cls(state, engine, rid, running)
+        state.active[rid] = None
+        try:
+            run.handle = await state.submit(engine, prompt, params, namespace, rid=rid)
+        except BaseException:
+            state.active.pop(rid, None)
+            raise
+        state.active[rid] = run.handle
+        run.running[rid] = run
+        if run.metrics is not None:
+            run.metrics.stream_started()
+        return run
+
+    async def chunks(self) -> AsyncIterator[StreamChunk]:
+        """The request's StreamChunks, up to and including the finished one."""
+        t_first = t_last = None
+        async for chunk in iter_chunks(self.handle.chunks, self.state.pool):
+            if chunk.token_ids:
+                t_last = time.monotonic()
+                t_first = t_last if t_first is None else t_first
+            if chunk.finished:
+                self.finished = True
+                if self.metrics is not None:
+                    self.metrics.request_finished(chunk, self.t0, t_first, t_last)
+            yield chunk
+
+    def release(self) -> None:
+        """Idempotent; client gone, failure or shutdown before the end: abort, free the KV."""
+        if self.released:
+            return
+        self.released = True
+        if not self.finished:
+            self.engine.abort(self.rid)
+        self.state.active.pop(self.rid, None)
+        self.running.pop(self.rid, None)
+        if self.metrics is not None:
+            self.metrics.stream_ended()
