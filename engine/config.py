@@ -41,6 +41,9 @@ class ServerArgs:
     # without flashinfer or for float32)
     attention_backend: str | None = None
     linear_backend: str = "auto"  # auto | torch | onednn (auto = onednn on CPU float32)
+    # Weights held block-quantized on CPU: none | int8 (q8_0) | int4 (q4_1, lm_head q8_0) | auto
+    # (a GGUF's own format on CPU: the embedded Q4_1 model runs int4; none otherwise)
+    quantization: str = "auto"
     # CUDA graphs for decode batches (CUDA only, backends with supports_cuda_graph)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160  # largest captured decode batch (also capped by running reqs)
@@ -91,6 +94,9 @@ class ServerArgs:
             raise ValueError(f"unknown load_format {self.load_format!r} (auto, dummy)")
         if self.linear_backend not in ("auto", "torch", "onednn"):
             raise ValueError(f"unknown linear_backend {self.linear_backend!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"unknown quantization {self.quantization!r} "
+                             f"(auto, none, int8, int4)")
         if self.hicache_write_policy not in (
             "write_through",
             "write_through_selective",

@@ -17,12 +17,17 @@ DEFAULT_STORAGE_DIR = os.path.join("~", ".cache", "hicache", "kv")
 log = logging.getLogger(__name__)
 
 
-def model_fingerprint(hf_config: Any, dtype: Any, object_size: int) -> str:
-    """Hash of the model config, KV dtype and L3 object size: objects of another model (or
-    another object size) never match."""
+def model_fingerprint(
+    hf_config: Any, dtype: Any, object_size: int, quantization: str = "none"
+) -> str:
+    """Hash of the model config, KV dtype, L3 object size and weight quantization: objects of
+    another model (or object size, or weights whose decode steps round differently) never
+    match."""
     to_json = getattr(hf_config, "to_json_string", None)
     cfg = to_json(use_diff=False) if to_json is not None else repr(hf_config)
-    return hashlib.sha256(f"{cfg}|{dtype}|S{object_size}".encode()).hexdigest()[:32]
+    # NOTE: dense weights keep the fingerprint they had before quantization existed
+    weights = "" if quantization == "none" else f"|W{quantization}"
+    return hashlib.sha256(f"{cfg}|{dtype}|S{object_size}{weights}".encode()).hexdigest()[:32]
 
 
 def storage_scope(fingerprint: str, host_pool: Any) -> str:
@@ -70,7 +75,7 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
         size, ps, kv_pool.dtype, kv_pool.head_num, kv_pool.head_dim, kv_pool.layer_num,
         layout=args.hicache_mem_layout)  # fmt: skip
     sps = args.hicache_storage_page_size
-    fingerprint = model_fingerprint(runner.hf_config, kv_pool.dtype, sps)
+    fingerprint = model_fingerprint(runner.hf_config, kv_pool.dtype, sps, runner.quantization)
     controller = HiCacheController(
         kv_pool, host_pool, allocator, io_backend=args.hicache_io_backend,
         storage=build_storage(args, storage_scope(fingerprint, host_pool)),

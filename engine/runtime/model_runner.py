@@ -12,7 +12,9 @@ from engine.runtime.cuda_graph_runner import CudaGraphRunner
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.layers.attention import create_backend, default_backend
 from engine.runtime.layers.linear import prepack_linears, resolve_linear_backend
-from engine.runtime.models.loader import load_model
+from engine.runtime.layers.cpu_kernels import KERNELS, enable_cpu_kernels, kernel_status
+from engine.runtime.layers.quant import quantize_linears, resolve_quantization
+from engine.runtime.models.loader import gguf_linear_types, load_model
 from engine.runtime.request import Req
 from engine.runtime.sampling import Sampler
 from hicache.allocator import TokenToKVPoolAllocator
@@ -44,6 +46,13 @@ class ModelRunner:
         self.model, self.hf_config, self.tokenizer = load_model(
             args.model_path, self.device, self.dtype, args.load_format, args.random_seed
         )
+        self.quantization = resolve_quantization(
+            args.quantization, self.device, self.dtype, gguf_linear_types(args.model_path)
+        )
+        if self.quantization != "none":
+            count = quantize_linears(self.model, self.quantization)
+            log.info("quantized %d linear layers to %s (kernels: %s)", count, self.quantization,
+                     kernel_status())
         self.linear_backend = resolve_linear_backend(args.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             log.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
@@ -54,9 +63,13 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.max_context_len = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
         self._init_pools()
-        self.attn_backend = create_backend(
-            args.attention_backend or default_backend(self.device, self.dtype), self
-        )
+        # The quantized path is the fast CPU path: fused norms, RoPE in place, C decode attention
+        # (the dense path stays the torch reference)
+        self.cpu_kernels = self.quantization != "none" and KERNELS.get() is not None
+        if self.cpu_kernels:
+            enable_cpu_kernels(self.model, self.max_context_len)
+        default_attn = "cpu" if self.cpu_kernels else default_backend(self.device, self.dtype)
+        self.attn_backend = create_backend(args.attention_backend or default_attn, self)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if (
             self.device.type == "cuda"
@@ -129,6 +142,8 @@ class ModelRunner:
             "max_total_tokens": self.max_total_tokens,
             "page_size": self.args.page_size,
             "linear_backend": self.linear_backend,
+            "quantization": self.quantization,
+            "cpu_kernels": kernel_status() if self.quantization != "none" else "off",
             "cuda_graph_batch_sizes": (
                 self.cuda_graph_runner.batch_sizes if self.cuda_graph_runner else []
             ),

@@ -1,6 +1,8 @@
 """The embedded SmolLM2-135M-Instruct: the engine's greedy tokens equal transformers' generate
 on the same converted weights, single and batched, page sizes 1 and 16, chunked prefill, and on a
-prefix-cache hit."""
+prefix-cache hit: on the dense path and on the int4 path (the GGUF's Q4_1 weights, which
+requantize to exactly the converted ones, run by the C kernels: decode products differ from
+the dense ones only by float reassociation)."""
 
 from __future__ import annotations
 
@@ -38,12 +40,14 @@ def reference():
     return prompts, outs, logits
 
 
+@pytest.mark.parametrize("quantization", ["none", "int4"])
 @pytest.mark.parametrize("page_size,chunk", [(1, -1), (16, 32)])
-def test_smollm2_greedy_matches_transformers(reference, page_size, chunk):
+def test_smollm2_greedy_matches_transformers(reference, page_size, chunk, quantization):
     prompts, ref, _ = reference
     sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
     with Engine(page_size=page_size, chunked_prefill_size=chunk, max_total_tokens=8192,
-                debug_check_invariants=True) as eng:
+                quantization=quantization, debug_check_invariants=True) as eng:
+        assert eng.model_info()["quantization"] == quantization
         assert eng.generate(prompts[0], sp).token_ids == ref[0]
         outs = eng.generate(prompts, sp)
         assert [o.token_ids for o in outs] == ref
@@ -52,13 +56,15 @@ def test_smollm2_greedy_matches_transformers(reference, page_size, chunk):
         assert all(o.cached_tokens > 0 for o in again)
 
 
-def test_smollm2_prefill_logits_close(reference):
-    """Prefill logits agree with transformers' forward within 1e-3 (fp32)."""
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_smollm2_prefill_logits_close(reference, quantization):
+    """Prefill logits agree with transformers' forward within 1e-3 (fp32), dense or int4 (a
+    prefill dequantizes each layer's weight to exactly the converted floats)."""
     from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 
     prompts, _, ref_logits = reference
     ids = prompts[0]
-    with Engine(max_total_tokens=4096) as eng:
+    with Engine(max_total_tokens=4096, quantization=quantization) as eng:
         def run(s):
             r = s.runner
             row = r.req_to_token_pool.alloc(1)[0]

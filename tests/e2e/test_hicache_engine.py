@@ -69,17 +69,19 @@ def test_restart_hits_l3(tiny_llama_dir, tmp_path):
     assert stats["l3"]["errors"] == 0
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_prefill_logits_bit_identical_from_l2(tiny_llama_dir, layout):
+@pytest.mark.parametrize("layout,quantization", [
+    ("layer_first", "none"), ("page_first", "none"), ("page_first", "int4")])
+def test_prefill_logits_bit_identical_from_l2(tiny_llama_dir, layout, quantization):
     """The second turn's prefill logits are bit-identical whether its prefix is served from a
-    huge L1 or loaded back from L2 after eviction."""
+    huge L1 or loaded back from L2 after eviction (dense or int4 weights: the KV cache does not
+    care how the weights are stored)."""
     conv = _prompts(1, seed=11)[0]
     fillers = _prompts(4, seed=98, length=70)
     big_logits, big, _ = _second_turn_logits(tiny_llama_dir, conv, fillers, page_size=16,
-                                             max_total_tokens=8192)
+                                             max_total_tokens=8192, quantization=quantization)
     l2_logits, l2, _ = _second_turn_logits(tiny_llama_dir, conv, fillers, page_size=16,
                                            max_total_tokens=256, enable_hierarchical_cache=True,
-                                           hicache_mem_layout=layout)
+                                           hicache_mem_layout=layout, quantization=quantization)
     assert big.cached_tokens == l2.cached_tokens > 0
     assert l2.cached_tokens_per_tier.get("l2", 0) > 0 and big.cached_tokens_per_tier["l1"] > 0
     assert torch.equal(big_logits, l2_logits)
@@ -133,22 +135,25 @@ def _second_turn_logits(model_dir: str, conv: list[int], fillers: list[list[int]
         return captured[0], second, eng.cache_stats()
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("restart", [True, False])
+@pytest.mark.parametrize("layout,page_size,restart,quantization", [
+    *((lay, ps, rs, "none") for lay in ("layer_first", "page_first") for ps in (1, 16, 64)
+      for rs in (True, False)),
+    ("layer_first", 16, True, "int4"), ("page_first", 1, True, "int4")])
 def test_prefill_logits_bit_identical_from_l3(tiny_llama_dir, tmp_path, layout, page_size,
-                                              restart):
+                                              restart, quantization):
     """The second turn's prefill logits are bit-identical whether its prefix is served from a
     huge L1 or read back from L3 files: after a restart on the same storage dir, or live, with
-    L1 and L2 both too small to keep it."""
+    L1 and L2 both too small to keep it; dense or int4 weights."""
     conv = _prompts(1, seed=11)[0]
     # NOTE: 8 fillers push the conversation out of L1 (256 tokens) and L2 (512, the default
     # hicache_ratio 2; L2 mirrors L1 under write_through), so the live run reads it from L3
     fillers = _prompts(8, seed=98, length=70)
     big_logits, big, _ = _second_turn_logits(tiny_llama_dir, conv, fillers,
-                                             max_total_tokens=8192, page_size=page_size)
+                                             max_total_tokens=8192, page_size=page_size,
+                                             quantization=quantization)
     l3_logits, l3, stats = _second_turn_logits(
         tiny_llama_dir, conv, fillers, restart=restart, page_size=page_size,
+        quantization=quantization,
         max_total_tokens=256, enable_hierarchical_cache=True,
         hicache_mem_layout=layout, hicache_storage_backend="file",
         hicache_storage_dir=str(tmp_path / "kv"), hicache_storage_prefetch_policy="wait_complete",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,8 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        # the C kernel (cpu_kernels) when the fast CPU path is on; None = torch ops (reference)
+        self.kernel: Any = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -38,7 +42,27 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [..., hidden_size]
+        if self.kernel is not None:
+            return self._fused(x, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+    def _fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One C call for the add and the norm (float32, any leading shape)."""
+        x = x.contiguous()
+        rows = x.numel() // self.hidden_size
+        out = torch.empty_like(x)
+        if residual is None:
+            self.kernel.rms_norm_residual(x.data_ptr(), None, self.weight.data_ptr(), self.eps,
+                                          rows, self.hidden_size, out.data_ptr(), None)
+            return out
+        residual = residual.contiguous()
+        summed = torch.empty_like(x)
+        self.kernel.rms_norm_residual(x.data_ptr(), residual.data_ptr(), self.weight.data_ptr(),
+                                      self.eps, rows, self.hidden_size, out.data_ptr(),
+                                      summed.data_ptr())
+        return out, summed

@@ -69,6 +69,8 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self._positions: torch.Tensor | None = None
+        # the C kernel (cpu_kernels) when the fast CPU path is on: RoPE in place, one call
+        self.kernel: Any = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = (cache, cache)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +85,14 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions [num_tokens]; x [num_tokens, heads, head_dim] = x1 | x2 (halves)
+        if (self.kernel is not None and x.dtype == torch.float32 and x.stride(2) == 1
+                and x.stride(1) == self.head_dim and positions.dtype == torch.int64):
+            # NOTE: in place (x is a view of the fresh qkv projection)
+            positions = positions.contiguous()
+            self.kernel.rope_neox_inplace(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
+                                          self.head_dim, positions.data_ptr(),
+                                          self.cos_sin_cache.data_ptr())
+            return x
         # out = (x1 * cos - x2 * sin) | (x2 * cos + x1 * sin) = x * (cos|cos) + (x2|x1) * (-sin|sin)
         cos2, sin2 = self.cos_sin(positions)
         x1, x2 = x.chunk(2, dim=-1)

@@ -97,6 +97,75 @@ def convert_gguf(gguf_path: str, cache_root: Path | None = None) -> Path:
     return target
 
 
+def gguf_linear_types(model_path: str | None) -> set[str] | None:
+    """GGUF tensor types of the layers' 2-D weights (``{"Q4_1"}`` for the embedded model), or
+    None when the model is not a GGUF file. Reads only the header (gguf's GGUFReader parses
+    every metadata array, ~5 s for the embedded tokenizer)."""
+    path = model_path or default_model_path()
+    if not path.endswith(".gguf"):
+        return None
+    from gguf.constants import GGMLQuantizationType
+
+    types = set()
+    for name, dims, ggml_type in _gguf_tensor_infos(path):
+        if name.startswith("blk.") and dims == 2:
+            try:
+                types.add(GGMLQuantizationType(ggml_type).name)
+            except ValueError:
+                types.add(f"type{ggml_type}")
+    return types
+
+
+# GGUF metadata value types -> fixed sizes (8 = string, 9 = array are variable)
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _gguf_tensor_infos(path: str) -> list[tuple[str, int, int]]:
+    """(name, number of dims, ggml type id) of every tensor, from the file's header (v2/v3)."""
+    import struct
+
+    with open(path, "rb") as f:
+        def u32() -> int:
+            return struct.unpack("<I", f.read(4))[0]
+
+        def u64() -> int:
+            return struct.unpack("<Q", f.read(8))[0]
+
+        def string() -> str:
+            return f.read(u64()).decode("utf-8", errors="replace")
+
+        def skip_value(vtype: int) -> None:
+            if vtype == 8:
+                f.seek(u64(), 1)
+            elif vtype == 9:
+                etype, count = u32(), u64()
+                if etype in _GGUF_SCALAR_SIZES:
+                    f.seek(_GGUF_SCALAR_SIZES[etype] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip_value(etype)
+            elif vtype in _GGUF_SCALAR_SIZES:
+                f.seek(_GGUF_SCALAR_SIZES[vtype], 1)
+            else:
+                raise ValueError(f"{path}: unknown GGUF metadata type {vtype}")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        if u32() < 2:
+            raise ValueError(f"{path}: GGUF v1 is not supported")
+        n_tensors, n_kv = u64(), u64()
+        for _ in range(n_kv):
+            string()
+            skip_value(u32())
+        infos = []
+        for _ in range(n_tensors):
+            name, n_dims = string(), u32()
+            f.seek(8 * n_dims, 1)
+            infos.append((name, n_dims, u32()))
+            f.seek(8, 1)  # data offset
+        return infos
+
+
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor on CPU) for every tensor of every ``*.safetensors`` file in the dir."""
     files = sorted(Path(model_dir).glob("*.safetensors"))

@@ -61,6 +61,7 @@ BackendFactory = Callable[[Any], AttentionBackend]
 # name -> "module:attr" (imported on first use) or a registered factory
 _BACKENDS: dict[str, str | BackendFactory] = {
     "torch_native": "engine.runtime.layers.attention.torch_native:TorchNativeAttnBackend",
+    "cpu": "engine.runtime.layers.attention.cpu_backend:CpuAttnBackend",
     "triton": "engine.runtime.layers.attention.triton_backend:TritonAttnBackend",
     "flashinfer": "engine.runtime.layers.attention.flashinfer_backend:FlashInferAttnBackend",
 }

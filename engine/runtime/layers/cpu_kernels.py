@@ -1,0 +1,137 @@
+"""The engine's C kernels for CPU serving (``csrc/cpu_kernels.c``): block-quantized matrix
+products (``quant.QuantLinear``), fused residual + RMSNorm, RoPE in place and decode attention
+read straight from the paged KV pool (``attention/cpu_backend.py``).
+
+Built on first use with the system C compiler (``gcc -O3 -mavx2 -mfma -fopenmp``) into
+``~/.cache/hicache/kernels/`` (or ``$HICACHE_KERNEL_CACHE``), keyed by the source's hash, and
+loaded with ctypes (calls release the GIL). OpenMP comes from the libgomp torch already loaded,
+with the thread count passed per call (``torch.get_num_threads()``). Without a compiler or AVX2
+(or with ``HICACHE_NO_CPU_KERNEL=1``) ``KERNELS.get()`` is None and callers use torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES: dict[str, tuple[list, type | None]] = {
+    "linear_q4_1_f32": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I32], _I32),
+    "linear_q8_0_f32": ([_P, _I64, _I64, _P, _P, _I64, _P, _I32], _I32),
+    "dequant_q4_1": ([_P, _P, _P, _I64, _I64, _P, _I32], None),
+    "dequant_q8_0": ([_P, _P, _I64, _I64, _P, _I32], None),
+    "rms_norm_residual": ([_P, _P, _P, _F32, _I64, _I64, _P, _P], None),
+    "rope_neox_inplace": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
+    "decode_attention": (
+        [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
+}
+
+
+class _Kernels:
+    """The compiled library (ctypes), built once per process; ``error`` says why it is not."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+        self._tried = False
+
+    def get(self) -> ctypes.CDLL | None:
+        if self._tried:  # NOTE: the hot path; set once under the lock
+            return self._lib
+        with self._lock:
+            if not self._tried:
+                try:
+                    self._lib = _load(_build())
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    self.error = str(exc)
+                    log.warning("CPU kernels unavailable (%s); using torch ops", exc)
+                self._tried = True
+            return self._lib
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+
+
+def _build() -> Path:
+    """Compile the source once per source + flags into the user cache (atomic rename)."""
+    if os.environ.get("HICACHE_NO_CPU_KERNEL"):
+        raise RuntimeError("HICACHE_NO_CPU_KERNEL is set")
+    if not _cpu_has_avx2():
+        raise RuntimeError("the CPU lacks AVX2/FMA/F16C")
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc/cc) on PATH")
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("HICACHE_KERNEL_CACHE") or Path.home() / ".cache" / "hicache")
+    target = root / "kernels" / f"cpu_kernels-{digest}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *_CFLAGS, "-o", tmp, str(_SOURCE)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (args, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, restype
+    return lib
+
+
+KERNELS = _Kernels()
+
+
+def kernel_status() -> str:
+    """``"c"`` when the compiled kernels are in use, else ``"torch (<why>)"``."""
+    return "c" if KERNELS.get() is not None else f"torch ({KERNELS.error})"
+
+
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+def enable_cpu_kernels(model: torch.nn.Module, max_context_len: int) -> int:
+    """Route the model's RMSNorm and RoPE modules through the C kernels; returns how many."""
+    from engine.runtime.layers.norm import RMSNorm
+    from engine.runtime.layers.rotary import RotaryEmbedding
+
+    lib = KERNELS.get()
+    count = 0
+    for module in model.modules():
+        norm = isinstance(module, RMSNorm) and module.weight.dtype == torch.float32
+        # NOTE: the RoPE kernel does not bound-check positions: only when its cache covers all
+        rope = isinstance(module, RotaryEmbedding) and module.max_position >= max_context_len
+        if norm or rope:
+            module.kernel, count = lib, count + 1
+    return count

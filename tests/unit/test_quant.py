@@ -1,0 +1,196 @@
+"""Block-quantized weights (q4_1, q8_0): the formats' round trips, the requantization that
+recovers the embedded GGUF's own codes bit for bit, the C products against the torch reference
+on the dequantized weight, the torch fallback, the option's resolution, and the engine's greedy
+tokens on the quantized path against the dense one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import Engine
+from engine.runtime.layers import cpu_kernels
+from engine.runtime.layers.quant import (
+    DECODE_MAX_ROWS,
+    QuantLinear,
+    dequantize_q4_1,
+    dequantize_q8_0,
+    quantize_linears,
+    quantize_q4_1,
+    quantize_q8_0,
+    resolve_quantization,
+)
+from engine.runtime.models.loader import load_model
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.KERNELS.get() is None,
+                                   reason=f"no CPU kernels: {cpu_kernels.KERNELS.error}")
+
+
+def _weights(seed: int, n: int, k: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * scale
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 40), blocks=st.integers(1, 6),
+       scale=st.sampled_from([1e-3, 0.05, 3.0]))
+def test_q4_1_round_trip_and_requantization_is_exact(seed, n, blocks, scale):
+    """Dequantized values are within half a step of the input, and requantizing them gives back
+    the same floats (the property that recovers a GGUF's Q4_1 codes from dense weights)."""
+    w = _weights(seed, n, 32 * blocks, scale)
+    qs, d, m = quantize_q4_1(w)
+    back = dequantize_q4_1(qs, d, m)
+    step = d.repeat_interleave(32, dim=1)
+    # NOTE: fp16-rounded scales and min stretch the grid by at most an fp16 ulp each
+    assert ((back - w).abs() <= step * 0.51 + w.abs().amax() * 2e-3 + 1e-7).all()
+    assert torch.equal(dequantize_q4_1(*quantize_q4_1(back)), back)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 40), blocks=st.integers(1, 6),
+       scale=st.sampled_from([1e-3, 0.05, 3.0]))
+def test_q8_0_round_trip_and_requantization_is_exact(seed, n, blocks, scale):
+    w = _weights(seed, n, 32 * blocks, scale)
+    qs, d = quantize_q8_0(w)
+    back = dequantize_q8_0(qs, d)
+    step = d.repeat_interleave(32, dim=1)
+    assert ((back - w).abs() <= step * 0.51 + w.abs().amax() * 2e-3 + 1e-7).all()
+    assert torch.equal(dequantize_q8_0(*quantize_q8_0(back)), back)
+
+
+def test_constant_and_zero_blocks():
+    """A constant block is exact in q4_1 (its min); zeros are exact in both (no 0/0)."""
+    w = torch.zeros(3, 64)
+    w[1] = 0.25
+    qs, d, m = quantize_q4_1(w)
+    assert torch.equal(dequantize_q4_1(qs, d, m), w)
+    back = dequantize_q8_0(*quantize_q8_0(w))
+    assert torch.equal(back[0], w[0]) and torch.equal(back[2], w[2])
+    torch.testing.assert_close(back[1], w[1], rtol=1e-3, atol=0)
+
+
+def test_embedded_gguf_weights_are_recovered_bit_for_bit():
+    """Every matrix of the embedded SmolLM2 (Q4_1 layers, Q8_0 embedding) requantizes to
+    exactly the dense weights the converter dequantized: the int4 path runs the file's weights."""
+    model, _, _ = load_model(None, "cpu")
+    checked = 0
+    for name, p in model.named_parameters():
+        if p.dim() != 2:
+            continue
+        w = p.detach()
+        if "embed_tokens" in name:
+            back = dequantize_q8_0(*quantize_q8_0(w))
+        else:
+            back = dequantize_q4_1(*quantize_q4_1(w))
+        assert torch.equal(back, w), name
+        checked += 1
+    assert checked == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the (tied) embedding
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_quant_linear_equals_dense_product_of_its_weights(scheme, rows, bias):
+    """The C product (<= DECODE_MAX_ROWS rows) equals F.linear on the dequantized weight up to
+    float reassociation; above it (dequantize + GEMM) exactly."""
+    w = _weights(rows, 200, 96, 0.05)
+    b = torch.randn(200) if bias else None
+    layer = QuantLinear(w, b, scheme)
+    x = torch.randn(rows, 96)
+    ref = F.linear(x, layer.dequantize(), b)
+    out = layer(x)
+    assert out.shape == (rows, 200)
+    if rows > DECODE_MAX_ROWS:
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # leading dims are kept
+    assert torch.equal(layer(x.view(1, rows, 96)).view(rows, 200), out)
+
+
+@needs_kernels
+def test_dequantize_kernel_equals_torch():
+    w = _weights(3, 130, 160, 0.1)
+    for scheme, ref in (("q4_1", lambda L: dequantize_q4_1(L.qs, L.d, L.m)),
+                        ("q8_0", lambda L: dequantize_q8_0(L.qs, L.d))):
+        layer = QuantLinear(w, None, scheme)
+        assert torch.equal(layer.dequantize(), ref(layer))
+
+
+def test_torch_fallback_without_kernels(monkeypatch):
+    """No compiler / no AVX2: the same layer runs on torch ops with the same results."""
+    w = _weights(5, 64, 64, 0.05)
+    x = torch.randn(3, 64)
+    layer = QuantLinear(w, None, "q4_1")
+    monkeypatch.setattr(cpu_kernels.KERNELS, "_lib", None)
+    monkeypatch.setattr(cpu_kernels.KERNELS, "_tried", True)
+    torch.testing.assert_close(layer(x), F.linear(x, dequantize_q4_1(layer.qs, layer.d, layer.m)))
+
+
+def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("HICACHE_NO_CPU_KERNEL", "1")
+    fresh = cpu_kernels._Kernels()
+    assert fresh.get() is None and "HICACHE_NO_CPU_KERNEL" in fresh.error
+    monkeypatch.delenv("HICACHE_NO_CPU_KERNEL")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("HICACHE_KERNEL_CACHE", str(tmp_path / "cache"))
+    fresh = cpu_kernels._Kernels()
+    assert fresh.get() is None and fresh.error
+
+
+def test_bad_layers_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantLinear(torch.randn(8, 40), None, "q4_1")
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        QuantLinear(torch.randn(8, 64), None, "q3_k")
+    with pytest.raises(ValueError, match="float32"):
+        QuantLinear(torch.randn(8, 64).half(), None, "q4_1")
+
+
+def test_resolve_quantization():
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert resolve_quantization("auto", cpu, f32, {"Q4_1"}) == "int4"
+    assert resolve_quantization("auto", cpu, f32, {"Q4_K", "Q6_K"}) == "int4"
+    assert resolve_quantization("auto", cpu, f32, {"Q8_0"}) == "int8"
+    assert resolve_quantization("auto", cpu, f32, {"F16"}) == "none"
+    assert resolve_quantization("auto", cpu, f32, None) == "none"  # safetensors
+    assert resolve_quantization("auto", cpu, torch.bfloat16, {"Q4_1"}) == "none"
+    assert resolve_quantization("auto", torch.device("cuda"), torch.bfloat16, {"Q4_1"}) == "none"
+    assert resolve_quantization("int8", cpu, f32, None) == "int8"
+    with pytest.raises(ValueError, match="runs on CPU"):
+        resolve_quantization("int4", torch.device("cuda"), torch.bfloat16, None)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        resolve_quantization("int3", cpu, f32, None)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        Engine(quantization="fp4")
+
+
+def test_quantize_linears_keeps_tied_embedding(tiny_llama_dir):
+    model, _, _ = load_model(tiny_llama_dir, "cpu")
+    embed = model.model.embed_tokens.weight
+    count = quantize_linears(model, "int4")
+    assert count == 2 * 4 + 1
+    assert model.lm_head.scheme == "q8_0"
+    assert model.model.layers[0].mlp.down_proj.scheme == "q4_1"
+    if model.tie_word_embeddings:
+        assert model.lm_head.dense is embed
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_engine_quantized_runs_and_reports(tiny_llama_dir, quantization):
+    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    prompts = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 9]
+    with Engine(tiny_llama_dir, quantization=quantization, max_total_tokens=1024,
+                debug_check_invariants=True) as eng:
+        info = eng.model_info()
+        assert info["quantization"] == quantization
+        outs = eng.generate(prompts, sp)
+        again = eng.generate(prompts, sp)  # prefix-cache hits: same tokens
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+        assert all(len(o.token_ids) == 12 for o in outs)
+    with Engine(tiny_llama_dir, max_total_tokens=1024) as eng:
+        assert eng.model_info()["quantization"] == "none"  # auto: an HF dir stays dense

