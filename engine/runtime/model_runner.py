@@ -11,8 +11,8 @@ from engine.config import ServerArgs
 from engine.runtime.cuda_graph_runner import CudaGraphRunner
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.layers.attention import create_backend, default_backend
-from engine.runtime.layers.linear import prepack_linears, resolve_linear_backend
 from engine.runtime.layers.cpu_kernels import KERNELS, enable_cpu_kernels, kernel_status
+from engine.runtime.layers.linear import prepack_linears, resolve_linear_backend
 from engine.runtime.layers.quant import quantize_linears, resolve_quantization
 from engine.runtime.models.loader import gguf_linear_types, load_model
 from engine.runtime.request import Req
