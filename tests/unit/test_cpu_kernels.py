@@ -18,6 +18,7 @@ from engine.runtime.layers.rotary import RotaryEmbedding
 from hicache.kv_pool import MHATokenToKVPool
 from hicache.req_to_token import ReqToTokenPool
 
+HD = 32
 LIB = cpu_kernels.KERNELS.get()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"no CPU kernels: {cpu_kernels.KERNELS.error}")
 
@@ -56,7 +57,7 @@ def test_rope_in_place_equals_torch():
 
 def _decode_batch(seq_lens: list[int], heads: int, kv_heads: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    hd, total = 32, sum(seq_lens)
+    hd, total = HD, sum(seq_lens)
     pool = MHATokenToKVPool(total + 8, 1, torch.float32, kv_heads, hd, 2, "cpu")
     for layer in range(2):
         k, v = pool.get_kv_buffer(layer)

@@ -229,7 +229,8 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 
 /* Decode attention straight from the paged pool (no gather): request b's single query attends
  * to slots req_to_token[row_b, 0:seq_len_b]. q/out [bs, heads*hd]; k/v [slots, kv_heads, hd].
- * Parallel over (request, head); scores in a per-task buffer (two-pass softmax in float). */
+ * Parallel over (request, kv head): the group's G query heads share each K/V row read. Scores
+ * in a per-task buffer [G, seq_len]; softmax in float, two passes. */
 int decode_attention(const float *q, const float *k, const float *v, const int32_t *req_to_token,
                      int64_t r2t_stride, const int64_t *rows, const int64_t *seq_lens, int64_t bs,
                      int64_t heads, int64_t kv_heads, int64_t hd, float scale, float *out,
@@ -237,34 +238,39 @@ int decode_attention(const float *q, const float *k, const float *v, const int32
     const int64_t group = heads / kv_heads;
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < bs * heads; task++) {
-        const int64_t b = task / heads, h = task % heads, kvh = h / group;
+    for (int64_t task = 0; task < bs * kv_heads; task++) {
+        const int64_t b = task / kv_heads, kvh = task % kv_heads;
         const int64_t n = seq_lens[b];
         const int32_t *slots = req_to_token + rows[b] * r2t_stride;
-        const float *qh = q + b * heads * hd + h * hd;
-        float *oh = out + b * heads * hd + h * hd;
-        float *scores = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+        const float *qg = q + b * heads * hd + kvh * group * hd;  /* G heads, adjacent */
+        float *og = out + b * heads * hd + kvh * group * hd;
+        float *scores = malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));
         if (!scores) {
             failed = 1;
             continue;
         }
-        float mx = -INFINITY;
         for (int64_t t = 0; t < n; t++) {
-            const float s = dot_f32(qh, k + ((int64_t)slots[t] * kv_heads + kvh) * hd, hd) * scale;
-            scores[t] = s;
-            if (s > mx) mx = s;
+            const float *kt = k + ((int64_t)slots[t] * kv_heads + kvh) * hd;
+            for (int64_t g = 0; g < group; g++) scores[g * n + t] = dot_f32(qg + g * hd, kt, hd) * scale;
         }
-        float denom = 0.0f;
-        for (int64_t t = 0; t < n; t++) denom += (scores[t] = expf(scores[t] - mx));
-        for (int64_t j = 0; j < hd; j++) oh[j] = 0.0f;
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = scores + g * n, mx = -INFINITY, denom = 0.0f;
+            for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+            for (int64_t t = 0; t < n; t++) denom += (sg[t] = expf(sg[t] - mx));
+            for (int64_t t = 0; t < n; t++) sg[t] /= denom;
+        }
+        for (int64_t j = 0; j < group * hd; j++) og[j] = 0.0f;
         for (int64_t t = 0; t < n; t++) {
-            const float p = scores[t] / denom;
             const float *vt = v + ((int64_t)slots[t] * kv_heads + kvh) * hd;
-            int64_t j = 0;
-            for (; j + 8 <= hd; j += 8)
-                _mm256_storeu_ps(oh + j, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(vt + j),
-                                                          _mm256_loadu_ps(oh + j)));
-            for (; j < hd; j++) oh[j] += p * vt[j];
+            for (int64_t g = 0; g < group; g++) {
+                const __m256 p = _mm256_set1_ps(scores[g * n + t]);
+                float *oh = og + g * hd;
+                int64_t j = 0;
+                for (; j + 8 <= hd; j += 8)
+                    _mm256_storeu_ps(oh + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + j),
+                                                              _mm256_loadu_ps(oh + j)));
+                for (; j < hd; j++) oh[j] += scores[g * n + t] * vt[j];
+            }
         }
         free(scores);
     }
