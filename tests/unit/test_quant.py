@@ -131,6 +131,16 @@ def test_torch_fallback_without_kernels(monkeypatch):
     torch.testing.assert_close(layer(x), F.linear(x, dequantize_q4_1(layer.qs, layer.d, layer.m)))
 
 
+@needs_kernels
+def test_kernel_builds_into_a_fresh_cache(monkeypatch, tmp_path):
+    """A clean machine: the source compiles into the cache dir once, then is reused."""
+    monkeypatch.setenv("HICACHE_KERNEL_CACHE", str(tmp_path))
+    path = cpu_kernels._build()
+    assert path.parent == tmp_path / "kernels" and path.is_file()
+    assert cpu_kernels._build() == path
+    assert cpu_kernels._load(path).linear_q4_1_f32 is not None
+
+
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("HICACHE_NO_CPU_KERNEL", "1")
     fresh = cpu_kernels._Kernels()
