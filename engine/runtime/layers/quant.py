@@ -1,7 +1,6 @@
 """Block-quantized linear layers for CPU serving: GGUF's ``q4_1`` and ``q8_0`` weight formats
-(blocks of 32 weights along the input dim with float scales), run by a small C kernel
-(``cpu_kernels``) or, without one, by torch
-ops on the dequantized weight (the reference).
+(blocks of 32 weights along the input dim with float scales), run by the C kernels
+(``cpu_kernels``) or, without them, by torch ops on the dequantized weight (the reference).
 
     quantization  layer linears   lm_head
     none          dense           dense           (the reference path)
@@ -36,8 +35,8 @@ log = logging.getLogger(__name__)
 QK = 32  # weights per block
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # Decode product up to this many rows; above it, dequantize + dense GEMM. Measured on a 2-core
-# AVX2 EPYC for SmolLM2's shapes: the block product is ~2x faster than dequantize + sgemm at 16
-# rows and on par at 32.
+# AVX2 EPYC for SmolLM2's shapes: the block product is faster than dequantize + sgemm up to 16
+# rows and on par at 32 (both compute-bound there).
 DECODE_MAX_ROWS = 16
 
 
