@@ -11,6 +11,7 @@ from engine.config import ServerArgs
 from engine.runtime.cuda_graph_runner import CudaGraphRunner
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.layers.attention import create_backend, default_backend
+from engine.runtime.layers.attention.cpu_backend import supports as cpu_attention_supports
 from engine.runtime.layers.cpu_kernels import KERNELS, enable_cpu_kernels, kernel_status
 from engine.runtime.layers.linear import prepack_linears, resolve_linear_backend
 from engine.runtime.layers.quant import quantize_linears, resolve_quantization
@@ -68,7 +69,10 @@ class ModelRunner:
         self.cpu_kernels = self.quantization != "none" and KERNELS.get() is not None
         if self.cpu_kernels:
             enable_cpu_kernels(self.model, self.max_context_len)
-        default_attn = "cpu" if self.cpu_kernels else default_backend(self.device, self.dtype)
+        cpu_attn = self.cpu_kernels and cpu_attention_supports(
+            cfg.num_attention_heads, self.num_kv_heads, self.head_dim
+        )
+        default_attn = "cpu" if cpu_attn else default_backend(self.device, self.dtype)
         self.attn_backend = create_backend(args.attention_backend or default_attn, self)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if (

@@ -1,8 +1,9 @@
 """The embedded SmolLM2-135M-Instruct: the engine's greedy tokens equal transformers' generate
 on the same converted weights, single and batched, page sizes 1 and 16, chunked prefill, and on a
-prefix-cache hit: on the dense path and on the int4 path (the GGUF's Q4_1 weights, which
-requantize to exactly the converted ones, run by the C kernels: decode products differ from
-the dense ones only by float reassociation)."""
+prefix-cache hit, on the dense path. On the int4 path (the GGUF's Q4_1 weights, which requantize
+to exactly the converted ones, run by the C kernels) decode rounds each activation block to int8
+as llama.cpp does (~0.3% per product), which can flip a near-tie: there every greedy token must be
+transformers' top-1 on the same sequence or within NEAR_TIE logits of it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colors.",
              "Why is the sky blue? Answer briefly.", "Write a haiku about caches."]
 NEW = 24
+NEAR_TIE = 0.5  # logits; int8-rounded activations move SmolLM2's decode logits by ~0.05
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +42,54 @@ def reference():
     return prompts, outs, logits
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
 @pytest.mark.parametrize("page_size,chunk", [(1, -1), (16, 32)])
-def test_smollm2_greedy_matches_transformers(reference, page_size, chunk, quantization):
+def test_smollm2_greedy_matches_transformers(reference, page_size, chunk):
     prompts, ref, _ = reference
     sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
     with Engine(page_size=page_size, chunked_prefill_size=chunk, max_total_tokens=8192,
-                quantization=quantization, debug_check_invariants=True) as eng:
-        assert eng.model_info()["quantization"] == quantization
+                quantization="none", debug_check_invariants=True) as eng:
+        assert eng.model_info()["quantization"] == "none"
         assert eng.generate(prompts[0], sp).token_ids == ref[0]
         outs = eng.generate(prompts, sp)
         assert [o.token_ids for o in outs] == ref
         again = eng.generate(prompts, sp)  # every prompt is now a prefix-cache hit
         assert [o.token_ids for o in again] == ref
         assert all(o.cached_tokens > 0 for o in again)
+
+
+@pytest.mark.parametrize("page_size,chunk", [(1, -1), (16, 32)])
+def test_smollm2_int4_greedy_is_transformers_top1_or_a_near_tie(reference, page_size, chunk):
+    """Each token int4 greedy picks (single, batched, and again from the prefix cache) is the
+    argmax of transformers' logits at that position of the same sequence, or within NEAR_TIE of
+    it; a wrong product or KV would pick tokens far down the list. (Whether a prompt's last rows
+    run dense or with int8 activations depends on how many rows share the forward: more than
+    DECODE_MAX_ROWS run dense. "What is the capital of France?" opens with 504 by 0.08 logits
+    over 60, and a 1-row prefill may take 60.)"""
+    from transformers import AutoModelForCausalLM
+
+    prompts, _, _ = reference
+    sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    with Engine(page_size=page_size, chunked_prefill_size=chunk, max_total_tokens=8192,
+                quantization="int4", debug_check_invariants=True) as eng:
+        assert eng.model_info()["quantization"] == "int4"
+        first = eng.generate(prompts[0], sp).token_ids
+        outs = [o.token_ids for o in eng.generate(prompts, sp)]
+        again = eng.generate(prompts, sp)
+        assert all(o.cached_tokens > 0 for o in again)
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(None)),
+                                                 dtype=torch.float32).eval()
+    runs = [(prompts[0], first)] + list(zip(prompts, outs))
+    runs += [(ids, o.token_ids) for ids, o in zip(prompts, again)]
+    flipped = 0
+    for ids, out in runs:
+        assert len(out) == NEW
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1]  # [NEW, vocab]
+        picked = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+        gap = logits.max(dim=1).values - picked  # 0 where int4 took transformers' top-1
+        assert gap.max().item() <= NEAR_TIE, (gap.tolist(), out)
+        flipped += int((gap > 0).sum())
+    assert flipped <= len(runs) * NEW // 20, flipped  # near-ties are rare: <= 5% of tokens
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])

@@ -100,3 +100,20 @@ def test_cpu_decode_attention_equals_torch_native(seq_lens, group, seed):
     out = run("cpu")
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq_lens", [[3000], [1500, 3, 700], [2048, 1]])
+def test_cpu_decode_attention_long_rows_split_into_spans(seq_lens):
+    """Rows longer than 4 x 64 keys are split into spans run on both threads and merged (empty
+    spans of a short row beside a long one included): still equal to torch_native."""
+    run = _decode_batch(seq_lens, 9, 3, 7)
+    torch.testing.assert_close(run("cpu"), run("torch_native"), rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_attention_backend_refuses_heads_it_cannot_take():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_attention_heads=64, num_key_value_heads=2, head_dim=64,
+                          hidden_size=4096)
+    with pytest.raises(ValueError, match="query heads per kv head"):
+        create_backend("cpu", SimpleNamespace(hf_config=cfg))

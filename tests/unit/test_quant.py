@@ -90,24 +90,48 @@ def test_embedded_gguf_weights_are_recovered_bit_for_bit():
     assert checked == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the (tied) embedding
 
 
+def _q4_1_int8_activation_reference(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """The q4_1 kernel's arithmetic in torch: x's blocks rounded to int8 (scale max|x| / 127,
+    half to even as cvtps2dq), exact integer block dots, the scales applied in float64."""
+    rows, k = x.shape
+    nb = k // 32
+    xb = x.reshape(rows, nb, 32)
+    amax = xb.abs().amax(-1)  # [rows, nb]
+    xq = (xb * torch.where(amax > 0, 127 / amax, 0.0)[..., None]).round().double()
+    xd = (amax / 127).double()
+    packed = layer.qs.reshape(layer.qs.shape[0], nb, 16)
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).double()  # [N, nb, 32]
+    dots = torch.einsum("rbj,nbj->rnb", xq, q)  # [rows, N, nb] integers
+    scale = layer.d.double()[None] * xd[:, None]  # [rows, N, nb]
+    mins = layer.m.double()[None] * (xd * xq.sum(-1))[:, None]
+    return (dots * scale + mins).sum(-1).float()
+
+
 @needs_kernels
 @pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_quant_linear_equals_dense_product_of_its_weights(scheme, rows, bias):
-    """The C product (<= DECODE_MAX_ROWS rows) equals F.linear on the dequantized weight up to
-    float reassociation; above it (dequantize + GEMM) exactly."""
+def test_quant_linear_products(scheme, rows, bias):
+    """<= DECODE_MAX_ROWS rows: q8_0 equals F.linear on the dequantized weight up to float
+    reassociation; q4_1 equals its int8-activation reference (llama.cpp's scheme) and stays
+    within 2% (norm per row) of the dense product. More rows: dequantize + GEMM, bit-equal."""
     w = _weights(rows, 200, 96, 0.05)
     b = torch.randn(200) if bias else None
     layer = QuantLinear(w, b, scheme)
     x = torch.randn(rows, 96)
+    x[0, 5] = 40.0  # an outlier, as LLM activations have: its block's others round coarsely
     ref = F.linear(x, layer.dequantize(), b)
     out = layer(x)
     assert out.shape == (rows, 200)
     if rows > DECODE_MAX_ROWS:
         assert torch.equal(out, ref)
-    else:
+    elif scheme == "q8_0":
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        exact = _q4_1_int8_activation_reference(x, layer) + (b if bias else 0)
+        torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-4)
+        rel = (out - ref).norm(dim=1) / ref.norm(dim=1)
+        assert rel.max().item() < 0.02, rel
     # leading dims are kept
     assert torch.equal(layer(x.view(1, rows, 96)).view(rows, 200), out)
 
@@ -138,7 +162,7 @@ def test_kernel_builds_into_a_fresh_cache(monkeypatch, tmp_path):
     path = cpu_kernels._build()
     assert path.parent == tmp_path / "kernels" and path.is_file()
     assert cpu_kernels._build() == path
-    assert cpu_kernels._load(path).linear_q4_1_f32 is not None
+    assert cpu_kernels._load(path).linear_q4_1_q8 is not None
 
 
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):

@@ -3,8 +3,9 @@
 
 Per decode batch it keeps only the request rows and sequence lengths; per layer it scatters the
 new K/V into the pool (as ``torch_native``) and calls ``decode_attention`` once, parallel over
-(request, head). Results equal ``torch_native``'s within float32 rounding (softmax order differs).
-The CPU default when the weights are quantized and the C kernels built (``cpu_kernels``).
+(request, kv head, span of keys) with an online softmax. Results equal ``torch_native``'s within
+float32 rounding (softmax order differs). The CPU default when the weights are quantized, the C
+kernels built (``cpu_kernels``) and the model's heads fit the kernel (``supports``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,32 @@ if TYPE_CHECKING:
     from engine.runtime.layers.radix_attention import RadixAttention
 
 
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # AMAXG / AMAXHD in csrc/cpu_kernels.c
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the C decode kernel takes these heads (else it would return -2)."""
+    group = num_heads // num_kv_heads
+    return group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0
+
+
 class CpuAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner_or_config: Any = None) -> None:
         super().__init__(model_runner_or_config)
         self.lib = KERNELS.get()
         if self.lib is None:
             raise ValueError(f"attention backend 'cpu' needs the C kernels: {KERNELS.error}")
+        cfg = getattr(model_runner_or_config, "hf_config", None)
+        if cfg is not None:
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            if not supports(heads, kv_heads, head_dim):
+                raise ValueError(
+                    f"attention backend 'cpu' takes head_dim <= {MAX_HEAD_DIM} (a multiple of 8) "
+                    f"and <= {MAX_GROUP} query heads per kv head; this model has head_dim "
+                    f"{head_dim}, {heads} heads, {kv_heads} kv heads"
+                )
         self._decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -62,6 +83,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             rows.data_ptr(), seq_lens.data_ptr(), q.shape[0], layer.num_heads,
             layer.num_kv_heads, layer.head_dim, layer.scaling, out.data_ptr(), threads(),
         )  # fmt: skip
+        if rc == -2:
+            raise ValueError(f"attention backend 'cpu' does not take {layer.num_heads} heads / "
+                             f"{layer.num_kv_heads} kv heads of dim {layer.head_dim}")
         if rc != 0:
-            raise MemoryError("decode attention: out of memory for its score buffers")
+            raise MemoryError("decode attention: out of memory for its partial buffers")
         return out

@@ -7,9 +7,12 @@
  *         block byte j holds weight j (low nibble) and weight j + 16 (high nibble)
  *   q8_0: qs int8 [N, K],    d float [N, K/32];     w = d * q,      q in -127..127
  *
- * x stays float32: each weight block is widened to float once and FMA'd with up to RB rows, so
- * the product equals the dense one up to float reassociation. (Quantizing x to int8 per block
- * as llama.cpp does was measured no faster here for 1-16 rows and 1e4x less exact.)
+ * q4_1 takes x as llama.cpp does: each row's blocks of 32 rounded to int8 with a float scale
+ * (xd = max|x| / 127) and the block's sum kept for the min term, so a block's product is one
+ * u8 x s8 multiply-add (maddubs) and one float FMA. That halved the single-row time here (the
+ * float-activation kernel was bound by widening every weight to float, ~7 ns a block) at ~0.3%
+ * relative error per product, the error llama.cpp serves with. q8_0 (the vocab projection,
+ * already at memory bandwidth with float x) keeps float32 x: the logits stay exact products.
  * Parallel over N with OpenMP (the same libgomp torch loads; threads passed explicitly).
  * Needs AVX2 + FMA + F16C; the Python side falls back to torch ops when the build fails.
  */
@@ -28,38 +31,74 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* Rows of x are taken RB at a time so each widened weight block is reused from registers. */
+/* Rows of x are taken RB at a time so each unpacked weight block is reused from registers. */
 #define RB 8
+
+/* x [M, K] -> int8 blocks xq [M, K], scales xd [M, K/32], xs = xd * sum(xq) per block */
+static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd,
+                             float *xs) {
+    const int64_t nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < M * nb; r++) {
+        const float *xb = x + r * QK;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i qi[4];
+        for (int j = 0; j < 4; j++) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+        const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                            _mm256_add_epi32(qi[2], qi[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        /* packs work per 128-bit lane: 32 int32 -> 32 int8 come out in lane order 0,4,1,5,.. */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                             _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(xq + r * QK),
+                            _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        xd[r] = amax / 127.0f;
+        xs[r] = xd[r] * (float)_mm_cvtsi128_si32(s4);
+    }
+}
 
 /* One weight row n against R rows of x (R a compile-time constant after inlining, so the
  * accumulators stay in registers: a runtime row count spilled them to the stack, a store-forward
- * on every block's dependency chain, ~2x slower). */
+ * on every block's dependency chain, ~2x slower). Weight nibbles 0..15 as u8 x int8 x. */
 static inline __attribute__((always_inline)) void q4_1_rows(
-    const uint8_t *wq, const float *wd, const float *wm, const float *x, const float *xsum,
-    int64_t K, int64_t nb, const int R, float *y, int64_t ystride) {
+    const uint8_t *wq, const float *wd, const float *wm, const int8_t *xq, const float *xd,
+    const float *xs, int64_t K, int64_t nb, const int R, float *y, int64_t ystride) {
     __m256 acc[RB];
-    float mins[RB];
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps(), mins[i] = 0.0f;
-    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
+        /* byte j: weight j (low nibble) and j + 16 (high): low lane 0..15, high lane 16..31 */
         const __m128i v = _mm_loadu_si128((const __m128i *)(wq + b * 16));
-        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        const __m256 db = _mm256_set1_ps(wd[b]);
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), mask);
         for (int i = 0; i < R; i++) {
-            const float *xb = x + i * K + b * QK;
-            __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-            s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
-            s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
-            s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);
-            acc[i] = _mm256_fmadd_ps(db, s, acc[i]);
-            mins[i] += wm[b] * xsum[i * nb + b];
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+            /* 15 * 127 * 2 fits int16: no saturation */
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * xd[i * nb + b]),
+                                     _mm256_cvtepi32_ps(p), acc[i]);
         }
     }
-    for (int i = 0; i < R; i++) y[i * ystride] = hsum8(acc[i]) + mins[i];
+    for (int i = 0; i < R; i++) {  /* + sum_b m_b * sum(x_b) */
+        const float *xsi = xs + i * nb;
+        __m256 mv = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8)
+            mv = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b), _mm256_loadu_ps(xsi + b), mv);
+        float mins = hsum8(mv);
+        for (; b < nb; b++) mins += wm[b] * xsi[b];
+        y[i * ystride] = hsum8(acc[i]) + mins;
+    }
 }
 
 static inline __attribute__((always_inline)) void q8_0_rows(
@@ -96,29 +135,30 @@ static inline __attribute__((always_inline)) void q8_0_rows(
     default: CALL(8); break;    \
     }
 
-/* float32 activations; the q4_1 min term uses sum(x) per block */
-int linear_q4_1_f32(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
-                    const float *m, int64_t N, float *y, int nthreads) {
+/* x quantized to int8 blocks once per call (quantize_rows_q8), then rows in parallel over N */
+int linear_q4_1_q8(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
+                   const float *m, int64_t N, float *y, int nthreads) {
     const int64_t nb = K / QK;
-    float *xsum = malloc(sizeof(float) * (size_t)(M * nb));
-    if (!xsum) return -1;
-    for (int64_t r = 0; r < M * nb; r++) {
-        float s = 0.0f;
-        for (int j = 0; j < QK; j++) s += x[r * QK + j];
-        xsum[r] = s;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xd = malloc(sizeof(float) * (size_t)(M * nb)), *xs = malloc(sizeof(float) * (size_t)(M * nb));
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -1;
     }
+    quantize_rows_q8(x, M, K, xq, xd, xs);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wq = qs + n * (K / 2);
         const float *wd = d + n * nb, *wm = m + n * nb;
         for (int64_t r0 = 0; r0 < M; r0 += RB) {
             const int rows = (int)(M - r0 < RB ? M - r0 : RB);
-#define Q4_CALL(R) q4_1_rows(wq, wd, wm, x + r0 * K, xsum + r0 * nb, K, nb, R, y + r0 * N + n, N)
+#define Q4_CALL(R) \
+    q4_1_rows(wq, wd, wm, xq + r0 * K, xd + r0 * nb, xs + r0 * nb, K, nb, R, y + r0 * N + n, N)
             ROWS_SWITCH(rows, Q4_CALL)
 #undef Q4_CALL
         }
     }
-    free(xsum);
+    free(xq), free(xd), free(xs);
     return 0;
 }
 
@@ -227,52 +267,138 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* e^x for 8 floats (Cephes' expf: range reduction by ln 2 in two parts, degree-5 polynomial;
+ * ~1 ulp on [-87, 88]); below -87 the result is flushed to 0, as softmax wants. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    const __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                      _mm256_set1_ps(0.5f)),
+                                      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+#define ABLK 64     /* keys per online-softmax block */
+#define AMAXG 16    /* query heads per kv head handled */
+#define AMAXHD 256  /* head_dim handled */
+
+/* One query group (G heads sharing kv head kvh) of one request over keys [t0, t1): the
+ * un-normalised output acc[G, hd] and each head's running max mx[G] and denominator l[G] (the
+ * flash-decoding partial; merging partials of one row gives the exact softmax). */
+static void attend_span(const float *qg, const float *k, const float *v, const int32_t *slots,
+                        int64_t t0, int64_t t1, int64_t kv_heads, int64_t kvh, int64_t hd,
+                        int64_t group, float scale, float *acc, float *mx, float *l) {
+    float s[AMAXG][ABLK];
+    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY, l[g] = 0.0f;
+    for (int64_t j = 0; j < group * hd; j++) acc[j] = 0.0f;
+    for (int64_t b0 = t0; b0 < t1; b0 += ABLK) {
+        const int64_t n = t1 - b0 < ABLK ? t1 - b0 : ABLK;
+        for (int64_t t = 0; t < n; t++) {  /* each K row is read once for the whole group */
+            const float *kt = k + ((int64_t)slots[b0 + t] * kv_heads + kvh) * hd;
+            for (int64_t g = 0; g < group; g++) s[g][t] = dot_f32(qg + g * hd, kt, hd) * scale;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float bm = -INFINITY;
+            for (int64_t t = 0; t < n; t++) bm = s[g][t] > bm ? s[g][t] : bm;
+            const float m_new = bm > mx[g] ? bm : mx[g];
+            const float rescale = expf(mx[g] - m_new);  /* 0 on the first block */
+            const __m256 mv = _mm256_set1_ps(m_new);
+            __m256 sum = _mm256_setzero_ps();
+            int64_t t = 0;
+            for (; t + 8 <= n; t += 8) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s[g] + t), mv));
+                _mm256_storeu_ps(s[g] + t, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            float tail = 0.0f;
+            for (; t < n; t++) tail += (s[g][t] = expf(s[g][t] - m_new));
+            l[g] = l[g] * rescale + hsum8(sum) + tail;
+            mx[g] = m_new;
+            /* acc = acc * rescale + P V, 64 floats of the head at a time in registers */
+            for (int64_t c = 0; c < hd; c += 64) {
+                const int64_t w = hd - c < 64 ? (hd - c) / 8 : 8;
+                float *ac = acc + g * hd + c;
+                __m256 r[8];
+                const __m256 rs = _mm256_set1_ps(rescale);
+                for (int i = 0; i < w; i++) r[i] = _mm256_mul_ps(_mm256_loadu_ps(ac + 8 * i), rs);
+                for (int64_t tt = 0; tt < n; tt++) {
+                    const float *vt = v + ((int64_t)slots[b0 + tt] * kv_heads + kvh) * hd + c;
+                    const __m256 p = _mm256_set1_ps(s[g][tt]);
+                    for (int i = 0; i < w; i++) r[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * i), r[i]);
+                }
+                for (int i = 0; i < w; i++) _mm256_storeu_ps(ac + 8 * i, r[i]);
+            }
+        }
+    }
+}
+
 /* Decode attention straight from the paged pool (no gather): request b's single query attends
- * to slots req_to_token[row_b, 0:seq_len_b]. q/out [bs, heads*hd]; k/v [slots, kv_heads, hd].
- * Parallel over (request, kv head): the group's G query heads share each K/V row read. Scores
- * in a per-task buffer [G, seq_len]; softmax in float, two passes. */
+ * to slots req_to_token[row_b, 0:seq_len_b]. q/out [bs, heads*hd]; k/v [slots, kv_heads, hd];
+ * hd a multiple of 8 up to AMAXHD, heads / kv_heads up to AMAXG (else -2: the caller falls
+ * back). Tasks are (request, kv head, span of keys): a long row is split into spans so both
+ * threads have work even at one request, and the spans' partials are merged exactly. */
 int decode_attention(const float *q, const float *k, const float *v, const int32_t *req_to_token,
                      int64_t r2t_stride, const int64_t *rows, const int64_t *seq_lens, int64_t bs,
                      int64_t heads, int64_t kv_heads, int64_t hd, float scale, float *out,
                      int nthreads) {
     const int64_t group = heads / kv_heads;
-    int failed = 0;
+    if (group > AMAXG || hd > AMAXHD || hd % 8) return -2;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < bs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    /* enough tasks for ~4 per thread, spans no shorter than 4 blocks */
+    int64_t spans = (4 * (int64_t)nthreads + bs * kv_heads - 1) / (bs * kv_heads);
+    const int64_t most = (max_len + 4 * ABLK - 1) / (4 * ABLK);
+    spans = spans < most ? spans : most;
+    spans = spans < 1 ? 1 : spans;
+    const int64_t span_len = ((max_len + spans - 1) / spans + ABLK - 1) / ABLK * ABLK;
+    const int64_t ntasks = bs * kv_heads * spans, part = group * (hd + 2);
+    float *parts = malloc(sizeof(float) * (size_t)(ntasks * part));
+    if (!parts) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < bs * kv_heads; task++) {
-        const int64_t b = task / kv_heads, kvh = task % kv_heads;
-        const int64_t n = seq_lens[b];
-        const int32_t *slots = req_to_token + rows[b] * r2t_stride;
-        const float *qg = q + b * heads * hd + kvh * group * hd;  /* G heads, adjacent */
-        float *og = out + b * heads * hd + kvh * group * hd;
-        float *scores = malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));
-        if (!scores) {
-            failed = 1;
-            continue;
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const float *kt = k + ((int64_t)slots[t] * kv_heads + kvh) * hd;
-            for (int64_t g = 0; g < group; g++) scores[g * n + t] = dot_f32(qg + g * hd, kt, hd) * scale;
-        }
-        for (int64_t g = 0; g < group; g++) {
-            float *sg = scores + g * n, mx = -INFINITY, denom = 0.0f;
-            for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
-            for (int64_t t = 0; t < n; t++) denom += (sg[t] = expf(sg[t] - mx));
-            for (int64_t t = 0; t < n; t++) sg[t] /= denom;
-        }
-        for (int64_t j = 0; j < group * hd; j++) og[j] = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            const float *vt = v + ((int64_t)slots[t] * kv_heads + kvh) * hd;
-            for (int64_t g = 0; g < group; g++) {
-                const __m256 p = _mm256_set1_ps(scores[g * n + t]);
-                float *oh = og + g * hd;
-                int64_t j = 0;
-                for (; j + 8 <= hd; j += 8)
-                    _mm256_storeu_ps(oh + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + j),
-                                                              _mm256_loadu_ps(oh + j)));
-                for (; j < hd; j++) oh[j] += scores[g * n + t] * vt[j];
-            }
-        }
-        free(scores);
+    for (int64_t task = 0; task < ntasks; task++) {
+        const int64_t b = task / (kv_heads * spans), kvh = task / spans % kv_heads;
+        const int64_t t0 = task % spans * span_len, n = seq_lens[b];
+        const int64_t t1 = t0 + span_len < n ? t0 + span_len : n;
+        float *pa = parts + task * part;
+        attend_span(q + b * heads * hd + kvh * group * hd, k, v, req_to_token + rows[b] * r2t_stride,
+                    t0, t1 > t0 ? t1 : t0, kv_heads, kvh, hd, group, scale, pa, pa + group * hd,
+                    pa + group * hd + group);
     }
-    return failed ? -1 : 0;
+    /* merge each head's spans: out = sum_i e^(m_i - m) acc_i / sum_i e^(m_i - m) l_i */
+    for (int64_t b = 0; b < bs; b++)
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+            for (int64_t g = 0; g < group; g++) {
+                const float *p0 = parts + (b * kv_heads + kvh) * spans * part;
+                float m = -INFINITY, denom = 0.0f;
+                for (int64_t i = 0; i < spans; i++) {
+                    const float mi = p0[i * part + group * hd + g];
+                    m = mi > m ? mi : m;
+                }
+                float *o = out + b * heads * hd + (kvh * group + g) * hd;
+                for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+                for (int64_t i = 0; i < spans; i++) {
+                    const float *pi = p0 + i * part;
+                    const float mi = pi[group * hd + g];
+                    if (mi == -INFINITY) continue;  /* an empty span */
+                    const float w = expf(mi - m);
+                    denom += w * pi[group * hd + group + g];
+                    for (int64_t j = 0; j < hd; j++) o[j] += w * pi[g * hd + j];
+                }
+                const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+                for (int64_t j = 0; j < hd; j++) o[j] *= inv;
+            }
+    free(parts);
+    return 0;
 }
