@@ -15,6 +15,7 @@ from engine.runtime.layers.attention.cpu_backend import supports as cpu_attentio
 from engine.runtime.layers.cpu_kernels import KERNELS, enable_cpu_kernels, kernel_status
 from engine.runtime.layers.linear import prepack_linears, resolve_linear_backend
 from engine.runtime.layers.quant import quantize_linears, resolve_quantization
+from engine.runtime.models.llama_cpu_decode import install as install_fused_decode
 from engine.runtime.models.loader import gguf_linear_types, load_model
 from engine.runtime.request import Req
 from engine.runtime.sampling import Sampler
@@ -74,6 +75,12 @@ class ModelRunner:
         )
         default_attn = "cpu" if cpu_attn else default_backend(self.device, self.dtype)
         self.attn_backend = create_backend(args.attention_backend or default_attn, self)
+        # one C call per decode step for the whole stack, where the model and setup allow
+        self.fused_decode = self.cpu_kernels and (
+            why_not := install_fused_decode(self.model, self.kv_pool, self.attn_backend)
+        ) is None
+        if self.cpu_kernels and not self.fused_decode:
+            log.info("fused CPU decode off: %s", why_not)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if (
             self.device.type == "cuda"
@@ -148,6 +155,7 @@ class ModelRunner:
             "linear_backend": self.linear_backend,
             "quantization": self.quantization,
             "cpu_kernels": kernel_status() if self.quantization != "none" else "off",
+            "fused_decode": self.fused_decode,
             "cuda_graph_batch_sizes": (
                 self.cuda_graph_runner.batch_sizes if self.cuda_graph_runner else []
             ),

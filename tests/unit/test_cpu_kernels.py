@@ -117,3 +117,16 @@ def test_cpu_attention_backend_refuses_heads_it_cannot_take():
                           hidden_size=4096)
     with pytest.raises(ValueError, match="query heads per kv head"):
         create_backend("cpu", SimpleNamespace(hf_config=cfg))
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 13), (40, 200)])
+def test_silu_mul_equals_torch(rows, inter):
+    """SiLU(gate) * up by the C kernel (vectorised exp, a scalar tail, threads above 64k
+    elements) against torch's, over a range that reaches exp's under- and overflow."""
+    lib = cpu_kernels.KERNELS.get()
+    gate_up = torch.randn(rows, 2 * inter) * 30
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    act = torch.empty(rows, inter)
+    lib.silu_mul(gate_up.data_ptr(), rows, inter, act.data_ptr(), cpu_kernels.threads())
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)

@@ -1,6 +1,7 @@
 """The engine's C kernels for CPU serving (``csrc/cpu_kernels.c``): block-quantized matrix
-products (``quant.QuantLinear``), fused residual + RMSNorm, RoPE in place and decode attention
-read straight from the paged KV pool (``attention/cpu_backend.py``).
+products (``quant.QuantLinear``), fused residual + RMSNorm, RoPE in place, SiLU x up, decode
+attention read straight from the paged KV pool (``attention/cpu_backend.py``), and a Llama
+decode stack in one call (``models/llama_cpu_decode.py``).
 
 Built on first use with the system C compiler (``gcc -O3 -mavx2 -mfma -fopenmp``) into
 ``~/.cache/hicache/kernels/`` (or ``$HICACHE_KERNEL_CACHE``), keyed by the source's hash, and
@@ -35,8 +36,11 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "dequant_q8_0": ([_P, _P, _I64, _I64, _P, _I32], None),
     "rms_norm_residual": ([_P, _P, _P, _F32, _I64, _I64, _P, _P], None),
     "rope_neox_inplace": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
+    "silu_mul": ([_P, _I64, _I64, _P, _I32], None),
     "decode_attention": (
         [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
+    "decode_layers": (
+        [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _I32], _I32),
 }
 
 
@@ -122,16 +126,20 @@ def threads() -> int:
 
 
 def enable_cpu_kernels(model: torch.nn.Module, max_context_len: int) -> int:
-    """Route the model's RMSNorm and RoPE modules through the C kernels; returns how many."""
+    """Route the model's modules that have a ``kernel`` hook (RMSNorm, RoPE, the MLP's SiLU)
+    through the C kernels; returns how many."""
     from engine.runtime.layers.norm import RMSNorm
     from engine.runtime.layers.rotary import RotaryEmbedding
 
     lib = KERNELS.get()
     count = 0
     for module in model.modules():
-        norm = isinstance(module, RMSNorm) and module.weight.dtype == torch.float32
+        if not hasattr(module, "kernel"):
+            continue
+        if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
+            continue
         # NOTE: the RoPE kernel does not bound-check positions: only when its cache covers all
-        rope = isinstance(module, RotaryEmbedding) and module.max_position >= max_context_len
-        if norm or rope:
-            module.kernel, count = lib, count + 1
+        if isinstance(module, RotaryEmbedding) and module.max_position < max_context_len:
+            continue
+        module.kernel, count = lib, count + 1
     return count

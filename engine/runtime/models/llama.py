@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.layers import Embedding, Linear, MergedLinear, RadixAttention, RMSNorm, get_rope
+from engine.runtime.layers.cpu_kernels import threads
 from engine.runtime.layers.linear import LMHead
 from engine.runtime.layers.rotary import RotaryEmbedding
 
@@ -85,9 +86,19 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, bias, device, dtype)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
+        # the C kernel (cpu_kernels) when the fast CPU path is on: SiLU x up in one call, the
+        # same arithmetic as the fused decode stack's
+        self.kernel: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]: gate | up
+        if self.kernel is not None and gate_up.dtype == torch.float32:
+            gate_up = gate_up.contiguous()
+            rows, inter = gate_up.numel() // gate_up.shape[-1], gate_up.shape[-1] // 2
+            act = gate_up.new_empty(*gate_up.shape[:-1], inter)
+            self.kernel.silu_mul(gate_up.data_ptr(), rows, inter, act.data_ptr(), threads())
+            return self.down_proj(act)
+        gate, up = gate_up.chunk(2, dim=-1)  # [num_tokens, intermediate] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -134,12 +145,17 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        # the whole stack in one C call for CPU decode (llama_cpu_decode.install)
+        self.fused_decode: Any = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(fb.input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(fb.positions, hidden, residual, fb)
+        if self.fused_decode is not None and self.fused_decode.takes(fb):
+            hidden, residual = self.fused_decode(fb, hidden)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(fb.positions, hidden, residual, fb)
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [num_tokens, hidden_size]
 

@@ -258,6 +258,9 @@ void rope_neox_inplace(float *x, int64_t tokens, int64_t token_stride, int64_t n
     }
 }
 
+/* act[r, :] = silu(gu[r, :inter]) * gu[r, inter:] (the MLP's gate and up halves) */
+void silu_mul(const float *gu, int64_t M, int64_t inter, float *act, int nthreads);
+
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
@@ -288,6 +291,22 @@ static inline __m256 exp8(__m256 x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx),
                                                          _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+void silu_mul(const float *gu, int64_t M, int64_t inter, float *act, int nthreads) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * inter > 65536)
+    for (int64_t r = 0; r < M; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *a = act + r * inter;
+        int64_t j = 0;
+        for (; j + 8 <= inter; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+        }
+        for (; j < inter; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
 }
 
 #define ABLK 64     /* keys per online-softmax block */
@@ -401,4 +420,88 @@ int decode_attention(const float *q, const float *k, const float *v, const int32
             }
     free(parts);
     return 0;
+}
+
+/* ------------------------------------------------------------------ a whole decode stack
+ * Decode of a Llama-family stack (pre-norm, fused qkv and gate_up, neox RoPE, SiLU MLP) in one
+ * call: at 1-16 rows the per-layer Python and torch dispatch (~40 ops, ~0.3 ms a layer) cost
+ * as much as the matmuls. The products, norm, RoPE and attention are the functions above, so
+ * the numbers are those of the per-module path. */
+
+typedef struct {
+    const void *qs;   /* q4_1: uint8 [n, k/2]; q8_0: int8 [n, k] */
+    const float *d;   /* [n, k/32] */
+    const float *m;   /* q4_1 mins [n, k/32]; NULL for q8_0 */
+    const float *bias;  /* [n] or NULL */
+    int64_t n, k;
+} QLinear;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* [hidden] */
+    QLinear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;  /* this layer's pool [slots, kv_heads, hd] */
+} DecodeLayer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, hd, inter;
+    float eps, scale;
+    const float *cos_sin;  /* [max_position, hd]: cos half | sin half */
+} DecodeShape;
+
+static int qlinear(const QLinear *L, const float *x, int64_t M, float *y, int nthreads) {
+    int rc = L->m ? linear_q4_1_q8(x, M, L->k, L->qs, L->d, L->m, L->n, y, nthreads)
+                  : linear_q8_0_f32(x, M, L->k, L->qs, L->d, L->n, y, nthreads);
+    if (rc == 0 && L->bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < L->n; j++) y[r * L->n + j] += L->bias[j];
+    return rc;
+}
+
+/* hidden [M, H] in: the embeddings; out: the last layer's MLP output. residual [M, H] out: the
+ * stream before the final norm (the caller applies it: norm(hidden + residual)). Row b is
+ * request b: position positions[b], new KV slot out_loc[b], KV row rows[b] of req_to_token.
+ * 0 ok, -1 out of memory, -2 attention shape not taken. */
+int decode_layers(const DecodeLayer *layers, int64_t nlayers, const DecodeShape *s, float *hidden,
+                  float *residual, int64_t M, const int64_t *positions, const int64_t *out_loc,
+                  const int32_t *req_to_token, int64_t r2t_stride, const int64_t *rows,
+                  const int64_t *seq_lens, int nthreads) {
+    const int64_t H = s->hidden, qkv_n = (s->heads + 2 * s->kv_heads) * s->hd;
+    const int64_t q_n = s->heads * s->hd, kv_n = s->kv_heads * s->hd;
+    const int64_t widest = qkv_n > 2 * s->inter ? qkv_n : 2 * s->inter;
+    /* normed: the norm's output, then the packed q; narrow: attention out, then the SiLU's */
+    float *normed = malloc(sizeof(float) * (size_t)(M * (q_n > H ? q_n : H)));
+    float *wide = malloc(sizeof(float) * (size_t)(M * widest));
+    float *narrow = malloc(sizeof(float) * (size_t)(M * (q_n > s->inter ? q_n : s->inter)));
+    int rc = (normed && wide && narrow) ? 0 : -1;
+    for (int64_t l = 0; l < nlayers && rc == 0; l++) {
+        const DecodeLayer *L = layers + l;
+        if (l == 0) {
+            for (int64_t i = 0; i < M * H; i++) residual[i] = hidden[i];
+            rms_norm_residual(hidden, NULL, L->input_norm, s->eps, M, H, normed, NULL);
+        } else {  /* residual += hidden (in place: element-wise), normed = norm(residual) */
+            rms_norm_residual(hidden, residual, L->input_norm, s->eps, M, H, normed, residual);
+        }
+        if ((rc = qlinear(&L->qkv, normed, M, wide, nthreads))) break;  /* [M, q | k | v] */
+        rope_neox_inplace(wide, M, qkv_n, s->heads + s->kv_heads, s->hd, positions, s->cos_sin);
+        for (int64_t b = 0; b < M; b++) {  /* the new token's K/V into the pool */
+            const float *kb = wide + b * qkv_n + q_n;
+            for (int64_t j = 0; j < kv_n; j++) {
+                L->k_cache[out_loc[b] * kv_n + j] = kb[j];
+                L->v_cache[out_loc[b] * kv_n + j] = kb[kv_n + j];
+            }
+        }
+        /* q rows are strided by qkv_n: pack them for the attention kernel */
+        for (int64_t b = 0; b < M; b++)
+            for (int64_t j = 0; j < q_n; j++) normed[b * q_n + j] = wide[b * qkv_n + j];
+        if ((rc = decode_attention(normed, L->k_cache, L->v_cache, req_to_token, r2t_stride, rows,
+                                   seq_lens, M, s->heads, s->kv_heads, s->hd, s->scale, narrow,
+                                   nthreads))) break;
+        if ((rc = qlinear(&L->o, narrow, M, hidden, nthreads))) break;
+        rms_norm_residual(hidden, residual, L->post_norm, s->eps, M, H, normed, residual);
+        if ((rc = qlinear(&L->gate_up, normed, M, wide, nthreads))) break;
+        silu_mul(wide, M, s->inter, narrow, nthreads);
+        if ((rc = qlinear(&L->down, narrow, M, hidden, nthreads))) break;
+    }
+    free(normed), free(wide), free(narrow);
+    return rc;
 }
