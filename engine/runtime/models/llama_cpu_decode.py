@@ -83,14 +83,14 @@ class FusedDecode:
 
     def takes(self, fb: ForwardBatch) -> bool:
         return (fb.forward_mode.is_decode() and fb.batch_size <= DECODE_MAX_ROWS
-                and self.backend._decode is not None)
+                and self.backend.decode_rows is not None)
 
     def __call__(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self.kv_pool.k_buffer) != self.num_layers:  # released at shutdown
             raise RuntimeError("fused decode: the KV pool's memory was released")
         hidden = hidden.contiguous()  # [bs, hidden_size] float32, overwritten in place
         residual = torch.empty_like(hidden)
-        rows, seq_lens = self.backend._decode
+        rows, seq_lens = self.backend.decode_rows
         positions = fb.positions.to(torch.int64).contiguous()
         out_loc = fb.out_cache_loc.to(torch.int64).contiguous()
         r2t = fb.req_to_token_pool.req_to_token

@@ -48,15 +48,17 @@ class CpuAttnBackend(TorchNativeAttnBackend):
                     f"and <= {MAX_GROUP} query heads per kv head; this model has head_dim "
                     f"{head_dim}, {heads} heads, {kv_heads} kv heads"
                 )
-        self._decode: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a DECODE batch's (req_to_token rows, seq_lens) int64; None for EXTEND (read by the
+        # fused decode stack too)
+        self.decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode() and fb.seq_lens.device.type == "cpu":
             rows = fb.req_pool_indices.to(torch.int64).contiguous()
-            self._decode = (rows, fb.seq_lens.to(torch.int64).contiguous())
+            self.decode_rows = (rows, fb.seq_lens.to(torch.int64).contiguous())
             self.meta = None
             return
-        self._decode = None
+        self.decode_rows = None
         super().init_forward_metadata(fb)
 
     def forward(
@@ -67,14 +69,14 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         layer: RadixAttention,
         fb: ForwardBatch,
     ) -> torch.Tensor:
-        if self._decode is None:
+        if self.decode_rows is None:
             return super().forward(q, k, v, layer, fb)
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)  # [num_slots, kv_heads, head_dim]
         if k_buf.dtype != torch.float32 or not (k_buf.is_contiguous() and v_buf.is_contiguous()):
             raise ValueError("attention backend 'cpu' needs a contiguous float32 KV pool")
-        rows, seq_lens = self._decode
+        rows, seq_lens = self.decode_rows
         q = q.float().contiguous()
         out = torch.empty_like(q)  # [bs, heads * head_dim]
         r2t = fb.req_to_token_pool.req_to_token  # [rows, max_context] int32

@@ -258,9 +258,6 @@ void rope_neox_inplace(float *x, int64_t tokens, int64_t token_stride, int64_t n
     }
 }
 
-/* act[r, :] = silu(gu[r, :inter]) * gu[r, inter:] (the MLP's gate and up halves) */
-void silu_mul(const float *gu, int64_t M, int64_t inter, float *act, int nthreads);
-
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
@@ -293,6 +290,7 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
+/* act[r, :] = silu(gu[r, :inter]) * gu[r, inter:] (the MLP's gate and up halves) */
 void silu_mul(const float *gu, int64_t M, int64_t inter, float *act, int nthreads) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * inter > 65536)
