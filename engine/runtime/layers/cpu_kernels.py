@@ -3,10 +3,11 @@ products (``quant.QuantLinear``), fused residual + RMSNorm, RoPE in place, SiLU 
 attention read straight from the paged KV pool (``attention/cpu_backend.py``), and a Llama
 decode stack in one call (``models/llama_cpu_decode.py``).
 
-Built on first use with the system C compiler (``gcc -O3 -mavx2 -mfma -fopenmp``) into
-``~/.cache/hicache/kernels/`` (or ``$HICACHE_KERNEL_CACHE``), keyed by the source's hash, and
-loaded with ctypes (calls release the GIL). OpenMP comes from the libgomp torch already loaded,
-with the thread count passed per call (``torch.get_num_threads()``). Without a compiler or AVX2
+Built on first use with the system C compiler (``gcc -O3 -mavx2 -mfma -pthread``) into
+``~/.cache/hicache/kernels/`` (or ``$HICACHE_KERNEL_CACHE``), keyed by the sources' hash, and
+loaded with ctypes (calls release the GIL). The kernels run on their own thread pool
+(``csrc/thread_pool.h``: why not OpenMP is said there), with the thread count passed per call
+(``torch.get_num_threads()``). Without a compiler or AVX2
 (or with ``HICACHE_NO_CPU_KERNEL=1``) ``KERNELS.get()`` is None and callers use torch ops.
 """
 
@@ -27,7 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-ffp-contract=off", "-shared", "-fPIC"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "linear_q4_1_q8": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I32], _I32),
@@ -76,7 +77,7 @@ def _cpu_has_avx2() -> bool:
 
 
 def _build() -> Path:
-    """Compile the source once per source + flags into the user cache (atomic rename)."""
+    """Compile the source once per sources + flags into the user cache (atomic rename)."""
     if os.environ.get("HICACHE_NO_CPU_KERNEL"):
         raise RuntimeError("HICACHE_NO_CPU_KERNEL is set")
     if not _cpu_has_avx2():
@@ -84,8 +85,8 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    sources = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]")))
+    digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode()).hexdigest()[:16]
     root = Path(os.environ.get("HICACHE_KERNEL_CACHE") or Path.home() / ".cache" / "hicache")
     target = root / "kernels" / f"cpu_kernels-{digest}.so"
     if target.is_file():

@@ -13,13 +13,15 @@
  * float-activation kernel was bound by widening every weight to float, ~7 ns a block) at ~0.3%
  * relative error per product, the error llama.cpp serves with. q8_0 (the vocab projection,
  * already at memory bandwidth with float x) keeps float32 x: the logits stay exact products.
- * Parallel over N with OpenMP (the same libgomp torch loads; threads passed explicitly).
+ * Parallel over N on the thread pool of thread_pool.h (threads passed explicitly).
  * Needs AVX2 + FMA + F16C; the Python side falls back to torch ops when the build fails.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "thread_pool.h"
 
 #define QK 32
 
@@ -135,6 +137,45 @@ static inline __attribute__((always_inline)) void q8_0_rows(
     default: CALL(8); break;    \
     }
 
+/* A product's operands: q4_1 takes x as int8 blocks (xq, xd, xs from quantize_rows_q8), q8_0
+ * the float rows x. W rows [n0, n1) are one thread's share; bias (or NULL) is added after. */
+typedef struct {
+    const float *x;
+    const int8_t *xq;
+    const float *xd, *xs;
+    int64_t M, K;
+    const void *qs;
+    const float *d, *m, *bias;  /* m: q4_1 mins, NULL for q8_0 */
+    int64_t N;
+    float *y;
+} Product;
+
+static void product_rows(void *ctx, int64_t n0, int64_t n1) {
+    const Product *p = ctx;
+    const int64_t K = p->K, nb = K / QK, M = p->M, N = p->N;
+    for (int64_t n = n0; n < n1; n++) {
+        const float *wd = p->d + n * nb;
+        for (int64_t r0 = 0; r0 < M; r0 += RB) {
+            const int rows = (int)(M - r0 < RB ? M - r0 : RB);
+            float *y = p->y + r0 * N + n;
+            if (p->m) {
+                const uint8_t *wq = (const uint8_t *)p->qs + n * (K / 2);
+                const float *wm = p->m + n * nb;
+#define Q4_CALL(R) q4_1_rows(wq, wd, wm, p->xq + r0 * K, p->xd + r0 * nb, p->xs + r0 * nb, K, nb, R, y, N)
+                ROWS_SWITCH(rows, Q4_CALL)
+#undef Q4_CALL
+            } else {
+                const int8_t *wq = (const int8_t *)p->qs + n * K;
+#define Q8_CALL(R) q8_0_rows(wq, wd, p->x + r0 * K, K, nb, R, y, N)
+                ROWS_SWITCH(rows, Q8_CALL)
+#undef Q8_CALL
+            }
+        }
+        if (p->bias)
+            for (int64_t r = 0; r < M; r++) p->y[r * N + n] += p->bias[n];
+    }
+}
+
 /* x quantized to int8 blocks once per call (quantize_rows_q8), then rows in parallel over N */
 int linear_q4_1_q8(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                    const float *m, int64_t N, float *y, int nthreads) {
@@ -146,47 +187,34 @@ int linear_q4_1_q8(const float *x, int64_t M, int64_t K, const uint8_t *qs, cons
         return -1;
     }
     quantize_rows_q8(x, M, K, xq, xd, xs);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *wq = qs + n * (K / 2);
-        const float *wd = d + n * nb, *wm = m + n * nb;
-        for (int64_t r0 = 0; r0 < M; r0 += RB) {
-            const int rows = (int)(M - r0 < RB ? M - r0 : RB);
-#define Q4_CALL(R) \
-    q4_1_rows(wq, wd, wm, xq + r0 * K, xd + r0 * nb, xs + r0 * nb, K, nb, R, y + r0 * N + n, N)
-            ROWS_SWITCH(rows, Q4_CALL)
-#undef Q4_CALL
-        }
-    }
+    Product p = {x, xq, xd, xs, M, K, qs, d, m, NULL, N, y};
+    pool_for(N, nthreads, product_rows, &p);
     free(xq), free(xd), free(xs);
     return 0;
 }
 
 int linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
                     int64_t N, float *y, int nthreads) {
-    const int64_t nb = K / QK;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *wq = qs + n * K;
-        const float *wd = d + n * nb;
-        for (int64_t r0 = 0; r0 < M; r0 += RB) {
-            const int rows = (int)(M - r0 < RB ? M - r0 : RB);
-#define Q8_CALL(R) q8_0_rows(wq, wd, x + r0 * K, K, nb, R, y + r0 * N + n, N)
-            ROWS_SWITCH(rows, Q8_CALL)
-#undef Q8_CALL
-        }
-    }
+    Product p = {x, NULL, NULL, NULL, M, K, qs, d, NULL, NULL, N, y};
+    pool_for(N, nthreads, product_rows, &p);
     return 0;
 }
 
 /* W -> float32 [N, K] (prefill runs a dense GEMM on it, one layer at a time). mul then add, no
  * FMA: the same rounding as gguf-py's dequantization, so the floats equal the dense weights. */
-void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t N, int64_t K,
-                  float *w, int nthreads) {
-    const int64_t nb = K / QK;
+typedef struct {
+    const void *qs;
+    const float *d, *m;
+    float *w;
+} Dequant;
+
+static void dequant_q4_1_blocks(void *ctx, int64_t i0, int64_t i1) {
+    const Dequant *a = ctx;
+    const uint8_t *qs = a->qs;
+    const float *d = a->d, *m = a->m;
+    float *w = a->w;
     const __m128i mask = _mm_set1_epi8(0x0F);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < N * nb; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(qs + i * 16));
         const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
         const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
@@ -198,10 +226,18 @@ void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t N, 
     }
 }
 
-void dequant_q8_0(const int8_t *qs, const float *d, int64_t N, int64_t K, float *w, int nthreads) {
-    const int64_t nb = K / QK;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < N * nb; i++) {
+void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t N, int64_t K,
+                  float *w, int nthreads) {
+    Dequant a = {qs, d, m, w};
+    pool_for(N * (K / QK), nthreads, dequant_q4_1_blocks, &a);
+}
+
+static void dequant_q8_0_blocks(void *ctx, int64_t i0, int64_t i1) {
+    const Dequant *a = ctx;
+    const int8_t *qs = a->qs;
+    const float *d = a->d;
+    float *w = a->w;
+    for (int64_t i = i0; i < i1; i++) {
         const __m256 db = _mm256_set1_ps(d[i]);
         for (int j = 0; j < 4; j++) {
             __m256 q = _mm256_cvtepi32_ps(
@@ -209,6 +245,11 @@ void dequant_q8_0(const int8_t *qs, const float *d, int64_t N, int64_t K, float 
             _mm256_storeu_ps(w + i * QK + 8 * j, _mm256_mul_ps(q, db));
         }
     }
+}
+
+void dequant_q8_0(const int8_t *qs, const float *d, int64_t N, int64_t K, float *w, int nthreads) {
+    Dequant a = {qs, d, NULL, w};
+    pool_for(N * (K / QK), nthreads, dequant_q8_0_blocks, &a);
 }
 
 /* ------------------------------------------------------------------ per-layer small ops
@@ -290,13 +331,20 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-/* act[r, :] = silu(gu[r, :inter]) * gu[r, inter:] (the MLP's gate and up halves) */
-void silu_mul(const float *gu, int64_t M, int64_t inter, float *act, int nthreads) {
+/* act[r, :] = silu(gu[r, :inter]) * gu[r, inter:] (the MLP's gate and up halves), rows r0..r1 */
+typedef struct {
+    const float *gu;
+    int64_t inter;
+    float *act;
+} SiluMul;
+
+static void silu_mul_rows(void *ctx, int64_t r0, int64_t r1) {
+    const SiluMul *c = ctx;
+    const int64_t inter = c->inter;
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * inter > 65536)
-    for (int64_t r = 0; r < M; r++) {
-        const float *g = gu + r * 2 * inter, *u = g + inter;
-        float *a = act + r * inter;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *g = c->gu + r * 2 * inter, *u = g + inter;
+        float *a = c->act + r * inter;
         int64_t j = 0;
         for (; j + 8 <= inter; j += 8) {
             const __m256 gv = _mm256_loadu_ps(g + j);
@@ -305,6 +353,11 @@ void silu_mul(const float *gu, int64_t M, int64_t inter, float *act, int nthread
         }
         for (; j < inter; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
+}
+
+void silu_mul(const float *gu, int64_t M, int64_t inter, float *act, int nthreads) {
+    SiluMul c = {gu, inter, act};
+    pool_for(M, M * inter > 65536 ? nthreads : 1, silu_mul_rows, &c);
 }
 
 #define ABLK 64     /* keys per online-softmax block */
@@ -365,45 +418,63 @@ static void attend_span(const float *qg, const float *k, const float *v, const i
  * to slots req_to_token[row_b, 0:seq_len_b]. q/out [bs, heads*hd]; k/v [slots, kv_heads, hd];
  * hd a multiple of 8 up to AMAXHD, heads / kv_heads up to AMAXG (else -2: the caller falls
  * back). Tasks are (request, kv head, span of keys): a long row is split into spans so both
- * threads have work even at one request, and the spans' partials are merged exactly. */
-int decode_attention(const float *q, const float *k, const float *v, const int32_t *req_to_token,
-                     int64_t r2t_stride, const int64_t *rows, const int64_t *seq_lens, int64_t bs,
-                     int64_t heads, int64_t kv_heads, int64_t hd, float scale, float *out,
-                     int nthreads) {
-    const int64_t group = heads / kv_heads;
-    if (group > AMAXG || hd > AMAXHD || hd % 8) return -2;
+ * threads have work even at one request, and the spans' partials are merged exactly. Threads
+ * take tasks from a shared counter (rows differ in length). */
+typedef struct {
+    const float *q, *k, *v;
+    const int32_t *req_to_token;
+    int64_t r2t_stride;
+    const int64_t *rows, *seq_lens;
+    int64_t bs, heads, kv_heads, hd, group, spans, span_len, ntasks, part;
+    float scale;
+    float *parts, *out;  /* parts: [ntasks, part] partials (acc | max | denominator) */
+    atomic_llong next;   /* the next task to take */
+} Attention;
+
+/* Fills in the task split; -2 when the shape is not handled. */
+static int attention_plan(Attention *a, int nthreads) {
+    a->group = a->heads / a->kv_heads;
+    if (a->group > AMAXG || a->hd > AMAXHD || a->hd % 8) return -2;
     int64_t max_len = 1;
-    for (int64_t b = 0; b < bs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    for (int64_t b = 0; b < a->bs; b++) max_len = a->seq_lens[b] > max_len ? a->seq_lens[b] : max_len;
     /* enough tasks for ~4 per thread, spans no shorter than 4 blocks */
-    int64_t spans = (4 * (int64_t)nthreads + bs * kv_heads - 1) / (bs * kv_heads);
+    int64_t spans = (4 * (int64_t)nthreads + a->bs * a->kv_heads - 1) / (a->bs * a->kv_heads);
     const int64_t most = (max_len + 4 * ABLK - 1) / (4 * ABLK);
     spans = spans < most ? spans : most;
-    spans = spans < 1 ? 1 : spans;
-    const int64_t span_len = ((max_len + spans - 1) / spans + ABLK - 1) / ABLK * ABLK;
-    const int64_t ntasks = bs * kv_heads * spans, part = group * (hd + 2);
-    float *parts = malloc(sizeof(float) * (size_t)(ntasks * part));
-    if (!parts) return -1;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < ntasks; task++) {
+    a->spans = spans < 1 ? 1 : spans;
+    a->span_len = ((max_len + a->spans - 1) / a->spans + ABLK - 1) / ABLK * ABLK;
+    a->ntasks = a->bs * a->kv_heads * a->spans;
+    a->part = a->group * (a->hd + 2);
+    atomic_store(&a->next, 0);
+    return 0;
+}
+
+static void attention_tasks(Attention *a) {
+    const int64_t kv_heads = a->kv_heads, spans = a->spans, group = a->group, hd = a->hd;
+    for (int64_t task; (task = atomic_fetch_add(&a->next, 1)) < a->ntasks;) {
         const int64_t b = task / (kv_heads * spans), kvh = task / spans % kv_heads;
-        const int64_t t0 = task % spans * span_len, n = seq_lens[b];
-        const int64_t t1 = t0 + span_len < n ? t0 + span_len : n;
-        float *pa = parts + task * part;
-        attend_span(q + b * heads * hd + kvh * group * hd, k, v, req_to_token + rows[b] * r2t_stride,
-                    t0, t1 > t0 ? t1 : t0, kv_heads, kvh, hd, group, scale, pa, pa + group * hd,
-                    pa + group * hd + group);
+        const int64_t t0 = task % spans * a->span_len, n = a->seq_lens[b];
+        const int64_t t1 = t0 + a->span_len < n ? t0 + a->span_len : n;
+        float *pa = a->parts + task * a->part;
+        attend_span(a->q + b * a->heads * hd + kvh * group * hd, a->k, a->v,
+                    a->req_to_token + a->rows[b] * a->r2t_stride, t0, t1 > t0 ? t1 : t0, kv_heads,
+                    kvh, hd, group, a->scale, pa, pa + group * hd, pa + group * hd + group);
     }
-    /* merge each head's spans: out = sum_i e^(m_i - m) acc_i / sum_i e^(m_i - m) l_i */
-    for (int64_t b = 0; b < bs; b++)
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+}
+
+/* each head's spans: out = sum_i e^(m_i - m) acc_i / sum_i e^(m_i - m) l_i */
+static void attention_merge(const Attention *a) {
+    const int64_t group = a->group, hd = a->hd, spans = a->spans, part = a->part;
+    for (int64_t b = 0; b < a->bs; b++)
+        for (int64_t kvh = 0; kvh < a->kv_heads; kvh++)
             for (int64_t g = 0; g < group; g++) {
-                const float *p0 = parts + (b * kv_heads + kvh) * spans * part;
+                const float *p0 = a->parts + (b * a->kv_heads + kvh) * spans * part;
                 float m = -INFINITY, denom = 0.0f;
                 for (int64_t i = 0; i < spans; i++) {
                     const float mi = p0[i * part + group * hd + g];
                     m = mi > m ? mi : m;
                 }
-                float *o = out + b * heads * hd + (kvh * group + g) * hd;
+                float *o = a->out + b * a->heads * hd + (kvh * group + g) * hd;
                 for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
                 for (int64_t i = 0; i < spans; i++) {
                     const float *pi = p0 + i * part;
@@ -416,7 +487,26 @@ int decode_attention(const float *q, const float *k, const float *v, const int32
                 const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
                 for (int64_t j = 0; j < hd; j++) o[j] *= inv;
             }
-    free(parts);
+}
+
+static void attention_job(void *ctx, int tid, int nt) {
+    (void)tid, (void)nt;
+    attention_tasks(ctx);
+}
+
+int decode_attention(const float *q, const float *k, const float *v, const int32_t *req_to_token,
+                     int64_t r2t_stride, const int64_t *rows, const int64_t *seq_lens, int64_t bs,
+                     int64_t heads, int64_t kv_heads, int64_t hd, float scale, float *out,
+                     int nthreads) {
+    Attention a = {.q = q, .k = k, .v = v, .req_to_token = req_to_token, .r2t_stride = r2t_stride,
+                   .rows = rows, .seq_lens = seq_lens, .bs = bs, .heads = heads,
+                   .kv_heads = kv_heads, .hd = hd, .scale = scale, .out = out};
+    if (attention_plan(&a, nthreads)) return -2;
+    a.parts = malloc(sizeof(float) * (size_t)(a.ntasks * a.part));
+    if (!a.parts) return -1;
+    pool_run(attention_job, &a, a.ntasks < nthreads ? (int)a.ntasks : nthreads);
+    attention_merge(&a);
+    free(a.parts);
     return 0;
 }
 
@@ -446,13 +536,98 @@ typedef struct {
     const float *cos_sin;  /* [max_position, hd]: cos half | sin half */
 } DecodeShape;
 
-static int qlinear(const QLinear *L, const float *x, int64_t M, float *y, int nthreads) {
-    int rc = L->m ? linear_q4_1_q8(x, M, L->k, L->qs, L->d, L->m, L->n, y, nthreads)
-                  : linear_q8_0_f32(x, M, L->k, L->qs, L->d, L->n, y, nthreads);
-    if (rc == 0 && L->bias)
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t j = 0; j < L->n; j++) y[r * L->n + j] += L->bias[j];
-    return rc;
+/* A whole step is one pool job: the products are split over each thread's share of the weight
+ * rows, attention tasks come from a shared counter, and the small serial work (norms, RoPE,
+ * the K/V store, rounding x to int8 blocks, the attention merge) runs on thread 0 while the
+ * others wait at the barrier. */
+typedef struct {
+    const DecodeLayer *layers;
+    int64_t nlayers, M;
+    const DecodeShape *s;
+    float *hidden, *residual;
+    const int64_t *positions, *out_loc;
+    float *normed, *wide, *narrow;  /* see decode_layers */
+    int8_t *xq;                     /* x of the next q4_1 product as int8 blocks */
+    float *xd, *xs;
+    Attention attn;
+} Step;
+
+/* y = x @ W^T (+ bias): this thread's share of W's rows; for q4_1, x is st->xq already */
+static void step_product(const Step *st, const QLinear *L, const float *x, float *y, int tid,
+                         int nt) {
+    const Product p = {x, st->xq, st->xd, st->xs, st->M, L->k, L->qs, L->d, L->m, L->bias, L->n, y};
+    const int64_t n0 = L->n * tid / nt, n1 = L->n * (tid + 1) / nt;
+    if (n1 > n0) product_rows((void *)&p, n0, n1);
+}
+
+/* thread 0, before a product of x [M, K] by L: x as int8 blocks if L is q4_1 */
+static void step_round(const Step *st, const QLinear *L, const float *x) {
+    if (L->m) quantize_rows_q8(x, st->M, L->k, st->xq, st->xd, st->xs);
+}
+
+static void step_job(void *ctx, int tid, int nt) {
+    Step *st = ctx;
+    const DecodeShape *s = st->s;
+    const int64_t M = st->M, H = s->hidden, qkv_n = (s->heads + 2 * s->kv_heads) * s->hd;
+    const int64_t q_n = s->heads * s->hd, kv_n = s->kv_heads * s->hd;
+    float *hidden = st->hidden, *residual = st->residual;
+    float *normed = st->normed, *wide = st->wide, *narrow = st->narrow;
+    for (int64_t l = 0; l < st->nlayers; l++) {
+        const DecodeLayer *L = st->layers + l;
+        if (tid == 0) {
+            if (l == 0) {
+                for (int64_t i = 0; i < M * H; i++) residual[i] = hidden[i];
+                rms_norm_residual(hidden, NULL, L->input_norm, s->eps, M, H, normed, NULL);
+            } else {  /* residual += hidden (in place: element-wise), normed = norm(residual) */
+                rms_norm_residual(hidden, residual, L->input_norm, s->eps, M, H, normed, residual);
+            }
+            step_round(st, &L->qkv, normed);
+        }
+        pool_barrier(nt);
+        step_product(st, &L->qkv, normed, wide, tid, nt);  /* [M, q | k | v] */
+        pool_barrier(nt);
+        if (tid == 0) {
+            rope_neox_inplace(wide, M, qkv_n, s->heads + s->kv_heads, s->hd, st->positions,
+                              s->cos_sin);
+            for (int64_t b = 0; b < M; b++) {  /* the new token's K/V into the pool */
+                const float *kb = wide + b * qkv_n + q_n;
+                for (int64_t j = 0; j < kv_n; j++) {
+                    L->k_cache[st->out_loc[b] * kv_n + j] = kb[j];
+                    L->v_cache[st->out_loc[b] * kv_n + j] = kb[kv_n + j];
+                }
+            }
+            /* q rows are strided by qkv_n: pack them for the attention kernel */
+            for (int64_t b = 0; b < M; b++)
+                for (int64_t j = 0; j < q_n; j++) normed[b * q_n + j] = wide[b * qkv_n + j];
+            st->attn.k = L->k_cache, st->attn.v = L->v_cache;
+            atomic_store(&st->attn.next, 0);
+        }
+        pool_barrier(nt);
+        attention_tasks(&st->attn);  /* q = normed, out = narrow */
+        pool_barrier(nt);
+        if (tid == 0) {
+            attention_merge(&st->attn);
+            step_round(st, &L->o, narrow);
+        }
+        pool_barrier(nt);
+        step_product(st, &L->o, narrow, hidden, tid, nt);
+        pool_barrier(nt);
+        if (tid == 0) {
+            rms_norm_residual(hidden, residual, L->post_norm, s->eps, M, H, normed, residual);
+            step_round(st, &L->gate_up, normed);
+        }
+        pool_barrier(nt);
+        step_product(st, &L->gate_up, normed, wide, tid, nt);
+        pool_barrier(nt);
+        if (tid == 0) {
+            const SiluMul sm = {wide, s->inter, narrow};
+            silu_mul_rows((void *)&sm, 0, M);
+            step_round(st, &L->down, narrow);
+        }
+        pool_barrier(nt);
+        step_product(st, &L->down, narrow, hidden, tid, nt);
+        pool_barrier(nt);
+    }
 }
 
 /* hidden [M, H] in: the embeddings; out: the last layer's MLP output. residual [M, H] out: the
@@ -464,42 +639,31 @@ int decode_layers(const DecodeLayer *layers, int64_t nlayers, const DecodeShape 
                   const int32_t *req_to_token, int64_t r2t_stride, const int64_t *rows,
                   const int64_t *seq_lens, int nthreads) {
     const int64_t H = s->hidden, qkv_n = (s->heads + 2 * s->kv_heads) * s->hd;
-    const int64_t q_n = s->heads * s->hd, kv_n = s->kv_heads * s->hd;
+    const int64_t q_n = s->heads * s->hd;
     const int64_t widest = qkv_n > 2 * s->inter ? qkv_n : 2 * s->inter;
+    int64_t kmax = H > q_n ? H : q_n;
+    kmax = kmax > s->inter ? kmax : s->inter;
+    Step st = {.layers = layers, .nlayers = nlayers, .M = M, .s = s, .hidden = hidden,
+               .residual = residual, .positions = positions, .out_loc = out_loc};
+    st.attn = (Attention){.q = NULL, .req_to_token = req_to_token, .r2t_stride = r2t_stride,
+                          .rows = rows, .seq_lens = seq_lens, .bs = M, .heads = s->heads,
+                          .kv_heads = s->kv_heads, .hd = s->hd, .scale = s->scale};
+    if (attention_plan(&st.attn, nthreads)) return -2;
     /* normed: the norm's output, then the packed q; narrow: attention out, then the SiLU's */
-    float *normed = malloc(sizeof(float) * (size_t)(M * (q_n > H ? q_n : H)));
-    float *wide = malloc(sizeof(float) * (size_t)(M * widest));
-    float *narrow = malloc(sizeof(float) * (size_t)(M * (q_n > s->inter ? q_n : s->inter)));
-    int rc = (normed && wide && narrow) ? 0 : -1;
-    for (int64_t l = 0; l < nlayers && rc == 0; l++) {
-        const DecodeLayer *L = layers + l;
-        if (l == 0) {
-            for (int64_t i = 0; i < M * H; i++) residual[i] = hidden[i];
-            rms_norm_residual(hidden, NULL, L->input_norm, s->eps, M, H, normed, NULL);
-        } else {  /* residual += hidden (in place: element-wise), normed = norm(residual) */
-            rms_norm_residual(hidden, residual, L->input_norm, s->eps, M, H, normed, residual);
-        }
-        if ((rc = qlinear(&L->qkv, normed, M, wide, nthreads))) break;  /* [M, q | k | v] */
-        rope_neox_inplace(wide, M, qkv_n, s->heads + s->kv_heads, s->hd, positions, s->cos_sin);
-        for (int64_t b = 0; b < M; b++) {  /* the new token's K/V into the pool */
-            const float *kb = wide + b * qkv_n + q_n;
-            for (int64_t j = 0; j < kv_n; j++) {
-                L->k_cache[out_loc[b] * kv_n + j] = kb[j];
-                L->v_cache[out_loc[b] * kv_n + j] = kb[kv_n + j];
-            }
-        }
-        /* q rows are strided by qkv_n: pack them for the attention kernel */
-        for (int64_t b = 0; b < M; b++)
-            for (int64_t j = 0; j < q_n; j++) normed[b * q_n + j] = wide[b * qkv_n + j];
-        if ((rc = decode_attention(normed, L->k_cache, L->v_cache, req_to_token, r2t_stride, rows,
-                                   seq_lens, M, s->heads, s->kv_heads, s->hd, s->scale, narrow,
-                                   nthreads))) break;
-        if ((rc = qlinear(&L->o, narrow, M, hidden, nthreads))) break;
-        rms_norm_residual(hidden, residual, L->post_norm, s->eps, M, H, normed, residual);
-        if ((rc = qlinear(&L->gate_up, normed, M, wide, nthreads))) break;
-        silu_mul(wide, M, s->inter, narrow, nthreads);
-        if ((rc = qlinear(&L->down, narrow, M, hidden, nthreads))) break;
+    st.normed = malloc(sizeof(float) * (size_t)(M * (q_n > H ? q_n : H)));
+    st.wide = malloc(sizeof(float) * (size_t)(M * widest));
+    st.narrow = malloc(sizeof(float) * (size_t)(M * (q_n > s->inter ? q_n : s->inter)));
+    st.xq = malloc((size_t)(M * kmax));
+    st.xd = malloc(sizeof(float) * (size_t)(M * (kmax / QK)));
+    st.xs = malloc(sizeof(float) * (size_t)(M * (kmax / QK)));
+    st.attn.parts = malloc(sizeof(float) * (size_t)(st.attn.ntasks * st.attn.part));
+    int rc = -1;
+    if (st.normed && st.wide && st.narrow && st.xq && st.xd && st.xs && st.attn.parts) {
+        st.attn.q = st.normed, st.attn.out = st.narrow;
+        pool_run(step_job, &st, nthreads);
+        rc = 0;
     }
-    free(normed), free(wide), free(narrow);
+    free(st.normed), free(st.wide), free(st.narrow), free(st.xq), free(st.xd), free(st.xs);
+    free(st.attn.parts);
     return rc;
 }
