@@ -165,6 +165,26 @@ def test_kernel_builds_into_a_fresh_cache(monkeypatch, tmp_path):
     assert cpu_kernels._load(path).linear_q4_1_q8 is not None
 
 
+@needs_kernels
+@pytest.mark.skipif(cpu_kernels.isa() != "avx-vnni", reason="the CPU has no AVX-VNNI")
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_avx_vnni_and_avx2_builds_give_the_same_products(monkeypatch, tmp_path, rows):
+    """The int4 products' integer dots in one VNNI instruction or two AVX2 ones: same bits."""
+    w = _weights(rows, 200, 256, 0.05)
+    layer = QuantLinear(w, None, "q4_1")
+    x = torch.randn(rows, 256)
+    x[0, 7] = 30.0  # a block whose other weights round to small integers
+    vnni = layer(x)
+    monkeypatch.setenv("HICACHE_CPU_ISA", "avx2")
+    monkeypatch.setenv("HICACHE_KERNEL_CACHE", str(tmp_path))
+    lib = cpu_kernels._load(cpu_kernels._build())
+    y = torch.empty(rows, 200)
+    p = torch.Tensor.data_ptr
+    assert lib.linear_q4_1_q8(p(x), rows, 256, p(layer.qs), p(layer.d), p(layer.m), 200, p(y),
+                              2) == 0
+    assert torch.equal(y, vnni)
+
+
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("HICACHE_NO_CPU_KERNEL", "1")
     fresh = cpu_kernels._Kernels()

@@ -68,12 +68,30 @@ class _Kernels:
             return self._lib
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _cpu_has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for: ``avx-vnni`` where the CPU has it (the
+    int4 products' integer dots in one instruction instead of two; the same results), else
+    ``avx2``; ``HICACHE_CPU_ISA=avx2`` forces the latter."""
+    if os.environ.get("HICACHE_CPU_ISA") == "avx2":
+        return "avx2"
+    return "avx-vnni" if "avx_vnni" in _cpu_flags() else "avx2"
+
+
+def _cflags() -> list[str]:
+    return _CFLAGS + (["-mavxvnni"] if isa() == "avx-vnni" else [])
 
 
 def _build() -> Path:
@@ -86,7 +104,8 @@ def _build() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     sources = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]")))
-    digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    flags = _cflags()
+    digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:16]
     root = Path(os.environ.get("HICACHE_KERNEL_CACHE") or Path.home() / ".cache" / "hicache")
     target = root / "kernels" / f"cpu_kernels-{digest}.so"
     if target.is_file():
@@ -95,7 +114,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *_CFLAGS, "-o", tmp, str(_SOURCE)],
+        proc = subprocess.run([compiler, *flags, "-o", tmp, str(_SOURCE)],
                               capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
@@ -118,8 +137,8 @@ KERNELS = _Kernels()
 
 
 def kernel_status() -> str:
-    """``"c"`` when the compiled kernels are in use, else ``"torch (<why>)"``."""
-    return "c" if KERNELS.get() is not None else f"torch ({KERNELS.error})"
+    """``"c (<isa>)"`` when the compiled kernels are in use, else ``"torch (<why>)"``."""
+    return f"c ({isa()})" if KERNELS.get() is not None else f"torch ({KERNELS.error})"
 
 
 def threads() -> int:

@@ -38,6 +38,7 @@ typedef struct {
     pool_job fn;
     void *ctx;
     int nt;                   /* threads of the current job, caller included */
+    int64_t spin_ns;          /* how long workers spin for the next job after this one */
     atomic_int arrived;       /* barrier */
     atomic_uint phase;
 } Pool;
@@ -57,6 +58,7 @@ static unsigned spawn_gen[POOL_MAX];  /* gen when worker i was made: its first j
 static void *pool_worker(void *arg) {
     const int tid = (int)(intptr_t)arg;  /* 1 .. nworkers */
     unsigned seen = spawn_gen[tid];
+    int64_t spin_ns = 0;
     for (;;) {
         int64_t t0 = 0;
         for (int i = 0; atomic_load_explicit(&pool.gen, memory_order_acquire) == seen; i++) {
@@ -65,12 +67,13 @@ static void *pool_worker(void *arg) {
                 continue;
             }
             if (!t0) t0 = now_ns();
-            if (now_ns() - t0 < POOL_SPIN_NS) continue;
+            if (now_ns() - t0 < spin_ns) continue;
             pthread_mutex_lock(&pool.mu);  /* the caller bumps gen under mu: no lost wake-up */
             while (atomic_load(&pool.gen) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
             pthread_mutex_unlock(&pool.mu);
         }
         seen = atomic_load(&pool.gen);
+        spin_ns = pool.spin_ns;
         if (tid < pool.nt) pool.fn(pool.ctx, tid, pool.nt);
         atomic_fetch_sub_explicit(&pool.busy, 1, memory_order_release);
     }
@@ -116,8 +119,11 @@ static void pool_barrier(int nt) {
 }
 
 /* fn(ctx, tid, nt) on nt threads (tid 0 is the caller; fewer if threads cannot be made);
- * returns when every thread is done. */
-static void pool_run(pool_job fn, void *ctx, int nt) {
+ * returns when every thread is done. Then the workers spin spin_ns for the next job before they
+ * sleep: POOL_SPIN_NS when more kernels follow at once (decode), 0 when torch's own OpenMP
+ * threads run next (a dequantization before a dense GEMM) and a spinning worker would take
+ * their core. */
+static void pool_run(pool_job fn, void *ctx, int nt, int64_t spin_ns) {
     nt = nt < 1 ? 1 : nt > POOL_MAX ? POOL_MAX : nt;
     if (nt == 1) {
         fn(ctx, 0, 1);
@@ -139,7 +145,7 @@ static void pool_run(pool_job fn, void *ctx, int nt) {
         fn(ctx, 0, 1);
         return;
     }
-    pool.fn = fn, pool.ctx = ctx, pool.nt = nt;
+    pool.fn = fn, pool.ctx = ctx, pool.nt = nt, pool.spin_ns = spin_ns;
     atomic_store(&pool.arrived, 0);
     atomic_store(&pool.busy, pool.nworkers);
     pthread_mutex_lock(&pool.mu);
@@ -151,7 +157,7 @@ static void pool_run(pool_job fn, void *ctx, int nt) {
     pthread_mutex_unlock(&pool.run_mu);
 }
 
-/* body(ctx, i0, i1) over [0, n) split into nt contiguous parts. */
+/* body(ctx, i0, i1) over [0, n) split into nt contiguous parts (spin_ns: see pool_run). */
 typedef void (*range_body)(void *ctx, int64_t i0, int64_t i1);
 typedef struct {
     range_body body;
@@ -165,8 +171,8 @@ static void for_job(void *c, int tid, int nt) {
     if (i1 > i0) f->body(f->ctx, i0, i1);
 }
 
-static void pool_for(int64_t n, int nt, range_body body, void *ctx) {
+static void pool_for(int64_t n, int nt, range_body body, void *ctx, int64_t spin_ns) {
     if (n <= 0) return;
     ForJob f = {body, ctx, n};
-    pool_run(for_job, &f, (int64_t)nt > n ? (int)n : nt);
+    pool_run(for_job, &f, (int64_t)nt > n ? (int)n : nt, spin_ns);
 }
