@@ -44,6 +44,10 @@ class ServerArgs:
     # Weights held block-quantized on CPU: none | int8 (q8_0) | int4 (q4_1, lm_head q8_0) | auto
     # (a GGUF's own format on CPU: the embedded Q4_1 model runs int4; none otherwise)
     quantization: str = "auto"
+    # The quantized path's prefill products (more than 16 rows; a dequantized weight, one GEMM):
+    # float32 | bfloat16 | auto (bfloat16 where the CPU multiplies bf16 natively: AVX512-BF16 or
+    # AMX, ~2-3x the float32 GEMM; float32 elsewhere)
+    prefill_matmul_dtype: str = "auto"
     # CUDA graphs for decode batches (CUDA only, backends with supports_cuda_graph)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160  # largest captured decode batch (also capped by running reqs)
@@ -97,6 +101,9 @@ class ServerArgs:
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"unknown quantization {self.quantization!r} "
                              f"(auto, none, int8, int4)")
+        if self.prefill_matmul_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"unknown prefill_matmul_dtype {self.prefill_matmul_dtype!r} "
+                             f"(auto, float32, bfloat16)")
         if self.hicache_write_policy not in (
             "write_through",
             "write_through_selective",

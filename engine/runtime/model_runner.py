@@ -14,7 +14,12 @@ from engine.runtime.layers.attention import create_backend, default_backend
 from engine.runtime.layers.attention.cpu_backend import supports as cpu_attention_supports
 from engine.runtime.layers.cpu_kernels import KERNELS, enable_cpu_kernels, kernel_status
 from engine.runtime.layers.linear import prepack_linears, resolve_linear_backend
-from engine.runtime.layers.quant import quantize_linears, resolve_quantization
+from engine.runtime.layers.quant import (
+    quantize_linears,
+    resolve_prefill_dtype,
+    resolve_quantization,
+    set_prefill_dtype,
+)
 from engine.runtime.models.llama_cpu_decode import install as install_fused_decode
 from engine.runtime.models.loader import gguf_linear_types, load_model
 from engine.runtime.request import Req
@@ -55,6 +60,8 @@ class ModelRunner:
             count = quantize_linears(self.model, self.quantization)
             log.info("quantized %d linear layers to %s (kernels: %s)", count, self.quantization,
                      kernel_status())
+        self.prefill_dtype = resolve_prefill_dtype(args.prefill_matmul_dtype, self.quantization)
+        set_prefill_dtype(self.model, self.prefill_dtype)
         self.linear_backend = resolve_linear_backend(args.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             log.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
@@ -154,6 +161,7 @@ class ModelRunner:
             "page_size": self.args.page_size,
             "linear_backend": self.linear_backend,
             "quantization": self.quantization,
+            "prefill_matmul_dtype": str(self.prefill_dtype).replace("torch.", ""),
             "cpu_kernels": kernel_status() if self.quantization != "none" else "off",
             "fused_decode": self.fused_decode,
             "cuda_graph_batch_sizes": (

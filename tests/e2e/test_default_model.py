@@ -94,15 +94,24 @@ def test_smollm2_int4_greedy_is_transformers_top1_or_a_near_tie(reference, page_
     assert flipped <= len(runs) * NEW // 10, flipped
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_smollm2_prefill_logits_close(reference, quantization):
-    """Prefill logits agree with transformers' forward within 1e-3 (fp32), dense or int4 (a
-    prefill dequantizes each layer's weight to exactly the converted floats)."""
+@pytest.mark.parametrize("quantization,prefill", [
+    ("none", "auto"), ("int4", "float32"), ("int4", "bfloat16")])
+def test_smollm2_prefill_logits_close(reference, quantization, prefill):
+    """Prefill logits agree with transformers' forward within 1e-3 (fp32), dense or int4 with
+    float32 prefill GEMMs (a prefill dequantizes each layer's weight to exactly the converted
+    floats). With bfloat16 GEMMs (weights and activations rounded to bf16): within 10% of the
+    logits' norm at every position and 2% at the median (measured: 6.3% and 1.3%; the int8
+    activations every decode product takes measure 22% and 4.5% on this prompt), and the same
+    top-1 token wherever transformers' lead is clear (> 0.5 logits)."""
     from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 
     prompts, _, ref_logits = reference
     ids = prompts[0]
-    with Engine(max_total_tokens=4096, quantization=quantization) as eng:
+    with Engine(max_total_tokens=4096, quantization=quantization,
+                prefill_matmul_dtype=prefill) as eng:
+        assert eng.model_info()["prefill_matmul_dtype"] == (
+            "float32" if quantization == "none" else prefill)
+
         def run(s):
             r = s.runner
             row = r.req_to_token_pool.alloc(1)[0]
@@ -122,4 +131,11 @@ def test_smollm2_prefill_logits_close(reference, quantization):
             r.req_to_token_pool.free(row)
             return out
         logits = eng.call_in_scheduler(run)
-    assert torch.allclose(logits, ref_logits, atol=1e-3, rtol=0)
+    if prefill != "bfloat16":
+        assert torch.allclose(logits, ref_logits, atol=1e-3, rtol=0)
+        return
+    rel = (logits - ref_logits).norm(dim=1) / ref_logits.norm(dim=1)
+    top2 = ref_logits.topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.5
+    assert rel.max().item() < 0.1 and rel.median().item() < 0.02, rel
+    assert torch.equal(logits.argmax(1)[clear], ref_logits.argmax(1)[clear])

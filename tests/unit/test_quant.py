@@ -21,7 +21,9 @@ from engine.runtime.layers.quant import (
     quantize_linears,
     quantize_q4_1,
     quantize_q8_0,
+    resolve_prefill_dtype,
     resolve_quantization,
+    set_prefill_dtype,
 )
 from engine.runtime.models.loader import load_model
 
@@ -134,6 +136,51 @@ def test_quant_linear_products(scheme, rows, bias):
         assert rel.max().item() < 0.02, rel
     # leading dims are kept
     assert torch.equal(layer(x.view(1, rows, 96)).view(rows, 200), out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
+def test_bf16_prefill_products(scheme):
+    """A prefill GEMM in bfloat16: the dequantized weight and the rows rounded to bf16, one GEMM
+    accumulated in float32; within 1% of the float32 product. Decode rows are not affected."""
+    rows = DECODE_MAX_ROWS + 24
+    w = _weights(rows, 200, 96, 0.05)
+    b = torch.randn(200)
+    layer = QuantLinear(w, b, scheme)
+    x = torch.randn(rows, 96)
+    fp32 = layer(x)
+    decode = layer(x[:3])
+    layer.prefill_dtype = torch.bfloat16
+    out = layer(x)
+    bf = torch.bfloat16
+    assert torch.equal(out, F.linear(x.to(bf), layer.dequantize().to(bf)).float() + b)
+    rel = (out - fp32).norm(dim=1) / fp32.norm(dim=1)
+    assert rel.max().item() < 0.01, rel
+    assert torch.equal(layer(x[:3]), decode)
+
+
+def test_resolve_prefill_dtype(monkeypatch):
+    from engine.runtime.layers import quant
+
+    assert resolve_prefill_dtype("bfloat16", "none") == torch.float32  # dense: the reference
+    assert resolve_prefill_dtype("bfloat16", "int4") == torch.bfloat16
+    assert resolve_prefill_dtype("float32", "int4") == torch.float32
+    monkeypatch.setattr(quant, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    want = torch.bfloat16 if cpu_kernels.KERNELS.get() is not None else torch.float32
+    assert resolve_prefill_dtype("auto", "int4") == want
+    monkeypatch.setattr(quant, "cpu_flags", lambda: {"avx2", "fma"})
+    assert resolve_prefill_dtype("auto", "int4") == torch.float32
+    with pytest.raises(ValueError, match="unknown prefill_matmul_dtype"):
+        resolve_prefill_dtype("fp8", "int4")
+    with pytest.raises(ValueError, match="unknown prefill_matmul_dtype"):
+        Engine(prefill_matmul_dtype="half")
+
+
+def test_set_prefill_dtype_leaves_dense_heads_float32():
+    head = QuantLinear(torch.randn(64, 64), None, "q8_0", dense=torch.randn(64, 64))
+    model = torch.nn.Sequential(QuantLinear(torch.randn(64, 64), None, "q4_1"), head)
+    assert set_prefill_dtype(model, torch.bfloat16) == 1
+    assert model[0].prefill_dtype == torch.bfloat16 and head.prefill_dtype == torch.float32
 
 
 @needs_kernels

@@ -68,7 +68,8 @@ class _Kernels:
             return self._lib
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -78,7 +79,7 @@ def _cpu_flags() -> set[str]:
 
 
 def _cpu_has_avx2() -> bool:
-    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def isa() -> str:
@@ -87,7 +88,7 @@ def isa() -> str:
     ``avx2``; ``HICACHE_CPU_ISA=avx2`` forces the latter."""
     if os.environ.get("HICACHE_CPU_ISA") == "avx2":
         return "avx2"
-    return "avx-vnni" if "avx_vnni" in _cpu_flags() else "avx2"
+    return "avx-vnni" if "avx_vnni" in cpu_flags() else "avx2"
 
 
 def _cflags() -> list[str]:
