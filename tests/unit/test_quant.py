@@ -190,6 +190,16 @@ def test_dequantize_kernel_equals_torch():
                         ("q8_0", lambda L: dequantize_q8_0(L.qs, L.d))):
         layer = QuantLinear(w, None, scheme)
         assert torch.equal(layer.dequantize(), ref(layer))
+        # rounded in the same pass as torch rounds (to nearest, ties to even)
+        assert torch.equal(layer.dequantize(torch.bfloat16), ref(layer).to(torch.bfloat16))
+    # k * (1 + 3 * 2^-8): halfway between two bf16 numbers for k a power of two (the lower one
+    # odd, so ties-to-even rounds up), past halfway for k = 5
+    k = torch.tensor([127.0, 1, 2, -1, 4, 64, -32, 5] * 4)
+    tie = QuantLinear((k * (1 + 3 * 2**-8)).repeat(2, 1), None, "q8_0")
+    assert torch.equal(tie.dequantize(torch.bfloat16), tie.dequantize().to(torch.bfloat16))
+    assert tie.dequantize(torch.bfloat16)[0, 1].item() == 1 + 2**-6
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        layer.dequantize(torch.float16)
 
 
 def test_torch_fallback_without_kernels(monkeypatch):

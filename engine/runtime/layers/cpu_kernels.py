@@ -35,6 +35,8 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "linear_q8_0_f32": ([_P, _I64, _I64, _P, _P, _I64, _P, _I32], _I32),
     "dequant_q4_1": ([_P, _P, _P, _I64, _I64, _P, _I32], None),
     "dequant_q8_0": ([_P, _P, _I64, _I64, _P, _I32], None),
+    "dequant_q4_1_bf16": ([_P, _P, _P, _I64, _I64, _P, _I32], None),
+    "dequant_q8_0_bf16": ([_P, _P, _I64, _I64, _P, _I32], None),
     "rms_norm_residual": ([_P, _P, _P, _F32, _I64, _I64, _P, _P], None),
     "rope_neox_inplace": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
     "silu_mul": ([_P, _I64, _I64, _P, _I32], None),

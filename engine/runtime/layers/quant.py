@@ -123,19 +123,25 @@ class QuantLinear(nn.Module):
         self.register_buffer("d", d)
         self.register_buffer("m", m)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight ``[out_features, in_features]`` the blocks stand for."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out_features, in_features]`` the blocks stand for, as float32 or (rounded
+        to nearest) bfloat16."""
         lib = KERNELS.get()
         if lib is None:
             if self.m is not None:
-                return dequantize_q4_1(self.qs, self.d, self.m)
-            return dequantize_q8_0(self.qs, self.d)
-        w = torch.empty(self.out_features, self.in_features)
+                return dequantize_q4_1(self.qs, self.d, self.m).to(dtype)
+            return dequantize_q8_0(self.qs, self.d).to(dtype)
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dequantize to float32 or bfloat16, not {dtype}")
+        w = torch.empty(self.out_features, self.in_features, dtype=dtype)
         n, k = self.out_features, self.in_features
+        bf16 = dtype == torch.bfloat16
         if self.m is not None:
-            lib.dequant_q4_1(_p(self.qs), _p(self.d), _p(self.m), n, k, _p(w), threads())
+            fn = lib.dequant_q4_1_bf16 if bf16 else lib.dequant_q4_1
+            fn(_p(self.qs), _p(self.d), _p(self.m), n, k, _p(w), threads())
         else:
-            lib.dequant_q8_0(_p(self.qs), _p(self.d), n, k, _p(w), threads())
+            fn = lib.dequant_q8_0_bf16 if bf16 else lib.dequant_q8_0
+            fn(_p(self.qs), _p(self.d), n, k, _p(w), threads())
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,12 +150,12 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         lib = KERNELS.get()
         if lib is None or rows.shape[0] > DECODE_MAX_ROWS:
-            weight = self.dense if self.dense is not None else self.dequantize()
             if self.prefill_dtype == torch.float32 or lib is None:
+                weight = self.dense if self.dense is not None else self.dequantize()
                 y = F.linear(rows, weight)  # [rows, out_features]
             else:  # accumulated in float32 by oneDNN
                 bf = self.prefill_dtype
-                y = F.linear(rows.to(bf), weight.to(bf)).float()
+                y = F.linear(rows.to(bf), self.dequantize(bf)).float()
         else:
             y = torch.empty(rows.shape[0], self.out_features)
             n, k = self.out_features, self.in_features

@@ -210,18 +210,33 @@ int linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *qs, cons
 }
 
 /* W -> float32 [N, K] (prefill runs a dense GEMM on it, one layer at a time). mul then add, no
- * FMA: the same rounding as gguf-py's dequantization, so the floats equal the dense weights. */
+ * FMA: the same rounding as gguf-py's dequantization, so the floats equal the dense weights.
+ * The _bf16 variants round those floats to bfloat16 (to nearest, ties to even, as torch's
+ * conversion does) in the same pass: a separate torch conversion cost ~25x the dequantization. */
 typedef struct {
     const void *qs;
     const float *d, *m;
-    float *w;
+    void *w;   /* float [N, K], or uint16 bf16 bits when bf16 */
+    int bf16;
 } Dequant;
+
+static inline void store8(const Dequant *a, int64_t at, __m256 v) {
+    if (!a->bf16) {
+        _mm256_storeu_ps((float *)a->w + at, v);
+        return;
+    }
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+    /* packus works per 128-bit lane: [u0..3 u0..3 | u4..7 u4..7] -> take 64 bits of each lane */
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+    _mm_storeu_si128((__m128i *)((uint16_t *)a->w + at), _mm256_castsi256_si128(p));
+}
 
 static void dequant_q4_1_blocks(void *ctx, int64_t i0, int64_t i1) {
     const Dequant *a = ctx;
     const uint8_t *qs = a->qs;
     const float *d = a->d, *m = a->m;
-    float *w = a->w;
     const __m128i mask = _mm_set1_epi8(0x0F);
     for (int64_t i = i0; i < i1; i++) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(qs + i * 16));
@@ -230,34 +245,45 @@ static void dequant_q4_1_blocks(void *ctx, int64_t i0, int64_t i1) {
         const __m256 db = _mm256_set1_ps(d[i]), mb = _mm256_set1_ps(m[i]);
         for (int j = 0; j < 4; j++) {
             __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
-            _mm256_storeu_ps(w + i * QK + 8 * j, _mm256_add_ps(_mm256_mul_ps(q, db), mb));
+            store8(a, i * QK + 8 * j, _mm256_add_ps(_mm256_mul_ps(q, db), mb));
         }
     }
-}
-
-void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t N, int64_t K,
-                  float *w, int nthreads) {
-    Dequant a = {qs, d, m, w};
-    pool_for(N * (K / QK), nthreads, dequant_q4_1_blocks, &a, 0);
 }
 
 static void dequant_q8_0_blocks(void *ctx, int64_t i0, int64_t i1) {
     const Dequant *a = ctx;
     const int8_t *qs = a->qs;
     const float *d = a->d;
-    float *w = a->w;
     for (int64_t i = i0; i < i1; i++) {
         const __m256 db = _mm256_set1_ps(d[i]);
         for (int j = 0; j < 4; j++) {
             __m256 q = _mm256_cvtepi32_ps(
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + i * QK + 8 * j))));
-            _mm256_storeu_ps(w + i * QK + 8 * j, _mm256_mul_ps(q, db));
+            store8(a, i * QK + 8 * j, _mm256_mul_ps(q, db));
         }
     }
 }
 
+void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t N, int64_t K,
+                  float *w, int nthreads) {
+    Dequant a = {qs, d, m, w, 0};
+    pool_for(N * (K / QK), nthreads, dequant_q4_1_blocks, &a, 0);
+}
+
+void dequant_q4_1_bf16(const uint8_t *qs, const float *d, const float *m, int64_t N, int64_t K,
+                       uint16_t *w, int nthreads) {
+    Dequant a = {qs, d, m, w, 1};
+    pool_for(N * (K / QK), nthreads, dequant_q4_1_blocks, &a, 0);
+}
+
 void dequant_q8_0(const int8_t *qs, const float *d, int64_t N, int64_t K, float *w, int nthreads) {
-    Dequant a = {qs, d, NULL, w};
+    Dequant a = {qs, d, NULL, w, 0};
+    pool_for(N * (K / QK), nthreads, dequant_q8_0_blocks, &a, 0);
+}
+
+void dequant_q8_0_bf16(const int8_t *qs, const float *d, int64_t N, int64_t K, uint16_t *w,
+                       int nthreads) {
+    Dequant a = {qs, d, NULL, w, 1};
     pool_for(N * (K / QK), nthreads, dequant_q8_0_blocks, &a, 0);
 }
 
