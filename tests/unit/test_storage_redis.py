@@ -25,7 +25,7 @@ from hicache.storage import redis as redis_mod
 from hicache.storage.redis import RedisStorageBackend
 from hicache.storage.redis_url import parse_target, redact_url
 from tests import valkey_servers
-from tests.valkey_servers import ValkeyCluster, ValkeyServer, free_port
+from tests.valkey_servers import TlsFront, ValkeyCluster, ValkeyServer, free_port
 
 valkey_server = valkey_servers.valkey_server  # fixtures: a fresh server / a shared cluster
 valkey_cluster = valkey_servers.valkey_cluster
@@ -378,6 +378,50 @@ def test_noeviction_oom_fails_writes_and_logs_once(
 
 
 # ---- outages -----------------------------------------------------------------------------------
+def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp_path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """rediss:// against a real server behind TLS: the data round-trips when the server's
+    certificate checks out against the given CA; with another CA the handshake fails, and the
+    backend answers misses and counts one outage (it never talks in the clear)."""
+    import trustme
+
+    ca, other_ca = trustme.CA(), trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    chain_pem, key_pem = tmp_path / "chain.pem", tmp_path / "key.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(chain_pem))
+    cert.private_key_pem.write_to_path(str(key_pem))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    other_ca.cert_pem.write_to_path(str(tmp_path / "other.pem"))
+    front = TlsFront(shared_server.port, str(chain_pem), str(key_pem))
+    try:
+        url = f"rediss://127.0.0.1:{front.port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
+        name = scope()
+        b = RedisStorageBackend(url, name)
+        keys, parents = chain(3)
+        values = [tensor(i) for i in range(3)]
+        assert b.batch_set(keys, values, parents) == [True] * 3
+        assert all(same(v, g) for v, g in zip(values, b.batch_get(keys)))
+        assert b.batch_exists(keys) == 3 and b.stats()["errors"] == 0
+        assert b.describe()["address"].startswith("rediss://127.0.0.1:")
+        # the same objects through the plain port: TLS carried the real server's data
+        assert RedisStorageBackend(shared_server.url, name).batch_exists(keys) == 3
+        b.clear()
+
+        monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)
+        wrong = RedisStorageBackend(
+            f"rediss://127.0.0.1:{front.port}/0?ssl_ca_certs={tmp_path / 'other.pem'}", scope())
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            assert wrong.batch_set(keys, values, parents) == [False] * 3
+            assert wrong.batch_get(keys) == [None] * 3
+        s = wrong.stats()
+        assert s["outages"] == 1 and s["connected"] == 0
+        assert front.handshake_failures >= 1
+        assert any("unreachable" in r.getMessage() for r in our_warnings(caplog))
+    finally:
+        front.close()
+
+
 def test_server_down_answers_at_once_without_network(
         valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
