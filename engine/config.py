@@ -44,7 +44,8 @@ class ServerArgs:
     # Weights held block-quantized on CPU: none | int8 (q8_0) | int4 (q4_1, lm_head q8_0) | auto
     # (a GGUF's own format on CPU: the embedded Q4_1 model runs int4; none otherwise)
     quantization: str = "auto"
-    # The quantized path's prefill products (more than 16 rows; a dequantized weight, one GEMM):
+    # The quantized path's products of more than 16 rows (prefill, big decode batches: a
+    # dequantized weight, one GEMM):
     # float32 | bfloat16 | auto (bfloat16 where the CPU multiplies bf16 natively: AVX512-BF16 or
     # AMX, ~2-3x the float32 GEMM; float32 elsewhere)
     prefill_matmul_dtype: str = "auto"

@@ -126,13 +126,13 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[out_features, in_features]`` the blocks stand for, as float32 or (rounded
         to nearest) bfloat16."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dequantize to float32 or bfloat16, not {dtype}")
         lib = KERNELS.get()
         if lib is None:
             if self.m is not None:
                 return dequantize_q4_1(self.qs, self.d, self.m).to(dtype)
             return dequantize_q8_0(self.qs, self.d).to(dtype)
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"dequantize to float32 or bfloat16, not {dtype}")
         w = torch.empty(self.out_features, self.in_features, dtype=dtype)
         n, k = self.out_features, self.in_features
         bf16 = dtype == torch.bfloat16
