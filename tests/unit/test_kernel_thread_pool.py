@@ -77,3 +77,15 @@ def test_a_forked_child_runs_kernels(layer):
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     assert answer == b"1" and status == 0, "the forked child hung or got a wrong product"
+
+
+def test_no_more_threads_than_cpus(layer):
+    """Asking for 64 threads on a machine with fewer CPUs starts no more workers than CPUs - 1
+    (extra ones would only spin against each other); the result is the same."""
+    cpus = len(os.sched_getaffinity(0))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    before = len(os.listdir("/proc/self/task"))
+    y = _product(layer, x, 64)
+    after = len(os.listdir("/proc/self/task"))
+    assert after - before <= max(0, cpus - 1)
+    assert torch.equal(y, _product(layer, x, 1))

@@ -17,6 +17,7 @@
  * Needs AVX2 + FMA + F16C (and uses AVX-VNNI when built with it); the Python side falls back to
  * torch ops when the build fails.
  */
+#define _GNU_SOURCE  /* sched_getaffinity in thread_pool.h */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

@@ -14,7 +14,7 @@
  * can synchronise its threads with pool_barrier (a spinning barrier that yields the core when a
  * peer is late): the fused decode step is one job with a barrier between its phases.
  * One job at a time: callers on other threads queue on a mutex. A forked child starts with no
- * workers (pthread_atfork).
+ * workers (pthread_atfork). Needs _GNU_SOURCE before the first system header (the includer's).
  */
 #include <pthread.h>
 #include <sched.h>
@@ -87,7 +87,14 @@ static void pool_after_fork(void) {  /* the child has no workers: start afresh *
     pthread_cond_init(&pool.cv, NULL);
 }
 
-static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+static int pool_cpus = 1;  /* CPUs this process may run on: more threads would only spin */
+
+static void pool_init(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork);
+    cpu_set_t set;
+    pool_cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+    pool_cpus = pool_cpus < 1 ? 1 : pool_cpus;
+}
 
 /* Spin (then spin-and-yield) until *v == want. */
 static inline void wait_until(atomic_int *v, int want) {
@@ -118,18 +125,20 @@ static void pool_barrier(int nt) {
     }
 }
 
-/* fn(ctx, tid, nt) on nt threads (tid 0 is the caller; fewer if threads cannot be made);
+/* fn(ctx, tid, nt) on nt threads (tid 0 is the caller; no more than the CPUs the process may
+ * use, and fewer if threads cannot be made);
  * returns when every thread is done. Then the workers spin spin_ns for the next job before they
  * sleep: POOL_SPIN_NS when more kernels follow at once (decode), 0 when torch's own OpenMP
  * threads run next (a dequantization before a dense GEMM) and a spinning worker would take
  * their core. */
 static void pool_run(pool_job fn, void *ctx, int nt, int64_t spin_ns) {
+    pthread_once(&pool_once, pool_init);
+    nt = nt > pool_cpus ? pool_cpus : nt;
     nt = nt < 1 ? 1 : nt > POOL_MAX ? POOL_MAX : nt;
     if (nt == 1) {
         fn(ctx, 0, 1);
         return;
     }
-    pthread_once(&pool_once, pool_register_fork);
     pthread_mutex_lock(&pool.run_mu);
     while (pool.nworkers < nt - 1) {
         pthread_t th;
