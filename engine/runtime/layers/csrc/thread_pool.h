@@ -11,20 +11,25 @@
  * Here a job runs on the caller (thread 0) and nt - 1 workers. Workers spin for POOL_SPIN_NS
  * after a job (the gaps between the kernels of one step) and then sleep on a condition
  * variable (the gaps between steps, when the daemon's other processes want the cores). A job
- * can synchronise its threads with pool_barrier (a spinning barrier that yields the core when a
+ * can synchronise its threads with pool_barrier (it spins 50 us, then blocks on a futex when a
  * peer is late): the fused decode step is one job with a barrier between its phases.
  * One job at a time: callers on other threads queue on a mutex. A forked child starts with no
  * workers (pthread_atfork). Needs _GNU_SOURCE before the first system header (the includer's).
  */
+#include <limits.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #define POOL_MAX 64
 #define POOL_SPIN_NS 200000   /* a worker's spin before it sleeps */
-#define POOL_YIELD_NS 50000   /* a barrier's spin before it yields the core between checks */
+#define POOL_BLOCK_NS 50000   /* a barrier's spin before it blocks on a futex */
+#define POOL_BLOCK_TIMEOUT_NS 1000000  /* each futex wait's timeout (a missed wake costs <= 1 ms) */
 
 typedef void (*pool_job)(void *ctx, int tid, int nt);
 
@@ -41,6 +46,7 @@ typedef struct {
     int64_t spin_ns;          /* how long workers spin for the next job after this one */
     atomic_int arrived;       /* barrier */
     atomic_uint phase;
+    atomic_int sleepers;      /* threads blocked in block_on (wakes are skipped when none) */
 } Pool;
 
 static Pool pool = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
@@ -51,6 +57,20 @@ static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Block until the 32-bit *addr no longer holds `seen` (or the timeout: callers re-check). The
+ * sleepers count is raised first, so a waker that changed *addr either sees it or the kernel
+ * sees the new value and does not sleep. */
+static void block_on(void *addr, int seen) {
+    atomic_fetch_add(&pool.sleepers, 1);
+    const struct timespec ts = {0, POOL_BLOCK_TIMEOUT_NS};
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);
+    atomic_fetch_sub(&pool.sleepers, 1);
+}
+
+static void wake_all(void *addr) {
+    if (atomic_load(&pool.sleepers)) syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
 static unsigned spawn_gen[POOL_MAX];  /* gen when worker i was made: its first job is the next */
@@ -75,7 +95,7 @@ static void *pool_worker(void *arg) {
         seen = atomic_load(&pool.gen);
         spin_ns = pool.spin_ns;
         if (tid < pool.nt) pool.fn(pool.ctx, tid, pool.nt);
-        atomic_fetch_sub_explicit(&pool.busy, 1, memory_order_release);
+        if (atomic_fetch_sub(&pool.busy, 1) == 1) wake_all(&pool.busy);
     }
     return NULL;
 }
@@ -96,14 +116,14 @@ static void pool_init(void) {
     pool_cpus = pool_cpus < 1 ? 1 : pool_cpus;
 }
 
-/* Spin (then spin-and-yield) until *v == want. */
+/* Spin POOL_BLOCK_NS while *v != want (the usual wait: microseconds), then block on it. */
 static inline void wait_until(atomic_int *v, int want) {
     int64_t t0 = 0;
-    for (int i = 0; atomic_load_explicit(v, memory_order_acquire) != want; i++) {
+    for (int i = 0, cur; (cur = atomic_load_explicit(v, memory_order_acquire)) != want; i++) {
         _mm_pause();
         if ((i & 63) != 63) continue;
         if (!t0) t0 = now_ns();
-        else if (now_ns() - t0 > POOL_YIELD_NS) sched_yield();
+        else if (now_ns() - t0 > POOL_BLOCK_NS) block_on(v, cur);
     }
 }
 
@@ -113,7 +133,8 @@ static void pool_barrier(int nt) {
     const unsigned phase = atomic_load_explicit(&pool.phase, memory_order_acquire);
     if (atomic_fetch_add_explicit(&pool.arrived, 1, memory_order_acq_rel) == nt - 1) {
         atomic_store_explicit(&pool.arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&pool.phase, 1, memory_order_release);
+        atomic_fetch_add(&pool.phase, 1);
+        wake_all(&pool.phase);
         return;
     }
     int64_t t0 = 0;
@@ -121,7 +142,7 @@ static void pool_barrier(int nt) {
         _mm_pause();
         if ((i & 63) != 63) continue;
         if (!t0) t0 = now_ns();
-        else if (now_ns() - t0 > POOL_YIELD_NS) sched_yield();
+        else if (now_ns() - t0 > POOL_BLOCK_NS) block_on(&pool.phase, (int)phase);
     }
 }
 
