@@ -115,9 +115,15 @@ class HiRadixCache(StorageMixin, RadixCache):
                 node = self.ongoing_write.pop(node_id, None)
                 if node is None:
                     continue
-                if not op.ok and node.host_value is not None:
-                    self.host_pool.free(node.host_value)
-                    self._set_host(node, None)
+                # the write's host slots: the node's, and those of the parts split off above it
+                written, pending = [node], node.host_pending
+                while (up := written[-1].parent) is not None and up.host_pending is pending:
+                    written.append(up)
+                for n in written:
+                    n.host_pending = None
+                    if not op.ok and n.host_value is not None:
+                        self.host_pool.free(n.host_value)
+                        self._set_host(n, None)
                 self.dec_lock_ref(node)
                 if op.ok:
                     self.backup_to_storage(node)
@@ -317,6 +323,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         if host_indices is None:
             return False
         self._set_host(node, host_indices)
+        node.host_pending = object()
         self.ongoing_write[node.id] = node
         self.inc_lock_ref(node)
         return True

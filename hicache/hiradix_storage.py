@@ -138,6 +138,12 @@ class StorageMixin:
         if last <= first:
             node.in_storage = True  # no object ends inside it
             return False
+        if self._host_in_flight(path, first * S, last * S):
+            # NOTE: an object reaching back into a node whose device->host write has not
+            # landed (written after this one: its first write found L2 full) would store
+            # bytes the copy has not written yet; submitted after that write's ack
+            self.deferred_backups[node.id] = node
+            return False
         if self._backup_full((last - first) * S):
             if node.id not in self.deferred_backups:
                 self.deferred_backups[node.id] = node
@@ -151,8 +157,7 @@ class StorageMixin:
                 > MAX_BACKUP_HOST_SHARE * self.host_pool.size)
 
     def _submit_deferred(self) -> None:
-        while self.deferred_backups:
-            node_id, node = next(iter(self.deferred_backups.items()))
+        for node_id, node in list(self.deferred_backups.items()):
             need = len(node.key) + self.object_size  # at most: its objects reach back one
             if self._backup_full(need):
                 return
@@ -160,7 +165,7 @@ class StorageMixin:
             if node.host_value is None or not self._path(node) or self._path(node)[-1] is not node:
                 self.l3_counters["backup_dropped_nodes"] += 1  # left L2 before its turn
                 continue
-            self.backup_to_storage(node)
+            self.backup_to_storage(node)  # deferred again while a parent's write is in flight
 
     def _submit_backup(self, path: list[TreeNode], first: int, last: int,
                        nodes: list[TreeNode], repair_key: str | None = None) -> bool:
@@ -178,6 +183,17 @@ class StorageMixin:
             self._repairing.add(repair_key)
         self.storage_io.backup(job)
         return True
+
+    @staticmethod
+    def _host_in_flight(path: list[TreeNode], lo: int, hi: int) -> bool:
+        """Does a node holding token positions ``[lo, hi)`` of ``path`` wait for its host
+        bytes (a device->host write not yet acknowledged)?"""
+        pos = 0
+        for n in path:
+            a, pos = pos, pos + len(n.key)
+            if pos > lo and a < hi and n.host_pending is not None:
+                return True
+        return False
 
     def _path_host_slots(self, path: list[TreeNode], lo: int, hi: int) -> torch.Tensor | None:
         """Host slots of token positions ``[lo, hi)`` of ``path``; None if one is not on host."""
@@ -385,6 +401,8 @@ class StorageMixin:
             return  # the next match of this prefix tries again
         _, last, _ = self._match_helper(key[: end * self.object_size], hit=None)
         path = self._path(last)
+        if self._host_in_flight(path, hit * self.object_size, end * self.object_size):
+            return  # the next match of this prefix tries again, once the bytes landed
         S, pos, nodes = self.object_size, 0, []
         for n in path:
             pos += len(n.key)

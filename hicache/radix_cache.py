@@ -36,6 +36,9 @@ class TreeNode:
         self.key = key  # token ids, len % page_size == 0
         self.value = value  # [len(key)] int64 slots on device; None = not on device
         self.host_value: torch.Tensor | None = None  # HiRadixCache: [len(key)] int64 host slots
+        # HiRadixCache: the device->host write still filling host_value (shared by the parts of
+        # a split node); None once its bytes landed
+        self.host_pending: object | None = None
         self.host_ref = 0  # HiRadixCache: protections against host eviction (prefetch anchors)
         self.in_storage = False  # HiRadixCache: the L3 objects ending inside this node are stored
         self.children: dict[tuple[int, ...], TreeNode] = {}
@@ -371,6 +374,7 @@ class RadixCache:
         if child.host_value is not None:
             new_node.host_value = child.host_value[:split_len]
             child.host_value = child.host_value[split_len:]
+            new_node.host_pending = child.host_pending
         new_node.parent, new_node.lock_ref = child.parent, child.lock_ref
         new_node.last_access_time, new_node.hit_count = child.last_access_time, child.hit_count
         new_node.in_storage = child.in_storage  # objects ending in either part were stored

@@ -4,6 +4,7 @@ slots only, prefetch policies, cancellation, anchors, and repair of objects L3 l
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -300,4 +301,95 @@ def test_attach_at_run_time_backs_up_what_l2_holds_and_serves_it(gated_rig, tmp_
     res = r.tree.match_prefix(key)
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
+    r.check_invariants()
+
+
+class _WriteGate:
+    """Holds the controller's device->host copies: each one waits for its own ``allow``."""
+
+    def __init__(self, r: Rig) -> None:
+        self.sem = threading.Semaphore(0)
+        self.started = threading.Semaphore(0)
+        copy = r.host_pool.backup_from_device_all_layer
+
+        def gated(*args, **kw):
+            self.started.release()
+            assert self.sem.acquire(timeout=30), "write gate never opened"
+            return copy(*args, **kw)
+
+        r.host_pool.backup_from_device_all_layer = gated
+
+    def allow(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.sem.release()
+
+
+def test_backup_waits_for_an_ancestors_host_bytes_still_in_flight(gated_rig):
+    """A parent written to L2 after its child (its first write found L2 full): the child's
+    object that reaches back into the parent is stored only once the parent's host bytes
+    landed, never from host slots the copy has not filled yet."""
+    r, store = gated_rig(object_size=8, device_size=64, host_size=64)
+    a, b = list(range(10, 22)), list(range(50, 62))  # object 1 = a[8:12] + b[0:4]
+    write = r.controller.write
+    r.controller.write = lambda *args, **kw: None  # L2 full: a is not written
+    r.insert(a)
+    r.controller.write = write
+    assert r.tree.match_prefix(a, touch=False).last_device_node.host_value is None
+    r.host_pool.kv_buffer.fill_(float("nan"))  # what unwritten host slots hold
+    gate = _WriteGate(r)
+    r.insert(a + b)  # b's write (held)
+    assert gate.started.acquire(timeout=10)
+    r.tree.record_hit(r.tree.match_prefix(a + b, touch=False).last_device_node)  # a's write
+    gate.allow(1)  # b's bytes land, a's are still in flight
+    deadline = time.monotonic() + 10
+    while r.controller.ack_write_queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    r.tree.check()  # b acknowledged: its backup must not read a's unwritten slots
+    r.controller.wait_storage_idle()
+    gate.allow(1)
+    r.settle()
+    keys = r.tree.storage_keys(tuple(a + b))
+    assert store.inner.batch_exists(keys) == 3  # all stored, none skipped for good
+    r.tree.flush_tier("l1")
+    r.tree.flush_tier("l2")
+    assert r.tree.fetch_from_storage(a + b) == 24
+    res = r.tree.match_prefix(a + b)
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(a + b, indices)
+    r.check_invariants()
+
+
+def test_a_failed_write_leaves_no_host_copy_in_the_parts_of_a_split_node(gated_rig):
+    """A device->host write fails after its node was split (a request sharing part of it):
+    neither part keeps the host slots the copy never filled."""
+    r, _ = gated_rig(object_size=8, device_size=64, host_size=64)
+    copy = r.host_pool.backup_from_device_all_layer
+    started, go = threading.Event(), threading.Event()
+
+    def failing(*args, **kw):
+        started.set()
+        assert go.wait(timeout=30)
+        raise RuntimeError("copy failed")
+
+    r.host_pool.backup_from_device_all_layer = failing
+    a = list(range(10, 34))
+    r.insert(a)
+    assert started.wait(timeout=10)
+    r.insert(a[:12] + list(range(70, 74)))  # splits a's node at 12 while its write runs
+    head = r.tree.match_prefix(a[:12], touch=False).last_device_node
+    assert len(head.key) == 12 and head.host_value is not None
+    r.host_pool.backup_from_device_all_layer = copy
+    go.set()
+    r.settle()
+    assert r.controller.stats["errors"] == 1
+    assert head.host_value is None and head.host_pending is None
+    r.check_invariants()
+    r.tree.flush_tier("l1")  # a's tail leaves; its head, a parent now, is written again
+    r.settle()
+    assert r.tree.match_prefix(a, touch=False).host_hit_length == 12
+    key = a[:12] + list(range(70, 74))
+    res = r.tree.match_prefix(key)
+    assert res.host_hit_length == 16
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(key, indices)  # the bytes of the second write, not the failed one's
     r.check_invariants()
