@@ -231,6 +231,7 @@ class RedisStorageBackend(StorageBackend):
         self._backoff = BACKOFF_FIRST_S
         self._logged: set[tuple[str, str]] = set()  # (op, error kind) logged this episode
         self._corrupt_logged = False
+        self._no_touch: bool | None = None  # does the server take CLIENT NO-TOUCH (unknown)
         self._extra = {"outages": 0, "offline_calls": 0, "server_evicted_keys": 0,
                        "server_used_memory": 0}
         self._rtt_us = 0.0
@@ -539,7 +540,7 @@ class RedisStorageBackend(StorageBackend):
                 cursor, found = self._scan(client, node, cursor, self.namespace + "*:m")
                 budget -= len(found)
                 sweep.objects += len(found)
-                sweep.nbytes += self._payload_bytes(client, found)
+                sweep.nbytes += self._payload_bytes(client, node, found)
                 sweep.todo[0] = (node, cursor)
                 if cursor == 0:
                     sweep.todo.pop(0)
@@ -555,13 +556,34 @@ class RedisStorageBackend(StorageBackend):
                 self._sweep = None
         return True
 
-    def _payload_bytes(self, client: Any, meta_names: Sequence[bytes]) -> int:
+    def _payload_bytes(self, client: Any, node: Any, meta_names: Sequence[bytes]) -> int:
+        """STRLEN of the payloads of ``meta_names`` (on ``node``), without touching them.
+
+        NOTE: STRLEN refreshes a key's LRU clock: a sweep would make every object it counted
+        look as new as the ones written since, and allkeys-lru would then evict among them at
+        random. ``CLIENT NO-TOUCH`` (Valkey / Redis 7.2+) keeps the sweep invisible to the
+        eviction policy; older servers answer it with an error and are swept touching."""
         if not meta_names:
             return 0
-        pipe = client.pipeline(transaction=False)
+        conn = client.get_redis_connection(node) if node is not None else client
+        if self._no_touch is None:
+            try:
+                conn.execute_command("CLIENT", "NO-TOUCH", "OFF")
+                self._no_touch = True
+            except redis.ResponseError:
+                self._no_touch = False
+                logger.info("L3 redis %s: no CLIENT NO-TOUCH (Redis < 7.2): the idle rescan "
+                            "refreshes the LRU clock of the payloads it counts",
+                            self.target.address)
+        pipe = conn.pipeline(transaction=False)  # one connection: the mode covers the STRLENs
+        if self._no_touch:
+            pipe.execute_command("CLIENT", "NO-TOUCH", "ON")
         for name in meta_names:
             pipe.strlen(name[:-1] + b"d")  # ...:m -> ...:d
-        return sum(r for r in self._execute("reconcile", pipe) if isinstance(r, int))
+        if self._no_touch:
+            pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")
+        res = self._execute("reconcile", pipe)
+        return sum(r for r in (res[1:-1] if self._no_touch else res) if isinstance(r, int))
 
     def _read_server_info(self, client: Any) -> None:
         """maxmemory (INFO memory: also where CONFIG GET is disabled), used memory and the

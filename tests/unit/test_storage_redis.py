@@ -608,6 +608,22 @@ def test_stats_and_reconcile_agree_with_the_server(backend: RedisStorageBackend,
     assert (backend.stats()["objects"], backend.stats()["bytes"]) == (0, 0)
 
 
+def test_reconcile_leaves_the_servers_lru_alone(backend: RedisStorageBackend,
+                                              target: ValkeyServer | ValkeyCluster) -> None:
+    """The idle rescan reads lengths without touching keys: under allkeys-lru the objects it
+    counted stay as old to the server as they were (a touched payload would look as new as the
+    objects written after it, and the server would evict among them at random)."""
+    keys, parents = chain(3)
+    assert all(backend.batch_set(keys, [tensor(i) for i in range(3)], parents))
+    time.sleep(2.2)  # the server's LRU clock ticks once a second
+    backend.reconcile()
+    assert backend.stats()["bytes"] == 3 * tensor(0).nbytes
+    raw = target.client()
+    for k in keys:
+        for name in (backend._mkey(k), backend._dkey(k)):
+            assert raw.object("idletime", name) >= 2, name
+
+
 def test_reconcile_sweeps_over_several_passes(single: RedisStorageBackend,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(redis_mod, "RECONCILE_MAX_KEYS", 5)
