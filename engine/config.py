@@ -80,7 +80,7 @@ class ServerArgs:
     hicache_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1,024 prefetched tokens
     hicache_prefetch_threshold: int = 256  # minimum L3 hit (tokens) worth a prefetch
     # Debug
-    debug_check_invariants: bool = False  # check KV accounting after every scheduler step
+    debug_check_invariants: bool = False  # KV accounting + tree integrity after every step
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -547,7 +547,11 @@ class Scheduler:
         return held[~torch.isin(held, tree)]
 
     def check_kv_invariant(self) -> None:
-        """NOTE: every KV page is exactly one of: free, in the tree, held by a request."""
+        """NOTE: every KV page is exactly one of: free, in the tree, held by a request; and the
+        tree itself is consistent (keys, locks, sizes, tiers: ``check_integrity``)."""
+        integrity = getattr(self.tree_cache, "check_integrity", None)
+        if integrity is not None:
+            integrity()
         ps = self.page_size
         alloc = self.runner.allocator
         free = alloc.debug_free_pages().to(torch.int64).cpu()
