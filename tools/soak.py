@@ -123,7 +123,8 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
             traffic.pause()
             faults.drain_check()
             with HicacheClient(daemon.addr, timeout=RPC_TIMEOUT_S) as c:
-                info = check_round(c, rec, wl, reference, l3)
+                info = check_round(c, rec, wl, reference, l3,
+                                   label=f"round {r} {'+'.join(group) or 'clean'}: ")
             info.update(round=r, faults=group, pid=daemon.pid, rss_kb=daemon.rss_kb(),
                         requests=rec.snapshot()[0] - n_calls, codes=rec.histogram(n_calls),
                         ttft_s=ttft_summary(rec.ttfts(n_calls)),

@@ -97,18 +97,39 @@ def _accounting_once(c: HicacheClient, l3: L3Dir | None
     return leaks, problems
 
 
-def greedy_outputs(c: HicacheClient, prompts: list[list[int]], n: int) -> list[list[int]]:
+def greedy_outputs(c: HicacheClient, prompts: list[list[int]], n: int,
+                   sources: list[str] | None = None) -> list[list[int]]:
+    """Each prompt's greedy continuation; ``sources`` (when given) gets, per prompt, where its
+    cached prefix came from ("l1=.. l2=.. l3=.. of N")."""
     out = []
     for p in prompts:
-        _, ids, _ = c.generate_text(p, max_new_tokens=n, temperature=0.0, ignore_eos=True,
-                                    timeout=STREAM_TIMEOUT_S)
+        _, ids, done = c.generate_text(p, max_new_tokens=n, temperature=0.0, ignore_eos=True,
+                                       timeout=STREAM_TIMEOUT_S)
         out.append(ids)
+        if sources is not None:
+            t = done.usage.cached_tokens_per_tier
+            sources.append(f"l1={t.l1} l2={t.l2} l3={t.l3} of {len(p)}")
     return out
 
 
+def _forensics(c: HicacheClient, prompt: list[int], reference: list[int], n: int) -> str:
+    """After a greedy mismatch: the prompt again as the cache now holds it, then from L2 only
+    (L1 evicted), then from L3 only (L2 evicted too): which tier holds the wrong KV."""
+    out = []
+    for step, tiers in (("again", ()), ("without l1", ("l1",)), ("without l1+l2", ("l1", "l2"))):
+        for tier in tiers:
+            c.evict(tier, all=True)
+        sources: list[str] = []
+        ids = greedy_outputs(c, [prompt], n, sources)[0]
+        out.append(f"{step}: {'same as fresh' if ids == reference else ids} "
+                   f"(cached {sources[0]})")
+    return "; ".join(out)
+
+
 def check_round(c: HicacheClient, rec: Recorder, wl: Workload, reference: list[list[int]],
-                l3: L3Dir | None) -> dict[str, Any]:
-    """The end-of-round checks on a paused workload; violations go to ``rec``."""
+                l3: L3Dir | None, label: str = "") -> dict[str, Any]:
+    """The end-of-round checks on a paused workload; violations go to ``rec`` (their text
+    starts with ``label``: the round and its faults)."""
     out: dict[str, Any] = {}
     health = c.health()
     if health != "SERVING":
@@ -116,11 +137,14 @@ def check_round(c: HicacheClient, rec: Recorder, wl: Workload, reference: list[l
     c.unpin(None)
     try:
         wait_idle(c)
-        got = greedy_outputs(c, wl.check_prompts, wl.cfg.check_new_tokens)
+        sources: list[str] = []
+        got = greedy_outputs(c, wl.check_prompts, wl.cfg.check_new_tokens, sources)
         bad = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
         out["greedy_mismatches"] = len(bad)
         for i in bad:
-            rec.violate("greedy output", f"check prompt {i}: {got[i]} != fresh {reference[i]}")
+            rec.violate("greedy output", f"{label}check prompt {i} (cached {sources[i]}): "
+                        f"{got[i]} != fresh {reference[i]}; "
+                        + _forensics(c, wl.check_prompts[i], reference[i], wl.cfg.check_new_tokens))
         wait_idle(c)
     except TimeoutError as e:
         rec.violate("not idle", f"still busy after 60 s: {e}")

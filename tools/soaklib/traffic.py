@@ -161,24 +161,30 @@ class Traffic:
                         max_new_tokens=64, ignore_eos=True, temperature=0.0)
 
     def _gen_dup_running(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
-        """The same id while the first request runs (64 tokens to go; cancelled once the
-        second call returned): ALREADY_EXISTS."""
+        """The same id while the first request runs (64 tokens to go): ALREADY_EXISTS, and the
+        first is cancelled then. The first may have finished on the server before the second
+        arrived (a slow client: its last chunks wait unread), which lets the second run; the
+        first is then read to its end and both must be whole and agree (greedy, same prompt):
+        a second run beside the first would share its id, its stream and its abort."""
         rid = self._rid("dup")
         second: list[StreamResult] = []
 
         def again() -> bool:
             second.append(stream_generate(
                 self.rec, c, cv.ids, "dup_second", {"ALREADY_EXISTS", "RESOURCE_EXHAUSTED"},
-                {"STOP", "LENGTH"}, rid=rid, ns=cv.ns, max_new_tokens=2, temperature=0.0))
-            return True
+                {"STOP", "LENGTH"}, rid=rid, ns=cv.ns, max_new_tokens=2, ignore_eos=True,
+                temperature=0.0))
+            return second[0].code != "OK"
 
         first = stream_generate(self.rec, c, cv.ids, "dup_first",
                                 {"CANCELLED", "RESOURCE_EXHAUSTED"}, {"STOP", "LENGTH"},
                                 rid=rid, ns=cv.ns, on_first=again, max_new_tokens=64,
                                 ignore_eos=True, temperature=0.0)
-        if second and second[0].code == "OK" and first.completes == 0:
-            self.rec.violate("duplicate request_id", f"{rid}: a second call ran while the "
-                             "first was running")
+        if second and second[0].code == "OK" and (
+                first.code != "OK" or len(first.ids) != 64 or second[0].ids != first.ids[:2]):
+            self.rec.violate("duplicate request_id", f"{rid}: a second call ran beside the "
+                             f"first ({first.code}, {len(first.ids)} of 64 tokens, first two "
+                             f"{first.ids[:2]} vs the second's {second[0].ids})")
 
     def _gen_dup_simultaneous(self, c: HicacheClient, rng: random.Random,
                               cv: Conversation) -> None:
