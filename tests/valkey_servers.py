@@ -221,6 +221,7 @@ class TlsFront:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.handshake_failures = 0
+        self.sessions = 0  # TLS sessions relayed
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="tls-front").start()
 
@@ -238,6 +239,7 @@ class TlsFront:
                 self.handshake_failures += 1
                 raw.close()
                 continue
+            self.sessions += 1
             up = socket.create_connection(("127.0.0.1", self.upstream_port))
             for src, dst in ((conn, up), (up, conn)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()

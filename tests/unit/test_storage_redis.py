@@ -378,12 +378,9 @@ def test_noeviction_oom_fails_writes_and_logs_once(
 
 
 # ---- outages -----------------------------------------------------------------------------------
-def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp_path,
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                caplog: pytest.LogCaptureFixture) -> None:
-    """rediss:// against a real server behind TLS: the data round-trips when the server's
-    certificate checks out against the given CA; with another CA the handshake fails, and the
-    backend answers misses and counts one outage (it never talks in the clear)."""
+def _tls_files(tmp_path) -> tuple[str, str]:
+    """A CA (``ca.pem``), another one (``other.pem``) and a certificate for 127.0.0.1 signed by
+    the first: (chain, key) paths."""
     import trustme
 
     ca, other_ca = trustme.CA(), trustme.CA()
@@ -393,7 +390,17 @@ def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp
     cert.private_key_pem.write_to_path(str(key_pem))
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
     other_ca.cert_pem.write_to_path(str(tmp_path / "other.pem"))
-    front = TlsFront(shared_server.port, str(chain_pem), str(key_pem))
+    return str(chain_pem), str(key_pem)
+
+
+def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp_path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """rediss:// against a real server behind TLS: the data round-trips when the server's
+    certificate checks out against the given CA; with another CA the handshake fails, and the
+    backend answers misses and counts one outage (it never talks in the clear)."""
+    chain_pem, key_pem = _tls_files(tmp_path)
+    front = TlsFront(shared_server.port, chain_pem, key_pem)
     try:
         url = f"rediss://127.0.0.1:{front.port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
         name = scope()
@@ -420,6 +427,51 @@ def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp
         assert any("unreachable" in r.getMessage() for r in our_warnings(caplog))
     finally:
         front.close()
+
+
+def test_rediss_cluster_over_tls(tmp_path) -> None:
+    """rediss-cluster:// against a real 3-primary cluster, each node behind its own TLS front and
+    announcing the front's port (as a TLS cluster announces its TLS port): the topology is read
+    and every node reached over TLS, the objects spread over the nodes, and the data round-trips;
+    with another CA nothing is read or written."""
+    chain_pem, key_pem = _tls_files(tmp_path)
+    cluster = ValkeyCluster().start()
+    fronts = [TlsFront(node.port, chain_pem, key_pem) for node in cluster.nodes]
+    try:
+        for node, front in zip(cluster.nodes, fronts):
+            node.client().config_set("cluster-announce-port", front.port)
+        want = sorted(f.port for f in fronts)
+        deadline = time.monotonic() + 10
+        while sorted(int(r[2][1]) for r in cluster.nodes[0].client().execute_command(
+                "CLUSTER", "SLOTS")) != want:
+            assert time.monotonic() < deadline, "the announced ports did not spread"
+            time.sleep(0.1)
+        hosts = ",".join(f"127.0.0.1:{f.port}" for f in fronts)
+        b = RedisStorageBackend(
+            f"rediss-cluster://{hosts}?ssl_ca_certs={tmp_path / 'ca.pem'}", scope())
+        assert b.describe()["backend"] == "redis-cluster"
+        keys, parents = chain(12)
+        values = [tensor(i) for i in range(12)]
+        assert b.batch_set(keys, values, parents) == [True] * 12
+        assert all(same(v, g) for v, g in zip(values, b.batch_get(keys)))
+        assert b.batch_exists(keys) == 12 and b.stats()["errors"] == 0
+        b.reconcile()
+        assert b.stats()["objects"] == 12
+        held = [node.client().dbsize() for node in cluster.nodes]
+        assert sum(held) == 24 and sum(1 for n in held if n) >= 2  # spread, pairs together
+        assert all(f.sessions >= 1 for f in fronts) and not any(f.handshake_failures
+                                                               for f in fronts)
+        b.clear()
+        wrong = RedisStorageBackend(
+            f"rediss-cluster://{hosts}?ssl_ca_certs={tmp_path / 'other.pem'}", scope())
+        assert wrong.batch_set(keys, values, parents) == [False] * 12
+        assert wrong.batch_get(keys) == [None] * 12
+        assert wrong.stats()["outages"] == 1 and sum(n.client().dbsize()
+                                                     for n in cluster.nodes) == 0
+    finally:
+        for f in fronts:
+            f.close()
+        cluster.stop()
 
 
 def test_server_down_answers_at_once_without_network(
