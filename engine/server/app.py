@@ -31,7 +31,7 @@ from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
 from engine.server.generation import GenerationServicer
 from engine.server.metrics import Metrics
-from engine.server.openai_api import HttpApi
+from engine.server.openai_api import ABORT_ANSWER_S, HttpApi
 from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
 from engine.server.settings import DaemonSettings, describe_tiers
 from engine.server.state import DaemonState
@@ -238,6 +238,16 @@ class Daemon:
         deadline = time.monotonic() + grace
         while st.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        # Past the grace, open requests are aborted and still answered (gRPC: UNAVAILABLE, the
+        # server is shutting down; HTTP: 503) instead of cut by the server's stop (CANCELLED,
+        # which reads as the client's own doing); what has not answered by then is cut.
+        if st.active and st.engine is not None:
+            for rid in list(st.active):
+                st.engine.abort(rid)
+            answer_by = time.monotonic() + ABORT_ANSWER_S
+            while st.active and time.monotonic() < answer_by:
+                await asyncio.sleep(0.02)
+            deadline = max(deadline, time.monotonic())
         if self.server is not None:
             await self.server.stop(max(0.0, deadline - time.monotonic()))
         if self.http is not None:

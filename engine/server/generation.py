@@ -90,6 +90,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                         ),
                     )
                 if chunk.finished:
+                    if chunk.finish_reason == "abort" and st.draining:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                            "the server is shutting down: the request was aborted")
                     yield gen_pb2.GenerateResponse(
                         request_id=client_rid, complete=complete(chunk)
                     )

@@ -286,3 +286,25 @@ def test_health_not_serving_until_loaded(tiny_llama_dir):
             assert c.generate_text("hello", max_new_tokens=2)[2].usage.completion_tokens >= 1
     finally:
         dt.stop()
+
+
+def test_stop_past_the_grace_ends_open_streams_unavailable(tiny_llama_dir):
+    """A stream still open when the drain's grace runs out is aborted (its KV freed) and ends
+    with UNAVAILABLE, the server shutting down: not CANCELLED, which reads as the client's doing."""
+    dt = DaemonThread(DaemonSettings(port=0, warmup=False, grace_period_s=0.2),
+                      ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096)).start()
+    stopper = threading.Thread(target=dt.stop)
+    try:
+        with HicacheClient(f"127.0.0.1:{dt.port}", timeout=60) as c:
+            it = iter(c.generate([40] * 8, max_new_tokens=1900, temperature=0.0, ignore_eos=True))
+            next(it)
+            stopper.start()
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in it:
+                    pass
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        assert "shutting down" in e.value.details()
+    finally:
+        if stopper.ident is None:
+            dt.stop()
+        stopper.join(60)
