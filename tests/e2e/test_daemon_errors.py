@@ -305,6 +305,7 @@ def test_stop_past_the_grace_ends_open_streams_unavailable(tiny_llama_dir):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
         assert "shutting down" in e.value.details()
     finally:
-        if stopper.ident is None:
+        if stopper.ident is None:  # failed before the stop began
             dt.stop()
-        stopper.join(60)
+        else:
+            stopper.join(60)
