@@ -243,6 +243,7 @@ class Daemon:
         # which reads as the client's own doing); what has not answered by then is cut.
         if st.active and st.engine is not None:
             for rid in list(st.active):
+                st.drain_aborted.add(rid)
                 st.engine.abort(rid)
             answer_by = time.monotonic() + ABORT_ANSWER_S
             while st.active and time.monotonic() < answer_by:

@@ -90,7 +90,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                         ),
                     )
                 if chunk.finished:
-                    if chunk.finish_reason == "abort" and st.draining:
+                    if chunk.finish_reason == "abort" and rid in st.drain_aborted:
                         await context.abort(grpc.StatusCode.UNAVAILABLE,
                                             "the server is shutting down: the request was aborted")
                     yield gen_pb2.GenerateResponse(
@@ -103,7 +103,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     async def Abort(
         self, request: gen_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.AbortResponse:
-        engine = await self.state.require_engine(context)
+        engine = await self.state.require_engine(context, while_draining=True)
         if not request.request_id:
             raise validate.ValidationError("request_id is required")
         rid = self.state.principal(context).request_id(request.request_id)

@@ -51,6 +51,8 @@ class DaemonState:
     draining: bool = False
     start_time: float = field(default_factory=time.time)
     active: dict[str, Any] = field(default_factory=dict)  # rid -> RequestHandle
+    # rids the stop aborted once the drain's grace ran out (answered UNAVAILABLE, not ABORT)
+    drain_aborted: set[str] = field(default_factory=set)
     event_log: Any = None
     metrics: Any = None
     tenants: TenantTable = field(default_factory=TenantTable)
@@ -104,8 +106,11 @@ class DaemonState:
         call = fn if isinstance(fn, SchedulerCall) else SchedulerCall(fn, args, kwargs)
         return await self.run(self.engine.call_in_scheduler, call, timeout)
 
-    async def require_engine(self, context: grpc.aio.ServicerContext) -> Any:
-        if self.draining:
+    async def require_engine(self, context: grpc.aio.ServicerContext,
+                             while_draining: bool = False) -> Any:
+        """The engine, or the call ends UNAVAILABLE: still loading, or draining (new work is
+        refused; ``while_draining`` lets through what only ends work, e.g. Abort)."""
+        if self.draining and not while_draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if not self.ready or self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import grpc
 import pytest
@@ -306,6 +307,34 @@ def test_stop_past_the_grace_ends_open_streams_unavailable(tiny_llama_dir):
         assert "shutting down" in e.value.details()
     finally:
         if stopper.ident is None:  # failed before the stop began
+            dt.stop()
+        else:
+            stopper.join(60)
+
+
+def test_a_client_abort_while_draining_still_ends_with_abort(tiny_llama_dir):
+    """The client's own Abort of a stream during the drain: the stream ends OK with finish ABORT
+    (only the stop's aborts, past the grace, are the server's doing)."""
+    dt = DaemonThread(DaemonSettings(port=0, warmup=False, grace_period_s=30),
+                      ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096)).start()
+    stopper = threading.Thread(target=dt.stop)
+    try:
+        with HicacheClient(f"127.0.0.1:{dt.port}", timeout=60) as c:
+            it = iter(c.generate([40] * 8, max_new_tokens=1900, temperature=0.0, ignore_eos=True,
+                                 request_id="drain-abort"))
+            next(it)
+            stopper.start()
+            deadline = time.monotonic() + 10
+            while c.health() != "NOT_SERVING":
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert c.abort("drain-abort").found
+            last = None
+            for r in it:
+                last = r
+        assert last.complete.finish_reason == gen_pb2.FINISH_REASON_ABORT
+    finally:
+        if stopper.ident is None:
             dt.stop()
         else:
             stopper.join(60)
