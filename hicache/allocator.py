@@ -8,6 +8,11 @@ Slot ids are ``0 .. size + page_size - 1``; page ``p`` owns slots ``[p*page_size
 NOTE: page 0 is the padding page (writes of padded tokens land there) and is never handed out, so
 ``size`` usable slots means the KV pool holds ``size + page_size`` slots.
 The allocator only keeps the free list; it knows nothing of requests, trees or bytes.
+
+Freed pages wait in ``released``; ``free_pages`` is handed out in order and, when it runs short,
+refilled with everything released, sorted (SGLang's merge-and-sort): one allocation then gets
+mostly runs of consecutive pages, and the tier copies of a prefix (L2 loads into those slots,
+device->host writes out of them) are a few slice copies instead of a gather per page.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ class TokenToKVPoolAllocator:
         self.num_pages = size // page_size  # usable pages: ids 1 .. num_pages
         # [page_size] int64 on device: slot offsets inside one page
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
-        self.free_pages: torch.Tensor  # [num_free_pages] int64 page ids on device
+        self.free_pages: torch.Tensor  # [n] int64 page ids on device, sorted: handed out first
+        self.released: torch.Tensor  # [m] int64 page ids freed since the last merge
         self._free_group: list[torch.Tensor] | None = None
         self.clear()
 
@@ -38,16 +44,20 @@ class TokenToKVPoolAllocator:
         self.free_pages = torch.arange(
             1, self.num_pages + 1, dtype=torch.int64, device=self.device
         )
+        self.released = self.free_pages[:0]
         self._free_group = None
 
     def available_size(self) -> int:
         """Free slots (= free pages * page_size); frees pending in an open group do not count."""
-        return int(self.free_pages.numel()) * self.page_size
+        return int(self.free_pages.numel() + self.released.numel()) * self.page_size
 
     def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
         """Take ``num_pages`` page ids off the free list; None when not enough are free."""
         if num_pages > self.free_pages.numel():
-            return None
+            if num_pages > self.free_pages.numel() + self.released.numel():
+                return None
+            self.free_pages = torch.sort(torch.cat((self.free_pages, self.released))).values
+            self.released = self.released[:0]
         out = self.free_pages[:num_pages]  # [num_pages] int64 on device
         self.free_pages = self.free_pages[num_pages:]
         return out
@@ -77,7 +87,7 @@ class TokenToKVPoolAllocator:
         if self._free_group is not None:
             self._free_group.append(pages)
         else:
-            self.free_pages = torch.cat((self.free_pages, pages))
+            self.released = torch.cat((self.released, pages))
 
     def free_group_begin(self) -> None:
         """Start batching frees; they reach the free list in one ``cat`` at ``free_group_end``."""
@@ -87,11 +97,11 @@ class TokenToKVPoolAllocator:
     def free_group_end(self) -> None:
         group, self._free_group = self._free_group, None
         if group:
-            self.free_pages = torch.cat((self.free_pages, *group))
+            self.released = torch.cat((self.released, *group))
 
     def debug_free_pages(self) -> torch.Tensor:
         """Sorted free page ids ([num_free_pages] int64 on CPU), for invariant checks."""
-        return torch.sort(self.free_pages.cpu()).values
+        return torch.sort(torch.cat((self.free_pages, self.released)).cpu()).values
 
     def debug_free_slots(self) -> torch.Tensor:
         """Sorted free slot ids ([num_free_pages * page_size] int64 on CPU)."""

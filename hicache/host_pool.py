@@ -128,14 +128,22 @@ class MHATokenToKVPoolHost:
 
     def clear(self) -> None:
         """All pages free, no protections (callers make sure no copy is in flight)."""
-        self.free_pages = torch.arange(self.num_pages, dtype=torch.int64)  # [num_free_pages]
+        # free pages: ``free_pages`` (sorted) is handed out first, ``released`` (freed since) is
+        # merged in sorted when it runs short: allocations are runs of consecutive pages (see
+        # hicache.allocator), so a node's host copy is a few slices
+        self.free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+        self.released = self.free_pages[:0]
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)  # [num_pages]
         self._pending = torch.zeros(self.num_pages, dtype=torch.bool)  # freed while protected
         self._ref = torch.zeros(self.num_pages, dtype=torch.int32)  # in-flight copies per page
 
     def available_size(self) -> int:
         """Free host slots."""
-        return int(self.free_pages.numel()) * self.page_size
+        return int(self.free_pages.numel() + self.released.numel()) * self.page_size
+
+    def debug_free_pages(self) -> torch.Tensor:
+        """Sorted free page ids ([n] int64), for invariant checks."""
+        return torch.sort(torch.cat((self.free_pages, self.released))).values
 
     def pending_free_size(self) -> int:
         """Slots freed by their owner but still protected by an in-flight copy."""
@@ -152,7 +160,10 @@ class MHATokenToKVPoolHost:
             raise ValueError(f"need_size {need_size} is not a multiple of {self.page_size}")
         num = need_size // self.page_size
         if num > self.free_pages.numel():
-            return None
+            if num > self.free_pages.numel() + self.released.numel():
+                return None
+            self.free_pages = torch.sort(torch.cat((self.free_pages, self.released))).values
+            self.released = self.released[:0]
         pages, self.free_pages = self.free_pages[:num], self.free_pages[num:]
         self._is_free[pages] = False
         return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
@@ -192,7 +203,7 @@ class MHATokenToKVPoolHost:
     def _release_to_free_list(self, pages: torch.Tensor) -> None:
         if pages.numel():
             self._is_free[pages] = True
-            self.free_pages = torch.cat([self.free_pages, pages])
+            self.released = torch.cat([self.released, pages])
 
     # ---- bytes -----------------------------------------------------------------------------
     def storage_fingerprint(self) -> str:

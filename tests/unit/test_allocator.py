@@ -27,6 +27,19 @@ def test_alloc_free_roundtrip(page_size: int) -> None:
     assert torch.equal(alloc.debug_free_pages(), torch.arange(1, 9))
 
 
+def test_freed_pages_come_back_sorted_in_runs() -> None:
+    """Pages freed in any order are handed out again sorted, once the sorted free list runs
+    short: what one allocation gets is runs of consecutive pages (slice copies between tiers)."""
+    alloc = TokenToKVPoolAllocator(size=16, page_size=1, device="cpu")
+    everything = alloc.alloc(16)
+    order = torch.tensor([9, 3, 12, 4, 11, 10, 5, 2])
+    alloc.free(everything[order - 1])  # scattered frees, two runs: 2..5, 9..12
+    assert alloc.available_size() == 8
+    assert alloc.alloc(8).tolist() == [2, 3, 4, 5, 9, 10, 11, 12]
+    alloc.free(torch.tensor([7, 1, 6]))
+    assert alloc.alloc(2).tolist() == [1, 6] and alloc.alloc(1).tolist() == [7]
+
+
 def test_alloc_exhaustion_and_clear() -> None:
     alloc = TokenToKVPoolAllocator(size=16, page_size=4, device="cpu")
     assert alloc.alloc(20) is None

@@ -101,7 +101,7 @@ class Rig:
         host = self.tree.all_host_slots()
         hp = self.host_pool
         assert hp.available_size() + hp.pending_free_size() + host.numel() == hp.size
-        free_host = set(hp.free_pages.tolist())
+        free_host = set(hp.debug_free_pages().tolist())
         assert not free_host & set((host // self.page_size).tolist())
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ def pool(layout="layer_first", size=64, page_size=4, dtype=torch.float32) -> MHA
 
 def check_invariant(p: MHATokenToKVPoolHost, in_use: int) -> None:
     assert p.available_size() + p.pending_free_size() + in_use == p.size
-    assert len(set(p.free_pages.tolist())) == p.free_pages.numel()
+    assert len(set(p.debug_free_pages().tolist())) == p.debug_free_pages().numel()
 
 
 def test_shapes_and_size():
@@ -33,6 +33,19 @@ def test_shapes_and_size():
     assert host_pool_size(1000, 16, 1024, hicache_ratio=2.0) == 2000
     assert host_pool_size(1000, 16, 1000, hicache_ratio=2.0, hicache_size_gb=0.001) == 992
     assert pool(dtype=torch.float8_e4m3fn).kv_buffer.dtype == torch.uint8
+
+
+def test_freed_pages_come_back_sorted_in_runs():
+    p = pool(size=32, page_size=4)  # 8 pages
+    everything = p.alloc(32)
+    for page in (6, 1, 7, 2):  # freed scattered; one released while a copy protects it
+        p.free(everything[page * 4: page * 4 + 4])
+    p.protect(everything[12:16])
+    p.free(everything[12:16])  # page 3: pending until released
+    assert p.alloc(20) is None
+    p.release(everything[12:16])
+    assert (p.alloc(20) // 4).tolist()[::4] == [1, 2, 3, 6, 7]
+    check_invariant(p, 32)
 
 
 def test_alloc_free_pages():
@@ -88,7 +101,7 @@ def test_random_ops_keep_invariant():
             p.free(owned.pop(rng.randrange(len(owned))))
         check_invariant(p, sum(x.numel() for x in owned))
         live = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
-        free_slots = {s for pg in p.free_pages.tolist() for s in range(pg * 4, pg * 4 + 4)}
+        free_slots = {s for pg in p.debug_free_pages().tolist() for s in range(pg * 4, pg * 4 + 4)}
         assert not set(live.tolist()) & free_slots
     for x in protected:
         p.release(x)
