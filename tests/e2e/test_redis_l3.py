@@ -191,15 +191,18 @@ def test_keys_evicted_by_maxmemory_are_misses(redis_daemon):
     c, server = redis_daemon
     raw = server.client()
     raw.config_set("maxmemory-policy", "allkeys-lru")
-    # the tiny model's KV: 512 B / token, 8 KB / object; 24 prompts write ~1 MB of objects
-    raw.config_set("maxmemory", str(int(raw.info("memory")["used_memory"]) + (256 << 10)))
-    prompts = _prompts(24, seed=31, length=90)
-    ref = [c.generate_text(p, max_new_tokens=6, **GREEDY)[1] for p in prompts[:20]]
+    # the tiny model's KV: 512 B / token, 8 KB / object; 48 prompts write ~2 MB of objects.
+    # NOTE: the room must exceed what one backup pipeline (32 objects, ~260 KB) puts in the
+    # server's query buffer: a slow server holds it there while it executes the SETs, that
+    # counts as used memory, and with less room it evicts every key, the newest too
+    raw.config_set("maxmemory", str(int(raw.info("memory")["used_memory"]) + (1 << 20)))
+    prompts = _prompts(48, seed=31, length=90)
+    ref = [c.generate_text(p, max_new_tokens=6, **GREEDY)[1] for p in prompts[:44]]
     _wait(lambda: _l3(c)["pending_backups"] == 0, what="backups")
     # NOTE: the server's LRU clock ticks once a second: keys written within one tick are equally
     # old to it and it evicts among them at random; the last prompts go in a tick later
     time.sleep(1.1)
-    ref += [c.generate_text(p, max_new_tokens=6, **GREEDY)[1] for p in prompts[20:]]
+    ref += [c.generate_text(p, max_new_tokens=6, **GREEDY)[1] for p in prompts[44:]]
     _wait(lambda: _l3(c)["pending_backups"] == 0, what="backups")
     assert int(raw.info("stats")["evicted_keys"]) > 0
     # newest first: the last prompts' objects are still there; the first ones were evicted
