@@ -117,7 +117,8 @@ class HiRadixCache(StorageMixin, RadixCache):
                     continue
                 # the write's host slots: the node's, and those of the parts split off above it
                 written, pending = [node], node.host_pending
-                while (up := written[-1].parent) is not None and up.host_pending is pending:
+                while (pending is not None and (up := written[-1].parent) is not None
+                       and up.host_pending is pending):
                     written.append(up)
                 for n in written:
                     n.host_pending = None
