@@ -33,6 +33,11 @@ class ServerArgs:
     # lpm / dfs-weight: a waiting request that this many later arrivals have overtaken goes
     # first, in arrival order (no starvation); 0 disables aging
     schedule_max_bypass: int = 32
+    # Overlap scheduling: each forward runs on its own thread while the scheduler builds the next
+    # batch and handles the previous one's results. None (auto): on where the forward runs on an
+    # accelerator (SGLang's default), off on the CPU, where the forward already uses every core
+    # and overlap measured ~5-25% slower (docs/benchmarks.md). True: off; False: on anywhere.
+    disable_overlap: bool | None = None
     # Prefix cache
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu
@@ -81,6 +86,12 @@ class ServerArgs:
     hicache_prefetch_threshold: int = 256  # minimum L3 hit (tokens) worth a prefetch
     # Debug
     debug_check_invariants: bool = False  # KV accounting + tree integrity after every step
+
+    def overlap_enabled(self) -> bool:
+        """Whether forwards run on the ForwardWorker thread (``disable_overlap``)."""
+        if self.disable_overlap is None:
+            return not self.device.startswith("cpu")
+        return not self.disable_overlap
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

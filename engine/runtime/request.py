@@ -74,6 +74,10 @@ class Req:
         self.prefix_indices = torch.empty(0, dtype=torch.int64)  # tree-owned slots in use
         self.last_node: Any = None  # the node this request holds a lock on
         self.kv_len = 0  # tokens with KV in req_to_token[req_pool_idx]
+        self.kv_alloc = 0  # ... plus those launched forwards are writing (slots allocated)
+        self.num_pending = 0  # launched batches with this request whose results are not in
+        self.future_slot = 0  # overlap: where its last launched token lands (ForwardWorker)
+        self.release_deferred = False  # finished while a launched forward writes its KV
         self.extend_len = 0  # tokens to compute in the current extend step
         self.is_chunked = False  # mid-prompt after a chunked prefill step
         self.retractions = 0
@@ -120,6 +124,7 @@ class Req:
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.kv_len = 0
+        self.kv_alloc = 0
         self.extend_len = 0
         self.is_chunked = False
         self.req_pool_idx = None

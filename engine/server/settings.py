@@ -154,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + name.replace("_", "-")
         note = _DAEMON_DEFAULT_HELP.get(name, "")
-        if str(typ) == "bool":
+        if str(typ) in ("bool", "bool | None"):  # --x / --no-x; neither: the default
             parser.add_argument(
                 flag,
                 dest=name,

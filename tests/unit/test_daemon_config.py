@@ -226,3 +226,15 @@ def test_storage_admin_rpcs_are_admin_mutations():
         assert auth.check(method, "user", "user", "admin")[0] == grpc.StatusCode.PERMISSION_DENIED
     get = f"/{auth.CACHE_ADMIN_SERVICE}/GetStorage"
     assert auth.check(get, "user", "user", "admin") is None
+
+
+@pytest.mark.parametrize("argv,env,want", [
+    ([], {}, None),  # auto: off on the CPU, on on an accelerator
+    (["--disable-overlap"], {}, True),
+    (["--no-disable-overlap"], {}, False),
+    ([], {"HICACHE_DISABLE_OVERLAP": "false"}, False),
+    ([], {"HICACHE_DISABLE_OVERLAP": "none"}, None),
+])
+def test_disable_overlap_is_auto_unless_set(argv, env, want):
+    _, e = settings.load(_parse(*argv), env)
+    assert e.disable_overlap is want

@@ -80,7 +80,7 @@ class BatchBuilder:
     def extend_pages_needed(self, reqs: list[Req]) -> int:
         ps, total = self.page_size, 0
         for req in reqs:
-            start = req.kv_len if req.req_pool_idx is not None else len(req.prefix_indices)
+            start = req.kv_alloc if req.req_pool_idx is not None else len(req.prefix_indices)
             end = start + req.extend_len
             first_new = -(-start // ps) * ps  # the partial page continues in place
             total += -(-(end - first_new) // ps) if end > first_new else 0
@@ -114,8 +114,8 @@ class BatchBuilder:
                 n = len(req.prefix_indices)
                 if n:
                     r2t[req.req_pool_idx, :n] = req.prefix_indices.to(r2t.dtype)
-                req.kv_len = n
-            start, end = req.kv_len, req.kv_len + req.extend_len
+                req.kv_len = req.kv_alloc = n
+            start, end = req.kv_alloc, req.kv_alloc + req.extend_len
             slots = self._slots_for_range(req, start, end)
             r2t[req.req_pool_idx, start:end] = slots.to(r2t.dtype)
             input_ids.extend(req.fill_ids[start:end])
@@ -124,6 +124,7 @@ class BatchBuilder:
             prefix_lens.append(start)
             extend_lens.append(end - start)
             seq_lens.append(end)
+            req.kv_alloc = end  # req.kv_len follows when the forward's results are handled
         dev = self.device
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
@@ -144,12 +145,12 @@ class BatchBuilder:
         )
 
     def decode_pages_needed(self, reqs: list[Req]) -> int:
-        return sum(1 for r in reqs if r.kv_len % self.page_size == 0)
+        return sum(1 for r in reqs if r.kv_alloc % self.page_size == 0)
 
     def prepare_decode(self, reqs: list[Req]) -> ForwardBatch:
         dev, ps = self.device, self.page_size
         r2t = self.req_to_token_pool.req_to_token
-        kv_lens = [r.kv_len for r in reqs]
+        kv_lens = [r.kv_alloc for r in reqs]
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
         kv = torch.tensor(kv_lens, device=dev)
         new_page = [k % ps == 0 for k in kv_lens]
@@ -166,10 +167,14 @@ class BatchBuilder:
             locs = prev
         r2t[rows, kv] = locs.to(r2t.dtype)
         seq_lens = [k + 1 for k in kv_lens]
+        # NOTE: a token still being sampled by a launched forward goes in as -slot (overlap)
+        ids = [-r.future_slot if r.num_pending else r.output_ids[-1] for r in reqs]
+        for r in reqs:
+            r.kv_alloc += 1
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(reqs),
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=kv,
             out_cache_loc=locs,
             req_pool_indices=rows,

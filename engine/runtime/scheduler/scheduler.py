@@ -6,6 +6,9 @@ aborts, admin calls and every cache-copy acknowledgement (``wake``) feed, with a
 prefetch deadlines. A waiting request's prefix match is computed on arrival and again only
 when the tree changed (``tree_cache.version``); its L3 prefetch starts on arrival, and again
 if its prefix was evicted while it waited (its object keys are hashed once).
+
+With overlap (``ServerArgs.overlap_enabled``), forwards run on a ``ForwardWorker`` thread: a step launches its
+batch, then handles the previous batch's results while that forward runs (``overlap``).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +29,7 @@ from engine.config import ServerArgs
 from engine.runtime.cache_admin import settle
 from engine.runtime.request import FinishReason, Req
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
+from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
 from engine.runtime.scheduler.stats import CacheCounters
@@ -77,7 +82,15 @@ class Scheduler:
         self.event_log = getattr(tree_cache, "event_log", None)
         self.step_hooks: list[Callable[[Scheduler], None]] = []
         self.forward_ct = 0
-        self._inflight: list[Req] = []  # the extend batch being run (for failure cleanup)
+        self._inflight: list[Req] = []  # the batch being launched or handled (failure cleanup)
+        self.launched: deque[Launched] = deque()  # forwards whose results are not handled yet
+        # finished (or aborted) while a launched forward still writes their KV: released once
+        # their last launched batch is handled
+        self.deferred: list[Req] = []
+        self.worker = (
+            ForwardWorker(runner, args.max_running_requests + 8) if args.overlap_enabled()
+            else None
+        )
         self._oom_streak = 0  # consecutive prefill batches that did not fit
         self._prefill_cap: int | None = None  # max requests per prefill while recovering
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
@@ -110,7 +123,8 @@ class Scheduler:
         self.inbox.put(("req", req))
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running and self.chunked_req is None
+        return (not self.waiting and not self.running and self.chunked_req is None
+                and not self.launched and not self.deferred)
 
     def wake(self) -> None:
         """Any thread: make a sleeping loop run a step (coalesced)."""
@@ -137,6 +151,7 @@ class Scheduler:
                 self.abort(item[1])
             elif kind == "call":
                 fn, fut = item[1], item[2]
+                self._sync()  # admin calls see every launched step's results
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(self))
@@ -154,19 +169,25 @@ class Scheduler:
 
     # --- main loop ---------------------------------------------------------------------------
     def run_loop(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self.loop_iterations += 1
-            self.process_inbox(block=False)
-            try:
-                worked = self.step()
-            except Exception:  # never let one bad batch kill the daemon
-                log.exception("scheduler step failed; aborting every request")
-                self._fail_all("internal error in the scheduler step")
-                worked = True
-            if not worked and not stop.is_set():
-                # NOTE: nothing could run: sleep until a request, an abort, a copy ack or the
-                # next prefetch deadline instead of polling (the copy threads need the GIL).
-                self.process_inbox(block=True, timeout=self._sleep_time())
+        try:
+            while not stop.is_set():
+                self.loop_iterations += 1
+                try:
+                    self.process_inbox(block=False)
+                    worked = self.step()
+                except Exception:  # never let one bad batch kill the daemon
+                    log.exception("scheduler step failed; aborting every request")
+                    self._fail_all("internal error in the scheduler step")
+                    worked = True
+                if not worked and not stop.is_set():
+                    # NOTE: nothing could run: sleep until a request, an abort, a copy ack or
+                    # the next prefetch deadline instead of polling (the copy threads need the
+                    # GIL). Nothing is launched then: every step handles what it launched.
+                    self.process_inbox(block=True, timeout=self._sleep_time())
+        finally:
+            self._wait_forwards()  # no forward may outlive the loop (the pools go next)
+            if self.worker is not None:
+                self.worker.close()
 
     def _sleep_time(self) -> float:
         deadline = getattr(self.tree_cache, "prefetch_deadline", lambda: None)()
@@ -180,16 +201,98 @@ class Scheduler:
             check()
         for hook in self.step_hooks:
             hook(self)
+        if self.launched and self.launched[-1].is_extend and (self.waiting or self.chunked_req):
+            # NOTE: the next prefill goes after this one's tree insert: a chunk continues from
+            # it, and waiting requests may share its prompt's prefix (a prefill is long next to
+            # building a batch, so little overlap is lost)
+            self._sync()
         batch = self.get_new_batch_prefill()
+        launched = None
         if batch:
-            self.run_extend(batch)
+            launched = self.run_extend(batch)
         elif self.running:
-            self.run_decode()
-        else:
+            launched = self.run_decode()
+        # overlap: the batch just launched runs while the earlier ones' results are handled
+        done = self._handle_launched(keep=launched if self.worker is not None else None)
+        if not batch and launched is None and not done:
             return False
         if self.args.debug_check_invariants:
             self.check_kv_invariant()
         return True
+
+    # --- launched forwards -------------------------------------------------------------------
+    def _launch(self, fb: Any, reqs: list[Req], lens: list[int], is_extend: bool,
+                chunked: Req | None = None) -> Launched:
+        """Run (or hand to the worker) the forward + sampling of ``fb``."""
+        fb.wait_layer = self._pending_layer_wait()
+        job = Launched(reqs, lens, is_extend, chunked)
+        self.forward_ct += 1
+        if self.worker is None:
+            logits = self.runner.forward(fb)
+            job.future.set_result(self.runner.sample(logits, reqs).tolist())  # the host sync
+        else:
+            slot = self.worker.reserve(len(reqs))
+            for i, req in enumerate(reqs):
+                req.future_slot = slot + i
+            self.worker.submit(fb, reqs, slot, job.future)
+        for req in reqs:
+            req.num_pending += 1
+        self.launched.append(job)
+        return job
+
+    def _handle_launched(self, keep: Launched | None) -> bool:
+        """Handle the results of every launched batch older than ``keep``."""
+        done = False
+        while self.launched and self.launched[0] is not keep:
+            self._handle(self.launched.popleft())
+            done = True
+        return done
+
+    def _sync(self) -> None:
+        """Handle every launched batch (waits for their forwards)."""
+        self._handle_launched(keep=None)
+
+    def _wait_forwards(self) -> None:
+        """Wait until no forward runs (their results stay to be handled): before anything but a
+        forward writes device KV slots, which an in-flight forward may still read or write."""
+        if self.launched:
+            wait([j.future for j in self.launched])
+
+    def _handle(self, job: Launched) -> None:
+        self._inflight = job.reqs
+        next_ids = job.future.result()
+        now = time.monotonic()
+        for req, tok, n in zip(job.reqs, next_ids, job.lens):
+            req.num_pending -= 1
+            req.kv_len += n
+            if req.finished():
+                # NOTE: finished or aborted after this batch was built: its KV is whole now,
+                # the token is dropped
+                if req.release_deferred and not req.num_pending:
+                    req.release_deferred = False
+                    self.deferred.remove(req)
+                    self.release(req)
+                continue
+            if req is job.chunked:
+                req.is_chunked = True
+                self._cache_unfinished(req)
+                continue
+            req.is_chunked = False
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._after_token(req)
+            if job.is_extend and not req.finished():
+                self._cache_unfinished(req)
+        self.running = [r for r in self.running if not r.finished()]
+        self._inflight = []
+
+    def _finishing(self, req: Req) -> bool:
+        """Its launched tokens end it by length: another decode step would be wasted."""
+        if not req.num_pending:
+            return False
+        return (len(req.output_ids) + req.num_pending >= req.max_new_tokens
+                or req.seqlen + req.num_pending >= self.max_context_len)
 
     def _on_arrival(self, req: Req) -> None:
         """A new request: its match, its L3 prefetch."""
@@ -301,6 +404,7 @@ class Scheduler:
         init = getattr(self.tree_cache, "init_load_back", None)
         if init is None or not req.host_hit_length:
             return
+        self._wait_forwards()  # the load writes device slots a running forward may use
         indices, node = init(req.last_node, req.match_result, wait=False)
         req.prefix_indices, req.last_node = indices, node
 
@@ -337,7 +441,7 @@ class Scheduler:
         )
 
     # --- extend ------------------------------------------------------------------------------
-    def run_extend(self, reqs: list[Req]) -> None:
+    def run_extend(self, reqs: list[Req]) -> Launched | None:
         self._inflight = reqs
         try:
             fb = self.builder.prepare_extend(reqs)
@@ -345,48 +449,34 @@ class Scheduler:
             # The budget was too optimistic: nothing was allocated, so requeue and decode.
             log.warning("prefill batch of %d did not fit the KV pool (%s); requeued",
                         len(reqs), e)
+            self._sync()  # launched steps may finish requests and free their KV
             self._wait_pending_loads()  # no forward will wait: land the loads (acked later)
             self._requeue(reqs)
             self._inflight = []
-            self._on_prefill_oom(reqs, str(e))
-            return
+            return self._on_prefill_oom(reqs, str(e))
         self._oom_streak, self._prefill_cap = 0, None
-        fb.wait_layer = self._pending_layer_wait()
-        logits = self.runner.forward(fb)
-        next_ids = self.runner.sample(logits, reqs).tolist()  # the one host sync per step
-        self.forward_ct += 1
-        now = time.monotonic()
-        for req, tok in zip(reqs, next_ids):
-            req.kv_len += req.extend_len
+        chunked = self.chunked_req if any(r is self.chunked_req for r in reqs) else None
+        job = self._launch(fb, reqs, [r.extend_len for r in reqs], True, chunked)
+        for req in reqs:
             req.extend_len = 0
-            if req is self.chunked_req:
-                req.is_chunked = True
-                self._cache_unfinished(req)
-                continue
-            req.is_chunked = False
-            req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self._after_token(req)
-            if not req.finished():
-                self._cache_unfinished(req)
-                self.running.append(req)
+            if req is not chunked:
+                self.running.append(req)  # decodes next step, its first token as a placeholder
         self._inflight = []
+        return job
 
-    def _on_prefill_oom(self, reqs: list[Req], why: str) -> None:
+    def _on_prefill_oom(self, reqs: list[Req], why: str) -> Launched | None:
         """Never spin on a batch that cannot fit: decode if anything runs; otherwise let
         in-flight tier copies land (their nodes become evictable), then admit one request at a
         time, and fail a lone request that still cannot fit."""
         self._oom_streak += 1
         if self.running:
-            self.run_decode()
-            return
+            return self.run_decode()
         settle(self.tree_cache)
         if self._oom_streak < 2:
-            return
+            return None
         if len(reqs) > 1:
             self._prefill_cap = 1
-            return
+            return None
         req = reqs[0]
         self.waiting.remove(req)
         self._cancel_prefetch(req)
@@ -394,6 +484,7 @@ class Scheduler:
             "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
         req.emit()
         self._oom_streak = 0
+        return None
 
     def _requeue(self, reqs: list[Req]) -> None:
         for req in reqs:
@@ -419,11 +510,30 @@ class Scheduler:
         req.check_finished(self.max_context_len)
         req.emit()
         if req.finished():
+            self._retire(req)
+
+    def _retire(self, req: Req) -> None:
+        """A finished request's KV goes to the tree once no launched forward writes it."""
+        if req.num_pending:
+            req.release_deferred = True
+            self.deferred.append(req)
+        else:
             self.release(req)
+
+    def _free_uncommitted(self, req: Req) -> None:
+        """Slots allocated for a forward whose KV never landed (it failed): the pages past the
+        committed KV's last page (that one goes with the committed tail)."""
+        ps = self.page_size
+        start = -(-req.kv_len // ps) * ps
+        if req.kv_alloc > start:
+            r2t = self.runner.req_to_token_pool.req_to_token
+            self.runner.allocator.free(r2t[req.req_pool_idx, start:req.kv_alloc].long())
+        req.kv_alloc = req.kv_len
 
     def release(self, req: Req) -> None:
         """Gives a finished request's KV to the tree (or frees it), its row back, its lock up."""
         if req.req_pool_idx is not None:
+            self._free_uncommitted(req)
             req.fill_ids = req.all_ids()[: req.kv_len]
             self.tree_cache.cache_finished_req(req)  # also frees the row and the lock
             req.req_pool_idx = None
@@ -433,43 +543,38 @@ class Scheduler:
         req.last_node = None
 
     # --- decode ------------------------------------------------------------------------------
-    def run_decode(self) -> None:
-        self._ensure_decode_memory()
-        if not self.running:
-            return
-        reqs = self.running
+    def run_decode(self) -> Launched | None:
+        reqs = self._ensure_decode_memory()
+        if not reqs:
+            return None
+        # NOTE: decode never reads slots of an in-flight load (those belong to requests whose
+        # extend has not run), but a still-loading batch is waited for layer by layer (_launch).
         fb = self.builder.prepare_decode(reqs)
-        # Defensive: decode never reads slots of an in-flight load (those belong to requests
-        # whose extend has not run), but a still-loading batch is waited for layer by layer.
-        fb.wait_layer = self._pending_layer_wait()
-        logits = self.runner.forward(fb)
-        next_ids = self.runner.sample(logits, reqs).tolist()
-        self.forward_ct += 1
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
-        still = []
-        for req, tok in zip(reqs, next_ids):
-            req.kv_len += 1
-            req.output_ids.append(tok)
-            self._after_token(req)
-            if not req.finished():
-                still.append(req)
-        self.running = still
+        return self._launch(fb, reqs, [1] * len(reqs), False)
 
-    def _ensure_decode_memory(self) -> None:
+    def _ensure_decode_memory(self) -> list[Req]:
+        """The requests to decode, with room for one more token each (retracting if needed)."""
         alloc = self.runner.allocator
-        while self.running:
-            need = self.builder.decode_pages_needed(self.running) * self.page_size
+        while True:
+            reqs = [r for r in self.running if not self._finishing(r)]
+            if not reqs:
+                return reqs
+            need = self.builder.decode_pages_needed(reqs) * self.page_size
             if alloc.available_size() < need:
                 self.tree_cache.evict(need - alloc.available_size())
             if alloc.available_size() >= need:
-                return
+                return reqs
             self.retract_one()
 
     def retract_one(self) -> None:
         """Returns the request with the fewest outputs (longest prompt on ties) to the waiting
         queue; its KV goes into the tree, so re-running it is mostly a cache hit."""
+        if self.launched:
+            self._sync()  # its KV must be whole (and finished requests free theirs)
+            return
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         if len(self.running) == 1:
             log.warning("KV pool too small for a single request: retracting %s", victim.rid)
@@ -506,13 +611,26 @@ class Scheduler:
             self.chunked_req = None
         if req in self.running:
             self.running.remove(req)
-        self.release(req)
+        self._retire(req)
         req.emit()
 
     def _fail_all(self, message: str) -> None:
-        active = list(self.running) + ([self.chunked_req] if self.chunked_req else [])
-        active += [r for r in self._inflight if r not in active and not r.finished()]
+        # NOTE: the launched forwards end first; their KV counts as never written
+        self._wait_forwards()
+        pending = [r for j in self.launched for r in j.reqs] + self._inflight
+        self.launched.clear()
         self._inflight = []
+        for req in pending:
+            req.num_pending = 0
+        deferred, self.deferred = self.deferred, []
+        for req in deferred:
+            req.release_deferred = False
+            try:
+                self.release(req)
+            except Exception:
+                log.exception("cleanup of %s failed", req.rid)
+        active = list(self.running) + ([self.chunked_req] if self.chunked_req else [])
+        active += [r for r in pending if r not in active and not r.finished()]
         for req in active:
             try:
                 self._abort_active(req, message)
@@ -538,10 +656,11 @@ class Scheduler:
         """Slots active requests hold that the tree does not ([n] int64 on CPU)."""
         r2t = self.runner.req_to_token_pool.req_to_token
         parts = [torch.empty(0, dtype=torch.int64)]
-        active = self.running + ([self.chunked_req] if self.chunked_req else [])
-        for r in active:
-            if r.req_pool_idx is not None:
-                parts.append(r2t[r.req_pool_idx, : r.kv_len].to(torch.int64).cpu())
+        active = self.running + ([self.chunked_req] if self.chunked_req else []) + self.deferred
+        active += [r for j in self.launched for r in j.reqs]
+        for r in {id(r): r for r in active}.values():
+            if r.req_pool_idx is not None:  # launched steps' slots included (kv_alloc)
+                parts.append(r2t[r.req_pool_idx, : r.kv_alloc].to(torch.int64).cpu())
         held = torch.cat(parts).unique()
         tree = self.tree_cache.all_device_slots().to(torch.int64).cpu()
         return held[~torch.isin(held, tree)]
