@@ -85,16 +85,29 @@ def _cpu_has_avx2() -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernels are built for: ``avx-vnni`` where the CPU has it (the
-    int4 products' integer dots in one instruction instead of two; the same results), else
-    ``avx2``; ``HICACHE_CPU_ISA=avx2`` forces the latter."""
+    """The instruction set the kernels are built for: ``avx-vnni`` where the CPU has it,
+    ``avx512-vnni`` where it has AVX512-VNNI + VL but not the VEX form (Zen 4; the same
+    instruction on 256-bit registers), else ``avx2``: the int4 products' integer dots in one
+    instruction instead of two, the same results. ``HICACHE_CPU_ISA=avx2`` forces the last."""
     if os.environ.get("HICACHE_CPU_ISA") == "avx2":
         return "avx2"
-    return "avx-vnni" if "avx_vnni" in cpu_flags() else "avx2"
+    flags = cpu_flags()
+    if "avx_vnni" in flags:
+        return "avx-vnni"
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        return "avx512-vnni"
+    return "avx2"
+
+
+# NOTE: 256-bit vectors as with AVX2 (the kernels are written for them; no zmm frequency drop)
+_ISA_FLAGS = {"avx-vnni": ["-mavxvnni"],
+              "avx512-vnni": ["-mavx512f", "-mavx512vl", "-mavx512vnni",
+                              "-mprefer-vector-width=256"],
+              "avx2": []}
 
 
 def _cflags() -> list[str]:
-    return _CFLAGS + (["-mavxvnni"] if isa() == "avx-vnni" else [])
+    return _CFLAGS + _ISA_FLAGS[isa()]
 
 
 def _build() -> Path:

@@ -14,7 +14,7 @@
  * relative error per product, the error llama.cpp serves with. q8_0 (the vocab projection,
  * already at memory bandwidth with float x) keeps float32 x: the logits stay exact products.
  * Parallel over N on the thread pool of thread_pool.h (threads passed explicitly).
- * Needs AVX2 + FMA + F16C (and uses AVX-VNNI when built with it); the Python side falls back to
+ * Needs AVX2 + FMA + F16C (and uses AVX-VNNI or AVX512-VNNI when built with it); the Python side falls back to
  * torch ops when the build fails.
  */
 #define _GNU_SOURCE  /* sched_getaffinity in thread_pool.h */
@@ -73,10 +73,14 @@ static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *xq, f
 }
 
 /* A block's u8 x s8 products summed in 4s: 8 int32. AVX-VNNI (built with -mavxvnni where the
- * CPU has it) does it in one instruction; AVX2 in two (pairs to int16, which 15 * 127 * 2 fits
- * without saturating, then pairs of those): the same integers, so the same results. */
-#ifdef __AVXVNNI__
+ * CPU has it) or AVX512-VNNI on 256-bit registers (-mavx512vnni -mavx512vl: CPUs with AVX-512
+ * but not the VEX form, e.g. Zen 4) does it in one instruction; AVX2 in two (pairs to int16,
+ * which 15 * 127 * 2 fits without saturating, then pairs of those): the same integers, so the
+ * same results. */
+#if defined(__AVXVNNI__)
 #define DOT_U8_S8(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_U8_S8(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
 #else
 #define DOT_U8_S8(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
 #endif
