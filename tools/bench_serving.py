@@ -2,18 +2,20 @@
 GGUF) started as a subprocess per process mode, loaded by C closed-loop streaming clients over
 gRPC and over the OpenAI-compatible HTTP API.
 
-For each mode (--processes single: one process; split: scheduler and detokenizer in their own
-processes, the daemon's default), each concurrency C and each transport: C clients, each sending
-one request after another for a warm-up and then --duration-s; every request is a fresh random
-~--prompt-tokens text prompt (seeded; little prefix sharing, so the cache does not make it
-trivial) and streams --max-new-tokens tokens, greedy, ignore_eos. Measured (tools/servinglib.py
-has the exact windows): output tok/s, requests/s, TTFT and inter-token latency percentiles,
-errors; the load average before each run and the machine go into the JSON as well.
+For each mode (single: one process; split: scheduler and detokenizer in their own processes,
+the daemon's default; both with --disable-overlap; "+overlap": the same with overlap scheduling
+forced on by --no-disable-overlap; the daemon's default is on for an accelerator, off on the
+CPU), each concurrency C and each transport: C clients, each sending one request after another
+for a warm-up and then --duration-s; every request is a fresh random ~--prompt-tokens text
+prompt (seeded; little prefix sharing, so the cache does not make it trivial) and streams
+--max-new-tokens tokens, greedy, ignore_eos. Measured (tools/servinglib.py has the exact
+windows): output tok/s, requests/s, TTFT and inter-token latency percentiles, errors; the load
+average before each run and the machine go into the JSON as well.
 
 Both modes see the same prompts; each mode gets a fresh daemon and a fresh L3 directory. The
 clients run on the same machine as the daemon: on a small machine they take CPU from it.
 
-Usage: python tools/bench_serving.py [--modes single,split] [--concurrency 1,16,64]
+Usage: python tools/bench_serving.py [--modes single,split,split+overlap] [--concurrency 1,16,64]
            [--transports grpc,http] [--duration-s 30] [--out docs/bench_serving.json]
            [--plot docs/bench_serving.png]
        python tools/bench_serving.py --quick --out /tmp/bs.json --plot /tmp/bs.png   # smoke
@@ -43,11 +45,16 @@ from tools import servinglib as sl
 
 FULL = {"concurrency": "1,16,64", "duration_s": 30.0, "warmup_s": 5.0, "max_new_tokens": 64}
 QUICK = {"concurrency": "1,4", "duration_s": 5.0, "warmup_s": 2.0, "max_new_tokens": 16}
+# mode -> (--processes, daemon options)
+MODES = {"single": ("single", ["--disable-overlap"]), "split": ("split", ["--disable-overlap"]),
+         "single+overlap": ("single", ["--no-disable-overlap"]),
+         "split+overlap": ("split", ["--no-disable-overlap"])}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="single,split", help="daemon --processes values")
+    p.add_argument("--modes", default="single,split,split+overlap",
+                   help=f"comma-separated, of {','.join(MODES)}")
     p.add_argument("--concurrency", help=f"client counts ({FULL['concurrency']})")
     p.add_argument("--transports", default="grpc,http")
     p.add_argument("--duration-s", type=float, help=f"measured window ({FULL['duration_s']:g})")
@@ -69,8 +76,8 @@ def parse_args() -> argparse.Namespace:
     a.modes = [m for m in a.modes.split(",") if m]
     a.transports = [t for t in a.transports.split(",") if t]
     a.concurrency = [int(c) for c in str(a.concurrency).split(",") if c]
-    if set(a.transports) - {"grpc", "http"} or set(a.modes) - {"single", "split"}:
-        p.error("--transports takes grpc,http and --modes single,split")
+    if set(a.transports) - {"grpc", "http"} or set(a.modes) - set(MODES):
+        p.error(f"--transports takes grpc,http and --modes {','.join(MODES)}")
     return a
 
 
@@ -117,7 +124,8 @@ async def one_run(d: sl.Daemon, transport: str, c: int, a: argparse.Namespace,
 
 def bench_mode(mode: str, a: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
     with tempfile.TemporaryDirectory(prefix=f"bench_serving_{mode}_") as tmp:
-        d = sl.Daemon(mode, Path(tmp), a.daemon_arg)
+        processes, opts = MODES[mode]
+        d = sl.Daemon(processes, Path(tmp), [*opts, *a.daemon_arg])
         info: dict[str, Any] = {"mode": mode, "argv": d.argv[1:]}
         result["daemons"].append(info)
         try:
@@ -170,7 +178,7 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """split / single at each (transport, concurrency) that both modes ran."""
+    """Each mode / single at each (transport, concurrency) that both ran."""
     by = {(r["mode"], r["transport"], r["concurrency"]): r for r in runs}
 
     def div(x: float | None, y: float | None) -> float | None:
@@ -179,9 +187,9 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (mode, transport, c), split in by.items():
         single = by.get(("single", transport, c))
-        if mode != "split" or single is None:
+        if mode == "single" or single is None:
             continue
-        out.append({"transport": transport, "concurrency": c,
+        out.append({"mode": mode, "transport": transport, "concurrency": c,
                     "out_tok_s": div(split["out_tok_s"], single["out_tok_s"]),
                     "ttft_p50": div(split["ttft_ms"]["p50"], single["ttft_ms"]["p50"]),
                     "itl_p50": div(split["itl_ms"]["p50"], single["itl_ms"]["p50"])})
@@ -189,11 +197,17 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ratio_table(rs: list[dict[str, Any]]) -> str:
-    cols = ["transport", "conc", "out tok/s", "TTFT p50", "ITL p50"]
-    lines = ["| " + " | ".join(cols) + " |  (split / single)", "|---|---|---|---|---|"]
-    lines += [f"| {r['transport']} | {r['concurrency']} | {_f(r['out_tok_s'], 2)} | "
+    cols = ["mode", "transport", "conc", "out tok/s", "TTFT p50", "ITL p50"]
+    lines = ["| " + " | ".join(cols) + " |  (mode / single)", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['transport']} | {r['concurrency']} | {_f(r['out_tok_s'], 2)} | "
               f"{_f(r['ttft_p50'], 2)} | {_f(r['itl_p50'], 2)} |" for r in rs]
     return "\n".join(lines)
+
+
+# a color per mode, a line style per transport
+COLORS = {"single": "tab:blue", "split": "tab:orange", "split+overlap": "tab:green",
+          "single+overlap": "tab:purple"}
+STYLES = {"grpc": "-", "http": "--"}
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -207,7 +221,6 @@ def plot(result: dict[str, Any], path: str) -> None:
               ("itl_ms", "p50", "ITL p50 (ms)")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     series = sorted({(r["mode"], r["transport"]) for r in result["runs"]})
-    colors = {"grpc": "tab:blue", "http": "tab:orange"}
     for ax, (key, sub, title) in zip(axes, panels, strict=True):
         for mode, transport in series:
             rs = sorted((r for r in result["runs"]
@@ -215,8 +228,8 @@ def plot(result: dict[str, Any], path: str) -> None:
                         key=lambda r: r["concurrency"])
             ys = [r[key] if sub is None else r[key][sub] for r in rs]
             ys = [float("nan") if y is None else y for y in ys]
-            ax.plot([r["concurrency"] for r in rs], ys, marker="o", color=colors[transport],
-                    linestyle="-" if mode == "split" else "--", label=f"{mode} / {transport}")
+            ax.plot([r["concurrency"] for r in rs], ys, marker="o", color=COLORS[mode],
+                    linestyle=STYLES[transport], label=f"{mode} / {transport}")
         ax.set_xscale("log", base=2)
         cs = sorted({r["concurrency"] for r in result["runs"]})
         ax.set_xticks(cs, [str(c) for c in cs])
@@ -255,7 +268,7 @@ def main() -> int:
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
 
     def save() -> None:
-        result["ratios_split_over_single"] = ratios(result["runs"])
+        result["ratios_over_single"] = ratios(result["runs"])
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
 
@@ -263,8 +276,8 @@ def main() -> int:
         bench_mode(mode, a, result, save)
     save()
     print("\n" + table(result["runs"]))
-    if result["ratios_split_over_single"]:
-        print("\n" + ratio_table(result["ratios_split_over_single"]))
+    if result["ratios_over_single"]:
+        print("\n" + ratio_table(result["ratios_over_single"]))
     print(f"\nload average at start {result['loadavg_at_start']}; wrote {a.out}", end="")
     if result["runs"] and a.plot:
         plot(result, a.plot)
