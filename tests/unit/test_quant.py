@@ -92,21 +92,27 @@ def test_embedded_gguf_weights_are_recovered_bit_for_bit():
     assert checked == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the (tied) embedding
 
 
-def _q4_1_int8_activation_reference(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-    """The q4_1 kernel's arithmetic in torch: x's blocks rounded to int8 (scale max|x| / 127,
-    half to even as cvtps2dq), exact integer block dots, the scales applied in float64."""
+def _int8_activation_reference(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """The kernels' arithmetic in torch: x's blocks rounded to int8 (scale max|x| / 127, half to
+    even as cvtps2dq), exact integer block dots with the weight codes, the scales (and q4_1's
+    mins) applied in float64."""
     rows, k = x.shape
     nb = k // 32
     xb = x.reshape(rows, nb, 32)
     amax = xb.abs().amax(-1)  # [rows, nb]
     xq = (xb * torch.where(amax > 0, 127 / amax, 0.0)[..., None]).round().double()
     xd = (amax / 127).double()
-    packed = layer.qs.reshape(layer.qs.shape[0], nb, 16)
-    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).double()  # [N, nb, 32]
+    if layer.m is None:  # q8_0: signed codes
+        q = layer.qs.reshape(layer.qs.shape[0], nb, 32).double()
+    else:
+        packed = layer.qs.reshape(layer.qs.shape[0], nb, 16)
+        q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).double()  # [N, nb, 32]
     dots = torch.einsum("rbj,nbj->rnb", xq, q)  # [rows, N, nb] integers
     scale = layer.d.double()[None] * xd[:, None]  # [rows, N, nb]
-    mins = layer.m.double()[None] * (xd * xq.sum(-1))[:, None]
-    return (dots * scale + mins).sum(-1).float()
+    out = dots * scale
+    if layer.m is not None:
+        out = out + layer.m.double()[None] * (xd * xq.sum(-1))[:, None]
+    return out.sum(-1).float()
 
 
 @needs_kernels
@@ -114,8 +120,7 @@ def _q4_1_int8_activation_reference(x: torch.Tensor, layer: QuantLinear) -> torc
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_quant_linear_products(scheme, rows, bias):
-    """<= DECODE_MAX_ROWS rows: q8_0 equals F.linear on the dequantized weight up to float
-    reassociation; q4_1 equals its int8-activation reference (llama.cpp's scheme) and stays
+    """<= DECODE_MAX_ROWS rows: equal to the int8-activation reference (llama.cpp's scheme) and
     within 2% (norm per row) of the dense product. More rows: dequantize + GEMM, bit-equal."""
     w = _weights(rows, 200, 96, 0.05)
     b = torch.randn(200) if bias else None
@@ -127,10 +132,8 @@ def test_quant_linear_products(scheme, rows, bias):
     assert out.shape == (rows, 200)
     if rows > DECODE_MAX_ROWS:
         assert torch.equal(out, ref)
-    elif scheme == "q8_0":
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:
-        exact = _q4_1_int8_activation_reference(x, layer) + (b if bias else 0)
+        exact = _int8_activation_reference(x, layer) + (b if bias else 0)
         torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-4)
         rel = (out - ref).norm(dim=1) / ref.norm(dim=1)
         assert rel.max().item() < 0.02, rel
@@ -224,11 +227,12 @@ def test_kernel_builds_into_a_fresh_cache(monkeypatch, tmp_path):
 
 @needs_kernels
 @pytest.mark.skipif(cpu_kernels.isa() == "avx2", reason="the CPU has no AVX-VNNI / AVX512-VNNI")
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_vnni_and_avx2_builds_give_the_same_products(monkeypatch, tmp_path, rows):
-    """The int4 products' integer dots in one VNNI instruction or two AVX2 ones: same bits."""
+def test_vnni_and_avx2_builds_give_the_same_products(monkeypatch, tmp_path, scheme, rows):
+    """The products' integer dots in one VNNI instruction or two AVX2 ones: same bits."""
     w = _weights(rows, 200, 256, 0.05)
-    layer = QuantLinear(w, None, "q4_1")
+    layer = QuantLinear(w, None, scheme)
     x = torch.randn(rows, 256)
     x[0, 7] = 30.0  # a block whose other weights round to small integers
     vnni = layer(x)
@@ -237,9 +241,25 @@ def test_vnni_and_avx2_builds_give_the_same_products(monkeypatch, tmp_path, rows
     lib = cpu_kernels._load(cpu_kernels._build())
     y = torch.empty(rows, 200)
     p = torch.Tensor.data_ptr
-    assert lib.linear_q4_1_q8(p(x), rows, 256, p(layer.qs), p(layer.d), p(layer.m), 200, p(y),
-                              2) == 0
+    if scheme == "q4_1":
+        rc = lib.linear_q4_1_q8(p(x), rows, 256, p(layer.qs), p(layer.d), p(layer.m), 200, p(y), 2)
+    else:
+        rc = lib.linear_q8_0_q8(p(x), rows, 256, p(layer.qs), p(layer.d), 200, p(y), 2)
+    assert rc == 0
     assert torch.equal(y, vnni)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3])
+def test_q8_0_products_take_every_code(rows):
+    """Codes -128 and 127 (a file may hold -128; our quantizer never writes it) and 0: |w| as
+    u8 and x carrying w's sign still give the exact integer dots."""
+    layer = QuantLinear(_weights(rows, 40, 64, 0.05), None, "q8_0")
+    layer.qs[:, :32] = torch.tensor([-128, 127, 0, -1] * 8, dtype=torch.int8)
+    x = torch.randn(rows, 64)
+    x[:, 0] = -5.0  # the block's largest: rounded to -127, times -128
+    torch.testing.assert_close(layer(x), _int8_activation_reference(x, layer), rtol=1e-5,
+                               atol=1e-4)
 
 
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):

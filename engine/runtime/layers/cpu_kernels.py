@@ -32,7 +32,7 @@ _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-ffp-contract=off", 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "linear_q4_1_q8": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I32], _I32),
-    "linear_q8_0_f32": ([_P, _I64, _I64, _P, _P, _I64, _P, _I32], _I32),
+    "linear_q8_0_q8": ([_P, _I64, _I64, _P, _P, _I64, _P, _I32], _I32),
     "dequant_q4_1": ([_P, _P, _P, _I64, _I64, _P, _I32], None),
     "dequant_q8_0": ([_P, _P, _I64, _I64, _P, _I32], None),
     "dequant_q4_1_bf16": ([_P, _P, _P, _I64, _I64, _P, _I32], None),

@@ -15,9 +15,10 @@ bit for bit (``tests/unit/test_quant.py`` checks every tensor of the embedded mo
 same code quantizes any safetensors checkpoint.
 
 Why two products: decode batches (up to ``DECODE_MAX_ROWS`` rows) multiply the blocks directly
-(reading the weights once dominates). q4_1 rounds each 32-activation block to int8 as llama.cpp
-does (~0.3-2% relative error per product, measured; near-tie greedy tokens can flip), q8_0 keeps
-float32 activations (equal to the dense product up to float reassociation). Prefill batches
+(reading the weights once dominates). Both round each 32-activation block to int8 as llama.cpp
+does (~0.3-2% relative error per product, measured; near-tie greedy tokens can flip); q8_0 with
+float activations (widening every weight to float) ran the vocab projection at 2/3 of the memory
+bandwidth on one row and 7x slower than needed on 16. Prefill batches
 dequantize the layer's weight and run one dense GEMM (compute dominates there): in float32 the
 result equals the dense path bit for bit; in bfloat16 (``prefill_matmul_dtype``; ``auto`` picks it
 where the CPU has native bf16 dot products, AVX512-BF16 or AMX) weight and activations are
@@ -160,12 +161,13 @@ class QuantLinear(nn.Module):
             y = torch.empty(rows.shape[0], self.out_features)
             n, k = self.out_features, self.in_features
             if self.m is not None:
-                if lib.linear_q4_1_q8(_p(rows), rows.shape[0], k, _p(self.qs), _p(self.d),
-                                       _p(self.m), n, _p(y), threads()):
-                    raise MemoryError("quantized linear: no memory for its scratch")
+                failed = lib.linear_q4_1_q8(_p(rows), rows.shape[0], k, _p(self.qs),
+                                            _p(self.d), _p(self.m), n, _p(y), threads())
             else:
-                lib.linear_q8_0_f32(_p(rows), rows.shape[0], k, _p(self.qs), _p(self.d), n,
-                                    _p(y), threads())
+                failed = lib.linear_q8_0_q8(_p(rows), rows.shape[0], k, _p(self.qs),
+                                            _p(self.d), n, _p(y), threads())
+            if failed:
+                raise MemoryError("quantized linear: no memory for its scratch")
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)

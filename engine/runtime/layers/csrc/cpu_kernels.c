@@ -11,8 +11,10 @@
  * (xd = max|x| / 127) and the block's sum kept for the min term, so a block's product is one
  * u8 x s8 multiply-add (maddubs) and one float FMA. That halved the single-row time here (the
  * float-activation kernel was bound by widening every weight to float, ~7 ns a block) at ~0.3%
- * relative error per product, the error llama.cpp serves with. q8_0 (the vocab projection,
- * already at memory bandwidth with float x) keeps float32 x: the logits stay exact products.
+ * relative error per product, the error llama.cpp serves with. q8_0 does the same (signed
+ * weights: |w| as u8 times x carrying w's sign, llama.cpp's q8_0 x q8_0): with float x its
+ * widening of every weight to float left the 49,152 x 576 vocab projection at 2/3 of the
+ * memory bandwidth on one row and 7x slower on 16 (measured, Zen 4).
  * Parallel over N on the thread pool of thread_pool.h (threads passed explicitly).
  * Needs AVX2 + FMA + F16C (and uses AVX-VNNI or AVX512-VNNI when built with it); the Python side falls back to
  * torch ops when the build fails.
@@ -117,22 +119,22 @@ static inline __attribute__((always_inline)) void q4_1_rows(
     }
 }
 
+/* q8_0 rows against int8 x: |w| (u8; -128 -> 128) times x with w's sign, so the u8 x s8 dot
+ * applies (x is in -127..127, so negating it never overflows; maddubs' int16 pairs stay within
+ * 2 * 128 * 127). */
 static inline __attribute__((always_inline)) void q8_0_rows(
-    const int8_t *wq, const float *wd, const float *x, int64_t K, int64_t nb, const int R,
-    float *y, int64_t ystride) {
+    const int8_t *wq, const float *wd, const int8_t *xq, const float *xd, int64_t K, int64_t nb,
+    const int R, float *y, int64_t ystride) {
     __m256 acc[RB];
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256 w[4];
-        for (int j = 0; j < 4; j++)
-            w[j] = _mm256_cvtepi32_ps(
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wq + b * QK + 8 * j))));
-        const __m256 db = _mm256_set1_ps(wd[b]);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
+        const __m256i aw = _mm256_sign_epi8(w, w);
         for (int i = 0; i < R; i++) {
-            const float *xb = x + i * K + b * QK;
-            __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
-            for (int j = 1; j < 4; j++) s = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), s);
-            acc[i] = _mm256_fmadd_ps(db, s, acc[i]);
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+            const __m256i p = DOT_U8_S8(aw, _mm256_sign_epi8(xv, w));
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * xd[i * nb + b]),
+                                     _mm256_cvtepi32_ps(p), acc[i]);
         }
     }
     for (int i = 0; i < R; i++) y[i * ystride] = hsum8(acc[i]);
@@ -151,8 +153,8 @@ static inline __attribute__((always_inline)) void q8_0_rows(
     default: CALL(8); break;    \
     }
 
-/* A product's operands: q4_1 takes x as int8 blocks (xq, xd, xs from quantize_rows_q8), q8_0
- * the float rows x. W rows [n0, n1) are one thread's share; bias (or NULL) is added after. */
+/* A product's operands: x as int8 blocks (xq, xd, xs from quantize_rows_q8; xs is the q4_1
+ * min term's). W rows [n0, n1) are one thread's share; bias (or NULL) is added after. */
 typedef struct {
     const float *x;
     const int8_t *xq;
@@ -180,7 +182,7 @@ static void product_rows(void *ctx, int64_t n0, int64_t n1) {
 #undef Q4_CALL
             } else {
                 const int8_t *wq = (const int8_t *)p->qs + n * K;
-#define Q8_CALL(R) q8_0_rows(wq, wd, p->x + r0 * K, K, nb, R, y, N)
+#define Q8_CALL(R) q8_0_rows(wq, wd, p->xq + r0 * K, p->xd + r0 * nb, K, nb, R, y, N)
                 ROWS_SWITCH(rows, Q8_CALL)
 #undef Q8_CALL
             }
@@ -190,9 +192,10 @@ static void product_rows(void *ctx, int64_t n0, int64_t n1) {
     }
 }
 
-/* x quantized to int8 blocks once per call (quantize_rows_q8), then rows in parallel over N */
-int linear_q4_1_q8(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
-                   const float *m, int64_t N, float *y, int nthreads) {
+/* x quantized to int8 blocks once per call (quantize_rows_q8), then rows in parallel over N;
+ * m NULL: q8_0 */
+static int linear_q8x(const float *x, int64_t M, int64_t K, const void *qs, const float *d,
+                      const float *m, int64_t N, float *y, int nthreads) {
     const int64_t nb = K / QK;
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc(sizeof(float) * (size_t)(M * nb)), *xs = malloc(sizeof(float) * (size_t)(M * nb));
@@ -207,11 +210,14 @@ int linear_q4_1_q8(const float *x, int64_t M, int64_t K, const uint8_t *qs, cons
     return 0;
 }
 
-int linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
-                    int64_t N, float *y, int nthreads) {
-    Product p = {x, NULL, NULL, NULL, M, K, qs, d, NULL, NULL, N, y};
-    pool_for(N, nthreads, product_rows, &p, POOL_SPIN_NS);
-    return 0;
+int linear_q4_1_q8(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
+                   const float *m, int64_t N, float *y, int nthreads) {
+    return linear_q8x(x, M, K, qs, d, m, N, y, nthreads);
+}
+
+int linear_q8_0_q8(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
+                   int64_t N, float *y, int nthreads) {
+    return linear_q8x(x, M, K, qs, d, NULL, N, y, nthreads);
 }
 
 /* W -> float32 [N, K] (prefill runs a dense GEMM on it, one layer at a time). mul then add, no
@@ -587,12 +593,12 @@ typedef struct {
     float *hidden, *residual;
     const int64_t *positions, *out_loc;
     float *normed, *wide, *narrow;  /* see decode_layers */
-    int8_t *xq;                     /* x of the next q4_1 product as int8 blocks */
+    int8_t *xq;                     /* x of the next product as int8 blocks */
     float *xd, *xs;
     Attention attn;
 } Step;
 
-/* y = x @ W^T (+ bias): this thread's share of W's rows; for q4_1, x is st->xq already */
+/* y = x @ W^T (+ bias): this thread's share of W's rows; x is st->xq already */
 static void step_product(const Step *st, const QLinear *L, const float *x, float *y, int tid,
                          int nt) {
     const Product p = {x, st->xq, st->xd, st->xs, st->M, L->k, L->qs, L->d, L->m, L->bias, L->n, y};
@@ -600,9 +606,9 @@ static void step_product(const Step *st, const QLinear *L, const float *x, float
     if (n1 > n0) product_rows((void *)&p, n0, n1);
 }
 
-/* thread 0, before a product of x [M, K] by L: x as int8 blocks if L is q4_1 */
+/* thread 0, before a product of x [M, K] by L: x as int8 blocks */
 static void step_round(const Step *st, const QLinear *L, const float *x) {
-    if (L->m) quantize_rows_q8(x, st->M, L->k, st->xq, st->xd, st->xs);
+    quantize_rows_q8(x, st->M, L->k, st->xq, st->xd, st->xs);
 }
 
 static void step_job(void *ctx, int tid, int nt) {
