@@ -30,6 +30,8 @@ def model_fingerprint(
     cfg = to_json(use_diff=False) if to_json is not None else repr(hf_config)
     # NOTE: dense weights (and float32 prefill) keep the fingerprint they had before
     weights = "" if quantization == "none" else f"|W{quantization}"
+    if quantization == "int8":  # its q8_0 decode products round activations to int8 since 60445af
+        weights += "|A8"
     if prefill_dtype is not None and prefill_dtype != torch.float32:
         weights += f"|P{str(prefill_dtype).replace('torch.', '')}"
     return hashlib.sha256(f"{cfg}|{dtype}|S{object_size}{weights}".encode()).hexdigest()[:32]
