@@ -142,6 +142,8 @@ class EngineFront:
         )
         if len(params) != len(batch):
             raise ValueError("sampling_params list must match the number of prompts")
+        # the whole outputs are returned: one chunk each (unless the caller says otherwise)
+        params = [{"final_only": True, **(sp or {})} for sp in params]
         # Validate everything before queueing anything: a bad prompt never half-runs a batch.
         for p, sp in zip(batch, params):
             self.tokenizer_manager.prepare(p, sp, chat)

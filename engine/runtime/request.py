@@ -100,6 +100,7 @@ class Req:
         text_tokenizer = tokenizer if sink is None or params.stop else None
         self.text = TextStream(text_tokenizer, params.skip_special_tokens, params.stop)
         self.sent_ids = 0
+        self.held_text = ""  # final_only: text produced since the last chunk
         self.created = time.monotonic()
         self.first_token_time: float | None = None
 
@@ -162,6 +163,10 @@ class Req:
         new_ids = self.output_ids[self.sent_ids :]
         if not new_ids and not delta and not finished and not flush:
             return
+        if self.params.final_only and not finished and not flush:
+            self.held_text += delta  # the ids wait in output_ids
+            return
+        delta, self.held_text = self.held_text + delta, ""
         self.sent_ids = len(self.output_ids)
         fr = self.finished_reason
         self.sink(

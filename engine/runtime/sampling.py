@@ -18,6 +18,7 @@ _KNOWN = {
     "stop_token_ids",
     "ignore_eos",
     "skip_special_tokens",
+    "final_only",
 }
 
 
@@ -33,6 +34,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # One chunk at the end instead of one per token (vLLM's RequestOutputKind.FINAL_ONLY): for
+    # callers that wait for the whole output (non-streaming HTTP, Engine.generate); in the split
+    # daemon each chunk is a message through the detokenizer process to the API server
+    final_only: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -59,6 +64,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.final_only, bool):
+            # NOTE: bad input is a ValueError everywhere (HTTP 400 / INVALID_ARGUMENT)
+            raise ValueError(f"final_only must be true or false, got {self.final_only!r}")  # noqa: TRY004
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         for t in self.stop_token_ids:

@@ -171,8 +171,10 @@ class OpenAIApi:
         if chat:  # the chat template applies here; the engine gets token ids
             prompt = await self._chat_ids(engine, prompt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # a JSON answer needs only the whole output: one chunk instead of one per token
+        params = req.params if req.stream else {**req.params, "final_only": True}
         run = await EngineRequest.start(
-            st, engine, prompt, req.params, namespace, who.request_id(rid), self.running
+            st, engine, prompt, params, namespace, who.request_id(rid), self.running
         )
         created = int(time.time())
         if req.stream:

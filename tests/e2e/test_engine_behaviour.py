@@ -113,6 +113,22 @@ def test_streaming_matches_generate(eng):
     assert "".join(c.text for c in chunks) == ref.text
 
 
+@pytest.mark.parametrize("extra", [{}, {"stop": "e"}, {"stop_token_ids": [5]}])
+def test_final_only_sends_one_chunk_with_the_streamed_output(eng, extra):
+    """final_only (what generate and non-streaming HTTP use): the same ids, text and finish as
+    the token-by-token stream, in one chunk; stop strings and tokens still end it in time."""
+    params = dict(GREEDY, max_new_tokens=12, **extra)
+    streamed = list(eng.generate_stream([12, 13, 14], dict(params, final_only=False)))
+    final = list(eng.generate_stream([12, 13, 14], dict(params, final_only=True)))
+    assert len(final) == 1 and final[0].finished
+    assert final[0].token_ids == [t for c in streamed for t in c.token_ids]
+    assert final[0].text == "".join(c.text for c in streamed)
+    assert (final[0].finish_reason, final[0].matched_stop) == (
+        streamed[-1].finish_reason, streamed[-1].matched_stop)
+    with pytest.raises(ValueError, match="final_only"):
+        eng.generate([1, 2], dict(GREEDY, final_only="yes"))
+
+
 def test_abort_frees_kv(eng):
     h = eng.submit([20, 21, 22], {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True})
     first = h.chunks.get(timeout=30)
