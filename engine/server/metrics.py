@@ -156,6 +156,8 @@ _L3 = {
     "prefetch_objects": ("hicache_l3_prefetch_objects", "L3 objects read by prefetches", True),
     "prefetch_started": ("hicache_l3_prefetches", "Prefetches started", True),
     "prefetch_cancelled": ("hicache_l3_prefetch_cancelled", "Prefetches cancelled", True),
+    "prefetch_yielded": ("hicache_l3_prefetch_yielded",
+                         "Prefetches that gave their L2 room to a request going first", True),
     "backup_deferred": ("hicache_l3_backup_deferred_nodes",
                         "Node backups that waited for room (too many in flight)", True),
     "backup_dropped_nodes": ("hicache_l3_backup_dropped_nodes",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from contextlib import contextmanager
 
@@ -234,4 +235,34 @@ def test_abort_while_prefetching_frees_everything(tiny_llama_dir, tmp_path, gate
         stats = eng.cache_stats()
     assert out.finish_reason == "abort"
     assert stats["l3"]["prefetch_cancelled"] == 1 and stats["l3"]["pending_prefetches"] == 0
+    assert stats["l2"]["used_tokens"] == stats["l2"]["cached_tokens"]  # no host slot leaked
+
+
+def test_prefetch_of_a_later_request_gives_its_l2_room(tiny_llama_dir, tmp_path, gated):
+    """L2 is full of the landed prefetch of B, which the cache order puts after A: at A's
+    turn B's prefetch yields its room and A is served from L3 instead of recomputing what L3
+    holds. B prefetches again at its own turn (here L2 has no room left: it recomputes)."""
+    b_prompt, a_prompt = _prompts(2, seed=8, length=420)
+    b_prompt = b_prompt[:300]  # L3: 288 tokens; A: 416 (lpm: A goes first)
+    opts = _opts(tmp_path, max_total_tokens=448, hicache_ratio=1.2,  # L2: 528 tokens
+                 hicache_prefetch_threshold=256, schedule_policy="lpm",
+                 hicache_storage_prefetch_policy="wait_complete")
+    with Engine(tiny_llama_dir, **opts) as eng:
+        eng.generate(b_prompt, GREEDY)
+        eng.generate(a_prompt, GREEDY)  # shutdown flushes both to L3
+    with Engine(tiny_llama_dir, **opts) as eng:
+        gate = threading.Event()
+        eng.scheduler.call(lambda s: gate.wait(30))  # B and A arrive in one inbox drain
+        b = eng.submit(b_prompt, GREEDY)
+        # B's prefetch lands (288 of L2's 528) before A arrives: A's 416 do not fit
+        eng.scheduler.call(lambda s: (s.tree_cache.controller.wait_storage_idle(10),
+                                      s.tree_cache.check()))
+        a = eng.submit(a_prompt, GREEDY)
+        gate.set()
+        out_a, out_b = a.result(), b.result()
+        stats = eng.cache_stats()
+    ref = hf_greedy(tiny_llama_dir, [a_prompt, b_prompt], MAX_NEW)
+    assert [out_a.token_ids, out_b.token_ids] == ref
+    assert out_a.cached_tokens_per_tier["l3"] == 416
+    assert stats["l3"]["prefetch_yielded"] == 1
     assert stats["l2"]["used_tokens"] == stats["l2"]["cached_tokens"]  # no host slot leaked
