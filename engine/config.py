@@ -32,7 +32,7 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     # lpm / dfs-weight: a waiting request that this many later arrivals have overtaken goes
     # first, in arrival order (no starvation); 0 disables aging
-    schedule_max_bypass: int = 32
+    schedule_max_bypass: int = 20
     # Overlap scheduling: each forward runs on its own thread while the scheduler builds the next
     # batch and handles the previous one's results. None (auto): on where the forward runs on an
     # accelerator (SGLang's default), off on the CPU, where the forward already uses every core
