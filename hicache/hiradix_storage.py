@@ -290,7 +290,7 @@ class StorageMixin:
                  for st in self.ongoing_prefetch.values() if not st.collected]
         return min(times) if times else None
 
-    def cancel_prefetch(self, req_id: str, counter: str = "prefetch_cancelled") -> None:
+    def cancel_prefetch(self, req_id: str) -> None:
         """The request went away: stop reading, give its host slots back."""
         st = self.ongoing_prefetch.get(req_id)
         if st is None:
@@ -299,28 +299,20 @@ class StorageMixin:
             st.op.terminate()
             self.host_pool.free(st.op.host_indices)  # deferred until the thread is done
             st.collected = True
-            self.l3_counters[counter] += 1
+            self.l3_counters["prefetch_cancelled"] += 1
         self._finish_prefetch(req_id)
 
-    def prefetch_held(self, req_id: str) -> int:
-        """L2 tokens that ``req_id``'s landed prefetch keeps from eviction; 0 without one, and
-        while it still reads (its slots would come back only once the read returns)."""
-        st = self.ongoing_prefetch.get(req_id)
-        return st.inserted if st is not None and st.collected else 0
-
     def yield_prefetch(self, req_id: str) -> int:
-        """``req_id``'s prefetch gives its L2 room to a request that goes first: objects that
-        landed stay in the tree, now evictable; one still reading stops. The request prefetches
-        again at its own turn (L3 still holds the objects). Returns the tokens it had put in
-        the tree."""
+        """``req_id``'s landed prefetch gives its L2 room to a request that goes first: its
+        objects stay in the tree, no longer protected (evictable); the request prefetches again
+        at its own turn (L3 still holds them). Returns those tokens; 0 (nothing done) while
+        the read is in flight: its slots would come back only once it returns."""
         st = self.ongoing_prefetch.get(req_id)
-        if st is None:
+        if st is None or not st.collected:
             return 0
-        kept = st.inserted if st.collected else 0
-        if st.collected:  # one still reading counts when it is cancelled
-            self.l3_counters["prefetch_yielded"] += 1
-        self.cancel_prefetch(req_id, counter="prefetch_yielded")
-        return kept
+        self.l3_counters["prefetch_yielded"] += 1
+        self._finish_prefetch(req_id)
+        return st.inserted
 
     def cancel_all_prefetches(self) -> None:
         for req_id in list(getattr(self, "ongoing_prefetch", {})):

@@ -405,8 +405,8 @@ class Scheduler:
         prefetches of requests the cache order kept waiting, and the requests admitted
         recomputed what L3 held: 23 admissions, ~21,000 tokens in 150 s."""
         tc = self.tree_cache
-        held = getattr(tc, "prefetch_held", None)
-        if held is None or req.rid in tc.ongoing_prefetch:
+        yield_prefetch = getattr(tc, "yield_prefetch", None)
+        if yield_prefetch is None or req.rid in tc.ongoing_prefetch:
             return 0
         need = req.l3_hit - len(req.prefix_indices) - req.host_hit_length
         if need < getattr(tc, "prefetch_threshold", 0):
@@ -415,11 +415,10 @@ class Scheduler:
         for r in reversed(behind):
             if freed >= need:
                 break
-            n = held(r.rid)
-            if n:
-                # what landed stays in L2 until evicted: it still came from L3
-                r.l3_tokens = max(r.l3_tokens, tc.yield_prefetch(r.rid))
-                freed += n
+            n = yield_prefetch(r.rid)
+            # what landed stays in L2 until evicted: it still came from L3
+            r.l3_tokens = max(r.l3_tokens, n)
+            freed += n
         return self._start_prefetch(req) if freed else 0
 
     def _load_back(self, req: Req) -> None:
