@@ -31,6 +31,10 @@ from hicache.storage_io import StorageIO
 
 log = logging.getLogger(__name__)
 
+# Longest a held load waits for its release (a safety net: the reader releases it right after
+# its forward; correctness never depends on it, the copy only writes device slots nobody reads).
+HOLD_TIMEOUT_S = 5.0
+
 
 class LayerDoneCounter:
     """Per-layer progress of one load batch.
@@ -39,10 +43,14 @@ class LayerDoneCounter:
     its end on the load stream). ``wait_until(i)``: the host waits until layer i was issued, then
     the compute stream waits on its event: no host sync on the copy itself. ``finish()``: every
     byte landed (the worker synchronized), so the load may be acked and its host slots released.
+    ``on_wait``: called before any wait (the controller releases held loads: a waiter needs the
+    bytes now).
     """
 
-    def __init__(self, num_layers: int, done: int = 0) -> None:
+    def __init__(self, num_layers: int, done: int = 0,
+                 on_wait: Callable[[], None] | None = None) -> None:
         self.num_layers = num_layers
+        self.on_wait = on_wait
         self._done = done
         self._finished = done >= num_layers
         self._events: list[Any] = []
@@ -71,6 +79,8 @@ class LayerDoneCounter:
             self._cond.notify_all()
 
     def wait_until(self, layer_id: int, timeout: float | None = None) -> bool:
+        if self.on_wait is not None:
+            self.on_wait()
         with self._cond:
             ok = self._cond.wait_for(lambda: self._done > layer_id, timeout)
             event = self._events[layer_id] if ok and layer_id < len(self._events) else None
@@ -79,6 +89,8 @@ class LayerDoneCounter:
         return ok
 
     def wait_finished(self, timeout: float | None = None) -> bool:
+        if self.on_wait is not None:
+            self.on_wait()
         with self._cond:
             return self._cond.wait_for(lambda: self._finished, timeout)
 
@@ -138,6 +150,9 @@ class HiCacheController:
         self.ack_write_queue: queue.Queue[CacheOperation] = queue.Queue()
         self.ack_load_queue: queue.Queue[CacheOperation] = queue.Queue()
         self.current_load = LayerDoneCounter(self.layer_num, done=self.layer_num)
+        # loads not finished yet, oldest first (scheduler thread only): see ``pending_loads``
+        self._loads: list[tuple[CacheOperation, LayerDoneCounter]] = []
+        self._held = False  # the load worker waits before its next job: see ``start_loading``
         self.stats = {"bytes_d2h": 0, "bytes_h2d": 0, "errors": 0}
         self._inflight_writes = 0
         self._inflight_loads = 0
@@ -193,20 +208,40 @@ class HiCacheController:
         self.load_queue.append(CacheOperation(host_indices, device_indices, [node_id], priority))
         return device_indices
 
-    def start_loading(self) -> LayerDoneCounter:
+    def start_loading(self, hold: bool = False) -> LayerDoneCounter:
         """Hand every queued load to the worker as one batch; returns its layer counter, which
-        also becomes ``current_load`` for ``wait_layer``."""
+        also becomes ``current_load`` for ``wait_layer``.
+
+        ``hold``: the worker copies nothing until ``release_loads`` (or anyone waits on a load,
+        or HOLD_TIMEOUT_S passed). For a reader that reads the loading KV from host memory in
+        place (``pending_loads``): on a CPU the copy only competes with that reader's forward
+        for the same cores and memory bandwidth, so it goes after it."""
         if not self.load_queue:
             return self.current_load
         op = CacheOperation.merge(self.load_queue)
         self.load_queue = []
         op.ready = self.load_stream.mark_compute()  # after kernels still using these slots
-        counter = LayerDoneCounter(self.layer_num)
+        counter = LayerDoneCounter(self.layer_num, on_wait=self.release_loads)
         self.current_load = counter
+        self._loads = [(o, c) for o, c in self._loads if not c.finished] + [(op, counter)]
         with self._idle:
             self._inflight_loads += 1
+            self._held = self._held or hold
         self._load_jobs.put((op, counter))
         return counter
+
+    def release_loads(self) -> None:
+        """Let the load worker copy held loads (``start_loading(hold=True)``)."""
+        with self._idle:
+            if self._held:
+                self._held = False
+                self._idle.notify_all()
+
+    def pending_loads(self) -> list[CacheOperation]:
+        """Started loads whose bytes have not all landed, oldest first: their device slots may
+        not hold their KV yet; their host slots do (protected until the ack is drained)."""
+        self._loads = [(o, c) for o, c in self._loads if not c.finished]
+        return [o for o, _ in self._loads]
 
     def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
         """Model-runner hook: block until layer ``layer_id`` of every started load landed
@@ -220,6 +255,7 @@ class HiCacheController:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every started device<->host write and load finished (L3 backups and
         prefetches are not waited for: see ``wait_storage_idle``)."""
+        self.release_loads()
         with self._idle:
             return self._idle.wait_for(
                 lambda: self._inflight_writes == 0 and self._inflight_loads == 0, timeout)
@@ -306,6 +342,11 @@ class HiCacheController:
     def _load_worker(self) -> None:
         while (job := self._load_jobs.get()) is not None:
             op, counter = job
+            with self._idle:  # a held load (start_loading) waits for its reader
+                if not self._idle.wait_for(lambda: not self._held, HOLD_TIMEOUT_S):
+                    log.warning("a held host->device load was not released in %.0f s; "
+                                "copying it", HOLD_TIMEOUT_S)
+                    self._held = False
             try:
                 with self.load_stream.running(after=op.ready):
                     # CUDA kernels read the host slot ids from device memory: move them once

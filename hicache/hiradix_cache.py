@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,16 @@ class HiMatchResult(MatchResult):
     """MatchResult (same 4 positional fields) plus ``tier_tokens`` {"l1", "l2", "l3"} -> n."""
 
     tier_tokens: dict[str, int]
+
+
+@dataclass
+class HostReads:
+    """Device slots whose KV is still loading, and the host slots that hold it meanwhile (a CPU
+    forward reads those in place: ``HiRadixCache.host_reads``)."""
+
+    device_indices: torch.Tensor  # [n] int64
+    host_indices: torch.Tensor  # [n] int64, pairwise with device_indices
+    layer_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # host K, V [size, H, D]
 
 
 def _result(device_indices: torch.Tensor, last_device: TreeNode, last_host: TreeNode,
@@ -239,14 +250,16 @@ class HiRadixCache(StorageMixin, RadixCache):
         return device_prefix
 
     # ---- load back (l2 -> l1) ------------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, match_result: Any = None, wait: bool = True
-                       ) -> tuple[torch.Tensor, TreeNode]:
+    def init_load_back(self, last_node: TreeNode, match_result: Any = None, wait: bool = True,
+                       hold: bool = False) -> tuple[torch.Tensor, TreeNode]:
         """Promote the host part of the path ending at ``match_result.last_host_node`` (or
         ``last_node``) to device. Returns the device slots of the whole prefix and its new last
         device node (not locked: the caller locks it). ``wait=True`` waits until the bytes
         landed; ``wait=False`` returns with the load in flight (layer-wise overlap): the caller
         must then run the next forward with ``pending_layer_wait()`` (or call
-        ``wait_pending_loads()``) before anything reads the returned slots."""
+        ``wait_pending_loads()``) before anything reads the returned slots. ``hold`` (with
+        ``wait=False``): the copy waits for ``release_loads()``; the next forward reads the KV
+        from host in place (``host_reads``) instead of waiting for it."""
         self.check()
         target = getattr(match_result, "last_host_node", None) or last_node
         path = self._path(target)
@@ -272,7 +285,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             self._emit("promoted", "l1", len(node.key), node)
         self.counters["promotions"] += host_len
         self.ongoing_load[last.id] = host_nodes
-        counter = self.controller.start_loading()
+        counter = self.controller.start_loading(hold=hold and not wait)
         if not wait:
             # NOTE: overlap: the load stays in flight (``controller.current_load``); the nodes
             # are locked until ``loading_check`` drains its ack. Attention for layer i must run
@@ -295,6 +308,20 @@ class HiRadixCache(StorageMixin, RadixCache):
             counter.wait_until(layer_id)
 
         return wait_layer
+
+    def host_reads(self) -> HostReads | None:
+        """The device slots of loads still in flight and their host copies, or None. A forward
+        that reads these slots' KV from ``layer_kv`` instead of the device pool needs no wait;
+        then ``release_loads()`` lets the held copies go."""
+        ops = self.controller.pending_loads()
+        if not ops:
+            return None
+        return HostReads(torch.cat([o.device_indices for o in ops]),
+                         torch.cat([o.host_indices for o in ops]), self.host_pool.layer_kv)
+
+    def release_loads(self) -> None:
+        """Let held loads copy (``init_load_back(hold=True)``)."""
+        self.controller.release_loads()
 
     def wait_pending_loads(self) -> None:
         """Block until every started load landed (e.g. a batch that will not run its forward);

@@ -238,6 +238,16 @@ class MHATokenToKVPoolHost:
         """Write ``data`` (the ``get_flat_data`` form for ``len(indices)`` tokens) at ``indices``."""
         transfer.scatter_tokens(self.kv_buffer, indices, self.layout, data, self.page_size)
 
+    def layer_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K and V on host as ``[size, head_num, head_dim]`` views (strided
+        for page_first), viewed as ``dtype``: read in place by a CPU forward while a load of
+        them is held (``HiCacheController.start_loading``)."""
+        k, v = ((self.kv_buffer[kv, layer_id] if self.layout == "layer_first"
+                 else self.kv_buffer[kv][:, layer_id]) for kv in (0, 1))  # fmt: skip
+        if self.store_dtype != self.dtype:
+            k, v = k.view(self.dtype), v.view(self.dtype)
+        return k, v
+
     def load_to_device_per_layer(
         self,
         device_pool,

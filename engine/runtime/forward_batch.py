@@ -21,6 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.runtime.layers.attention import AttentionBackend
+    from hicache.hiradix_cache import HostReads
     from hicache.kv_pool import MHATokenToKVPool
     from hicache.req_to_token import ReqToTokenPool
 
@@ -58,6 +59,9 @@ class ForwardBatch:
     # layer i calls ``wait_layer(i)`` before touching the KV pool, so it runs only after layer
     # i's loaded KV is on device. None: nothing is loading (no wait at all).
     wait_layer: Callable[[int], None] | None = None
+    # CPU, instead of wait_layer: the device slots still loading and their host copies
+    # (hicache HostReads); the attention backend reads those slots' KV from host memory
+    host_reads: HostReads | None = None
 
     @property
     def num_tokens(self) -> int:

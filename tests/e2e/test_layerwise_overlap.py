@@ -1,12 +1,18 @@
-"""Layer-wise overlap of an L2 -> L1 load with the forward: attention of layer 0 starts before
-the last layer's KV has landed, yet every layer i attends only after layer i's load finished, and
-the output is exactly the first run's (and transformers') greedy tokens."""
+"""An L2 -> L1 load and the forward that needs it.
+
+Layer-wise overlap (the CUDA path; on a CPU with ``reads_host_kv`` off): attention of layer 0
+starts before the last layer's KV has landed, yet every layer i attends only after layer i's load
+finished. Host reads (the CPU default): the prefill reads the loading KV from host memory and the
+copy runs after it. Either way the output is exactly the first run's (and transformers') greedy
+tokens, and the decode steps after it read the landed device copy."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
+
+import torch
 
 from engine import Engine
 from engine.runtime.layers.radix_attention import RadixAttention
@@ -18,6 +24,39 @@ GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 LAYER_DELAY_S = 0.05
 
 
+def _push_to_l2(s, reads_host_kv: bool):
+    s.reads_host_kv = reads_host_kv
+    tree = s.tree_cache
+    tree.controller.wait_idle()  # backups acked: the nodes can be demoted
+    tree.check()
+    tree.evict(tree.evictable_size())
+    # NaN into every free device slot: a read of a slot before its load landed shows
+    alloc, pool = s.runner.allocator, s.runner.kv_pool
+    pages = torch.cat((alloc.free_pages, alloc.released))
+    slots = (pages[:, None] * alloc.page_size + torch.arange(alloc.page_size)).flatten()
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf[slots] = float("nan")
+    return tree.controller
+
+
+def _slow_loads(controller, monkeypatch, lock):
+    """Delay each layer's host->device copy; returns {layer: start}, {layer: end} of copies."""
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    orig_load = controller.host_pool.load_to_device_per_layer
+
+    def slow_load(device_pool, host_indices, device_indices, layer_id, io_backend):
+        with lock:
+            start[layer_id] = time.perf_counter()
+        time.sleep(LAYER_DELAY_S)
+        orig_load(device_pool, host_indices, device_indices, layer_id, io_backend)
+        with lock:
+            end[layer_id] = time.perf_counter()
+
+    monkeypatch.setattr(controller.host_pool, "load_to_device_per_layer", slow_load)
+    return start, end
+
+
 def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
     model_dir = make_tiny_model_dir(str(tmp_path / "m"), "llama", num_hidden_layers=NUM_LAYERS)
     rng = random.Random(7)
@@ -25,25 +64,9 @@ def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
     with Engine(model_dir, enable_hierarchical_cache=True, max_total_tokens=256,
                 debug_check_invariants=True) as eng:
         first = eng.generate(prompt, GREEDY)
-
-        def push_to_l2(s):
-            tree = s.tree_cache
-            tree.controller.wait_idle()  # backups acked: the nodes can be demoted
-            tree.check()
-            tree.evict(tree.evictable_size())
-            return tree.controller
-
-        controller = eng.call_in_scheduler(push_to_l2)
+        controller = eng.call_in_scheduler(lambda s: _push_to_l2(s, reads_host_kv=False))
         lock = threading.Lock()
-        load_end: dict[int, float] = {}  # layer -> when its host->device copy finished
         attn_start: dict[int, float] = {}  # layer -> first attention start after arming
-        orig_load = controller.host_pool.load_to_device_per_layer
-
-        def slow_load(device_pool, host_indices, device_indices, layer_id, io_backend):
-            time.sleep(LAYER_DELAY_S)
-            orig_load(device_pool, host_indices, device_indices, layer_id, io_backend)
-            with lock:
-                load_end[layer_id] = time.perf_counter()
 
         backend = eng.call_in_scheduler(lambda s: s.runner.attn_backend)
         orig_forward, orig_backend_forward = RadixAttention.forward, backend.forward
@@ -61,7 +84,7 @@ def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
             return orig_backend_forward(q, k, v, layer, fb)
 
         kv_start: dict[int, float] = {}  # layer -> when the backend first read/wrote the pool
-        monkeypatch.setattr(controller.host_pool, "load_to_device_per_layer", slow_load)
+        _, load_end = _slow_loads(controller, monkeypatch, lock)  # layer -> its copy's end
         monkeypatch.setattr(RadixAttention, "forward", traced_forward)
         monkeypatch.setattr(backend, "forward", traced_backend)
         second = eng.generate(prompt, GREEDY)
@@ -80,4 +103,45 @@ def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
     assert first.token_ids == hf_greedy(model_dir, [prompt], MAX_NEW)[0]
     assert stats["l2"]["hit_tokens"] > 0
     assert second.cached_tokens_per_tier.get("l2", 0) > 0
+    assert stats["l1"]["held_by_requests_tokens"] == 0
+
+
+def test_cpu_prefill_reads_loading_kv_from_host(tmp_path, monkeypatch):
+    model_dir = make_tiny_model_dir(str(tmp_path / "m"), "llama", num_hidden_layers=NUM_LAYERS)
+    rng = random.Random(8)
+    prompt = [rng.randrange(3, 380) for _ in range(60)]
+    with Engine(model_dir, enable_hierarchical_cache=True, max_total_tokens=256,
+                debug_check_invariants=True) as eng:
+        assert eng.call_in_scheduler(lambda s: s.reads_host_kv)  # the CPU default
+        first = eng.generate(prompt, GREEDY)
+        controller = eng.call_in_scheduler(lambda s: _push_to_l2(s, reads_host_kv=True))
+        lock = threading.Lock()
+        prefill_reads: dict[int, float] = {}  # layer -> when the prefill's attention ran
+
+        backend = eng.call_in_scheduler(lambda s: s.runner.attn_backend)
+        orig_backend_forward = backend.forward
+
+        def traced_backend(q, k, v, layer, fb):
+            if fb.host_reads is not None:
+                assert fb.wait_layer is None
+                with lock:
+                    prefill_reads.setdefault(layer.layer_id, time.perf_counter())
+            return orig_backend_forward(q, k, v, layer, fb)
+
+        load_start, load_end = _slow_loads(controller, monkeypatch, lock)
+        monkeypatch.setattr(backend, "forward", traced_backend)
+        second = eng.generate(prompt, GREEDY)  # L2 hit: read from host, then decode from L1
+        monkeypatch.undo()
+        third = eng.generate(prompt, GREEDY)  # L1 hit: the bytes the held copy landed
+        stats = eng.cache_stats()
+
+    assert sorted(prefill_reads) == list(range(NUM_LAYERS))
+    assert sorted(load_end) == list(range(NUM_LAYERS))
+    # the held copy began only after the prefill read every layer from host
+    assert min(load_start.values()) > max(prefill_reads.values())
+    assert second.cached_tokens_per_tier.get("l2", 0) > 0
+    assert third.cached_tokens_per_tier.get("l1", 0) > 0
+    assert first.token_ids == hf_greedy(model_dir, [prompt], MAX_NEW)[0]
+    assert second.token_ids == first.token_ids
+    assert third.token_ids == first.token_ids
     assert stats["l1"]["held_by_requests_tokens"] == 0

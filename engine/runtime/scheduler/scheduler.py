@@ -91,6 +91,13 @@ class Scheduler:
             ForwardWorker(runner, args.max_running_requests + 8) if args.overlap_enabled()
             else None
         )
+        # CPU: a prefill reads the KV of its L2 hit from host memory in place while the copy
+        # to the device pool waits until after it (``_launch``): on a CPU the copy would only
+        # take cores and memory bandwidth from that forward
+        self.reads_host_kv = (
+            self.worker is None and runner.device.type == "cpu"
+            and getattr(runner.attn_backend, "reads_host_kv", False)
+        )
         self._oom_streak = 0  # consecutive prefill batches that did not fit
         self._prefill_cap: int | None = None  # max requests per prefill while recovering
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
@@ -225,10 +232,20 @@ class Scheduler:
                 chunked: Req | None = None) -> Launched:
         """Run (or hand to the worker) the forward + sampling of ``fb``."""
         fb.wait_layer = self._pending_layer_wait()
+        if fb.wait_layer is not None and self.reads_host_kv:
+            fb.wait_layer = None
+            if is_extend:  # reads the loading slots from host: no wait
+                fb.host_reads = self.tree_cache.host_reads()
+            else:  # the fused CPU decode reads the pool with no per-layer wait
+                self._wait_pending_loads()
         job = Launched(reqs, lens, is_extend, chunked)
         self.forward_ct += 1
         if self.worker is None:
-            logits = self.runner.forward(fb)
+            try:
+                logits = self.runner.forward(fb)
+            finally:
+                if fb.host_reads is not None:
+                    self.tree_cache.release_loads()  # the held copies go now
             job.future.set_result(self.runner.sample(logits, reqs).tolist())  # the host sync
         else:
             slot = self.worker.reserve(len(reqs))
@@ -429,7 +446,8 @@ class Scheduler:
         if init is None or not req.host_hit_length:
             return
         self._wait_forwards()  # the load writes device slots a running forward may use
-        indices, node = init(req.last_node, req.match_result, wait=False)
+        indices, node = init(req.last_node, req.match_result, wait=False,
+                             hold=self.reads_host_kv)
         req.prefix_indices, req.last_node = indices, node
 
     def _pending_layer_wait(self) -> Callable[[int], None] | None:

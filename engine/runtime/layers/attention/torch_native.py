@@ -10,10 +10,15 @@ attention masks; per layer it does one scatter of the new K/V into the pool, one
 
 GQA without copying K/V: the ``G = heads / kv_heads`` query heads that share a kv head are folded
 into the query-length dim, so K/V stay ``[bs, kv_heads, max_seq_len, head_dim]``.
+
+An EXTEND batch with ``fb.host_reads`` (a HiCache load from host memory still held, on a CPU)
+gathers the KV of those slots from the host pool instead of the device pool (``_HostGather``):
+the same bytes, so the same outputs, with no wait for the copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +28,57 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from engine.runtime.forward_batch import ForwardBatch
     from engine.runtime.layers.radix_attention import RadixAttention
+    from hicache.hiradix_cache import HostReads
 
+# Runs of host / device positions up to which each run is gathered straight into place; more
+# (a batch of many requests) gather everything from the device pool, then overwrite from host.
+MAX_GATHER_RUNS = 16
+
+
+@dataclass
+class _HostGather:
+    """Where an EXTEND batch's KV rows come from when some slots are still loading: flat KV
+    position ``p`` reads ``kv_indices[p]`` of the device pool, or ``host_rows[p]`` of the
+    host pool's layer where that slot is still loading."""
+
+    layer_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    runs: list[tuple[int, int, torch.Tensor, bool]] | None  # (start, end, rows, from host)
+    host_pos: torch.Tensor  # [m] int64 flat positions read from host (when runs is None)
+    host_rows: torch.Tensor  # [m] int64 host rows of those positions
+
+    @staticmethod
+    def build(kv_indices: torch.Tensor, reads: HostReads, num_slots: int) -> _HostGather | None:
+        lut = torch.full((num_slots,), -1, dtype=torch.int64)
+        lut[reads.device_indices] = reads.host_indices
+        host_rows = lut[kv_indices]  # [n]: host row per flat position, -1: device pool
+        from_host = host_rows >= 0
+        if not bool(from_host.any()):
+            return None
+        cuts = (torch.nonzero(from_host[1:] != from_host[:-1]).flatten() + 1).tolist()
+        if len(cuts) >= MAX_GATHER_RUNS:
+            pos = torch.nonzero(from_host).flatten()
+            return _HostGather(reads.layer_kv, None, pos, host_rows[pos])
+        bounds = [0, *cuts, kv_indices.numel()]
+        flags = from_host[bounds[:-1]].tolist()
+        runs = [(a, b, (host_rows if h else kv_indices)[a:b], h)
+                for a, b, h in zip(bounds, bounds[1:], flags)]  # fmt: skip
+        return _HostGather(reads.layer_kv, runs, host_rows[:0], host_rows[:0])
+
+    def gather(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               kv_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, kv_heads, head_dim]`` of every flat position, as ``index_select``
+        from the device pool would give once the load landed."""
+        out = []
+        for buf, host in zip((k_buf, v_buf), self.layer_kv(layer_id)):
+            if self.runs is None:
+                rows = buf.index_select(0, kv_indices)
+                rows.index_copy_(0, self.host_pos, host.index_select(0, self.host_rows))
+            else:
+                rows = buf.new_empty((kv_indices.numel(), *buf.shape[1:]))
+                for a, b, idx, from_host in self.runs:
+                    torch.index_select(host if from_host else buf, 0, idx, out=rows[a:b])
+            out.append(rows)
+        return out[0], out[1]
 
 @dataclass
 class _Metadata:
@@ -35,6 +90,7 @@ class _Metadata:
     mask: torch.Tensor  # [bs, 1, max_extend_len, max_seq_len] bool on device (True = attend)
     # EXTEND with ragged lengths: flat token t sits at row pad_index[t] of [bs * max_extend_len]
     pad_index: torch.Tensor | None
+    host: _HostGather | None = None  # EXTEND with slots still loading (fb.host_reads)
     masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def attn_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -52,6 +108,8 @@ class _Metadata:
 
 class TorchNativeAttnBackend:
     """``torch_native``: SDPA over KV gathered from the pool through ``req_to_token``."""
+
+    reads_host_kv = True  # EXTEND takes fb.host_reads (the scheduler's hold-and-read, CPU)
 
     def __init__(self, model_runner_or_config: Any = None) -> None:
         self.meta: _Metadata | None = None
@@ -85,8 +143,12 @@ class TorchNativeAttnBackend:
             )  # [num_tokens]: request of each flat token
             offset = torch.arange(num_tokens, device=device) - starts[token_req]
             pad_index = token_req * max_ext + offset  # [num_tokens]
+        host = None
+        if fb.host_reads is not None:
+            num_slots = fb.token_to_kv_pool.k_buffer[0].shape[0]
+            host = _HostGather.build(kv_indices, fb.host_reads, num_slots)
         self.meta = _Metadata(
-            False, bs, max_seq_len, max_ext, kv_indices, mask.unsqueeze(1), pad_index
+            False, bs, max_seq_len, max_ext, kv_indices, mask.unsqueeze(1), pad_index, host
         )
 
     def forward(
@@ -106,10 +168,14 @@ class TorchNativeAttnBackend:
         bs, seq, ext = meta.bs, meta.max_seq_len, meta.max_extend_len
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         group = heads // kv_heads
+        if meta.host is None:
+            k_all, v_all = k_buf.index_select(0, meta.kv_indices), v_buf.index_select(
+                0, meta.kv_indices)  # fmt: skip
+        else:
+            k_all, v_all = meta.host.gather(layer.layer_id, k_buf, v_buf, meta.kv_indices)
         # [bs, kv_heads, max_seq_len, head_dim]
-        k_all = k_buf.index_select(0, meta.kv_indices).view(bs, seq, kv_heads, head_dim)
-        v_all = v_buf.index_select(0, meta.kv_indices).view(bs, seq, kv_heads, head_dim)
-        k_all, v_all = k_all.transpose(1, 2), v_all.transpose(1, 2)
+        k_all = k_all.view(bs, seq, kv_heads, head_dim).transpose(1, 2)
+        v_all = v_all.view(bs, seq, kv_heads, head_dim).transpose(1, 2)
         if k_all.dtype != q.dtype:
             k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
 
