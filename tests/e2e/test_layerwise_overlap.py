@@ -57,12 +57,19 @@ def _slow_loads(controller, monkeypatch, lock):
     return start, end
 
 
-def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
+def _engine(tmp_path, seed: int) -> tuple[str, list[int], Engine]:
+    """A tiny model, a 60-token prompt and an engine with L2 and a small device pool."""
     model_dir = make_tiny_model_dir(str(tmp_path / "m"), "llama", num_hidden_layers=NUM_LAYERS)
-    rng = random.Random(7)
+    rng = random.Random(seed)
     prompt = [rng.randrange(3, 380) for _ in range(60)]
-    with Engine(model_dir, enable_hierarchical_cache=True, max_total_tokens=256,
-                debug_check_invariants=True) as eng:
+    eng = Engine(model_dir, enable_hierarchical_cache=True, max_total_tokens=256,
+                 debug_check_invariants=True)
+    return model_dir, prompt, eng
+
+
+def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
+    model_dir, prompt, eng = _engine(tmp_path, seed=7)
+    with eng:
         first = eng.generate(prompt, GREEDY)
         controller = eng.call_in_scheduler(lambda s: _push_to_l2(s, reads_host_kv=False))
         lock = threading.Lock()
@@ -107,11 +114,8 @@ def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
 
 
 def test_cpu_prefill_reads_loading_kv_from_host(tmp_path, monkeypatch):
-    model_dir = make_tiny_model_dir(str(tmp_path / "m"), "llama", num_hidden_layers=NUM_LAYERS)
-    rng = random.Random(8)
-    prompt = [rng.randrange(3, 380) for _ in range(60)]
-    with Engine(model_dir, enable_hierarchical_cache=True, max_total_tokens=256,
-                debug_check_invariants=True) as eng:
+    model_dir, prompt, eng = _engine(tmp_path, seed=8)
+    with eng:
         assert eng.call_in_scheduler(lambda s: s.reads_host_kv)  # the CPU default
         first = eng.generate(prompt, GREEDY)
         controller = eng.call_in_scheduler(lambda s: _push_to_l2(s, reads_host_kv=True))
