@@ -219,9 +219,11 @@ class HiCacheController:
         if not self.load_queue:
             return self.current_load
         op = CacheOperation.merge(self.load_queue)
-        self.load_queue = []
         op.ready = self.load_stream.mark_compute()  # after kernels still using these slots
         counter = LayerDoneCounter(self.layer_num, on_wait=self.release_loads)
+        # NOTE: nothing above changed any state: if it raised, the queue is intact for
+        # cancel_queued_loads
+        self.load_queue = []
         self.current_load = counter
         self._loads = [(o, c) for o, c in self._loads if not c.finished] + [(op, counter)]
         with self._idle:
@@ -229,6 +231,16 @@ class HiCacheController:
             self._held = self._held or hold
         self._load_jobs.put((op, counter))
         return counter
+
+    def cancel_queued_loads(self) -> int:
+        """Drop the loads queued since the last ``start_loading`` (their caller failed before
+        starting them): their device slots are freed, their host slots unprotected. Returns
+        the number of device slots freed."""
+        ops, self.load_queue = self.load_queue, []
+        for op in ops:
+            self.host_pool.release(op.host_indices)
+            self.device_allocator.free(op.device_indices)
+        return sum(len(op.device_indices) for op in ops)
 
     def release_loads(self) -> None:
         """Let the load worker copy held loads (``start_loading(hold=True)``)."""

@@ -278,6 +278,15 @@ class HiRadixCache(StorageMixin, RadixCache):
         if device_indices is None:
             self.dec_lock_ref(last)
             return self._device_prefix(device)
+        try:
+            counter = self.controller.start_loading(hold=hold and not wait)
+        except BaseException:
+            # NOTE: the nodes must not point at slots nothing will ever write (a later match
+            # would serve them as an L1 hit): the load never started, so undo it whole
+            self.controller.cancel_queued_loads()
+            self.dec_lock_ref(last)
+            raise
+        # the copy may be running already: its ack is drained by loading_check on this thread
         offset = 0
         for node in host_nodes:
             self._set_value(node, device_indices[offset: offset + len(node.key)])
@@ -285,7 +294,6 @@ class HiRadixCache(StorageMixin, RadixCache):
             self._emit("promoted", "l1", len(node.key), node)
         self.counters["promotions"] += host_len
         self.ongoing_load[last.id] = host_nodes
-        counter = self.controller.start_loading(hold=hold and not wait)
         if not wait:
             # NOTE: overlap: the load stays in flight (``controller.current_load``); the nodes
             # are locked until ``loading_check`` drains its ack. Attention for layer i must run

@@ -149,3 +149,36 @@ def test_cpu_prefill_reads_loading_kv_from_host(tmp_path, monkeypatch):
     assert second.token_ids == first.token_ids
     assert third.token_ids == first.token_ids
     assert stats["l1"]["held_by_requests_tokens"] == 0
+
+
+def test_failed_load_back_leaves_the_prefix_in_l2(tmp_path, monkeypatch):
+    """A load-back whose copy could not be started fails its request and leaves the tree as it
+    was: the prefix is still an L2 hit (not an L1 hit on slots nothing wrote), its device slots
+    and host protections are back, and the next request is served the right KV."""
+    model_dir, prompt, eng = _engine(tmp_path, seed=9)
+    with eng:
+        first = eng.generate(prompt, GREEDY)
+        controller = eng.call_in_scheduler(lambda s: _push_to_l2(s, reads_host_kv=True))
+        free_before = eng.call_in_scheduler(lambda s: s.runner.allocator.available_size())
+        calls = []
+
+        def broken_start_loading(hold: bool = False):
+            calls.append(hold)
+            raise RuntimeError("copy stream lost")
+
+        monkeypatch.setattr(controller, "start_loading", broken_start_loading)
+        failed = eng.generate(prompt, GREEDY)
+        monkeypatch.undo()
+        after = eng.call_in_scheduler(lambda s: (
+            s.runner.allocator.available_size(), s.tree_cache.host_pool.protected_size(),
+            s.tree_cache.match_prefix(prompt, touch=False).tier_tokens))
+        second = eng.generate(prompt, GREEDY)
+        stats = eng.cache_stats()
+
+    assert calls and failed.finish_reason == "abort" and failed.error
+    free_after, host_protected, tiers = after
+    assert free_after == free_before and host_protected == 0
+    assert tiers["l1"] == 0 and tiers["l2"] > 0
+    assert second.cached_tokens_per_tier.get("l2", 0) > 0
+    assert second.token_ids == first.token_ids == hf_greedy(model_dir, [prompt], MAX_NEW)[0]
+    assert stats["l1"]["held_by_requests_tokens"] == 0

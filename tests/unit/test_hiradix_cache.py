@@ -177,6 +177,35 @@ def test_load_back_evicts_device_to_make_room(rigs):
     r.assert_device_kv(second, indices2)
 
 
+def test_load_back_that_cannot_start_changes_nothing(rigs, monkeypatch):
+    """start_loading raising before the worker got the load (here: the copy stream's event)
+    leaves no node pointing at unwritten slots, no slot allocated, no host page protected; the
+    next load-back works."""
+    r = rigs(device_size=16)
+    key = list(range(400, 412))
+    r.insert(key)
+    r.settle()
+    r.tree.evict(12)
+    res = r.tree.match_prefix(key)
+    free = r.allocator.available_size()
+
+    def lost(*a, **k):
+        raise RuntimeError("stream lost")
+
+    monkeypatch.setattr(r.controller.load_stream, "mark_compute", lost)
+    with pytest.raises(RuntimeError, match="stream lost"):
+        r.tree.init_load_back(res.last_device_node, res, wait=False)
+    monkeypatch.undo()
+    r.check_invariants()
+    assert r.allocator.available_size() == free and r.host_pool.protected_size() == 0
+    assert r.controller.load_queue == [] and r.tree.protected_size() == 0
+    res = r.tree.match_prefix(key)
+    assert res.tier_tokens == {"l1": 0, "l2": 12, "l3": 0}
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(key, indices)
+    r.check_invariants()
+
+
 def test_write_through_selective_backs_up_after_second_hit(rigs):
     r = rigs(policy="write_through_selective")
     key = list(range(20))
