@@ -186,8 +186,8 @@ class HiCacheController:
         if not self.write_queue:
             return
         op = CacheOperation.merge(self.write_queue)
-        self.write_queue = []
         op.ready = self.write_stream.mark_compute()  # after the kernels that wrote this KV
+        self.write_queue = []  # only now: if the above raised, the next call starts them
         with self._idle:
             self._inflight_writes += 1
         self._write_jobs.put(op)

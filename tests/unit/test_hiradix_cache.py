@@ -206,6 +206,29 @@ def test_load_back_that_cannot_start_changes_nothing(rigs, monkeypatch):
     r.check_invariants()
 
 
+def test_write_that_cannot_start_is_started_by_the_next_call(rigs, monkeypatch):
+    """start_writing raising before the worker got the writes keeps them queued: the next call
+    starts them, and the node's host copy holds its bytes (demote + load back)."""
+    r = rigs(device_size=16)
+    key = list(range(500, 510))
+
+    def lost(*a, **k):
+        raise RuntimeError("stream lost")
+
+    monkeypatch.setattr(r.controller.write_stream, "mark_compute", lost)
+    with pytest.raises(RuntimeError, match="stream lost"):
+        r.insert(key)
+        r.controller.start_writing()
+    monkeypatch.undo()
+    assert len(r.controller.write_queue) == 1
+    r.settle()
+    r.check_invariants()
+    assert r.tree.evict(10) == 10 and r.tree.counters["demotions"] == 10
+    res = r.tree.match_prefix(key)
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(key, indices)
+
+
 def test_write_through_selective_backs_up_after_second_hit(rigs):
     r = rigs(policy="write_through_selective")
     key = list(range(20))

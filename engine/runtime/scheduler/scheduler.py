@@ -659,6 +659,9 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         # NOTE: the launched forwards end first; their KV counts as never written
         self._wait_forwards()
+        release = getattr(self.tree_cache, "release_loads", None)
+        if release is not None:  # no forward will read held loads from host: copy them now
+            release()
         pending = [r for j in self.launched for r in j.reqs] + self._inflight
         self.launched.clear()
         self._inflight = []
