@@ -8,7 +8,7 @@ Prompts A and B: --prompt-len (2,000) random ids in [1000, 40000), B shares no p
   4 A again (L2 hit)     5 shutdown (it flushes the L3 backups), new Engine on the same dir,
                            A again (L3 hit)
   + "B no pressure": a cold prompt of B's size on a fresh Engine with a big device pool.
-Hit steps run --reps times (median): L1 hits back to back; each further L2 rep first runs a fresh
+Hit steps run --reps (5) times (median): L1 hits back to back; each further L2 rep first runs a fresh
 cold prompt of B's size (pushes A out again; it counts as one more "B under pressure" sample);
 each L3 rep restarts the engine. Every step is checked against cached_tokens_per_tier: a step
 that did not hit the tier it is meant to gets a flag in the table. Each new engine serves a
@@ -703,7 +703,8 @@ def main() -> int:
     g.add_argument("--prompt-len", type=int, default=2000)
     g.add_argument("--l2-ratio", type=float, default=None,
                    help="hicache_ratio (default: 3.0 sequence, 2.0 = engine default for load)")
-    g.add_argument("--reps", type=int, default=3)
+    g.add_argument("--reps", type=int, default=5,
+                   help="samples per hit step (median reported; one slow sample in 3 flips it)")
     g = ap.add_argument_group("load")
     g.add_argument("--clients", type=int, default=16)
     g.add_argument("--duration", type=float, default=180.0)
