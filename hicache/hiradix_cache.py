@@ -137,8 +137,9 @@ class HiRadixCache(StorageMixin, RadixCache):
                         self.host_pool.free(n.host_value)
                         self._set_host(n, None)
                 self.dec_lock_ref(node)
-                if op.ok:
-                    self.backup_to_storage(node)
+                if op.ok:  # the parts split off above it hold objects of their own
+                    for n in reversed(written):
+                        self.backup_to_storage(n)
 
     def loading_check(self) -> None:
         for op in self.controller.drain_load_acks():

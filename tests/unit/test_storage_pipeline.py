@@ -393,3 +393,21 @@ def test_a_failed_write_leaves_no_host_copy_in_the_parts_of_a_split_node(gated_r
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)  # the bytes of the second write, not the failed one's
     r.check_invariants()
+
+
+def test_a_node_split_before_its_write_lands_backs_up_both_parts(gated_rig):
+    """A document inserted, then split by a second question on it while the first insert's
+    device->host write is still in flight: once the write lands, the objects ending in the
+    split-off parent reach L3 too (before: only the child named in the write was backed up, so
+    a shared document never reached L3)."""
+    r, store = gated_rig(object_size=8, device_size=64, host_size=128)
+    doc = list(range(100, 124))  # 24 tokens: objects 0, 1, 2
+    r.insert(doc + [7, 8])
+    r.insert(doc[:20] + [9, 9, 9])  # splits the pending node at 20: objects 0, 1 end above
+    r.settle()
+    keys = r.tree.storage_keys(tuple(doc))
+    assert len(keys) == 3 and store.inner.batch_exists(keys) == 3
+    r.check_invariants()
+    r.tree.flush_tier("l1")
+    r.tree.flush_tier("l2")
+    assert r.tree.fetch_from_storage(doc) == 24
