@@ -45,15 +45,12 @@ class ServerArgs:
     # torch_native | triton | flashinfer; None: torch_native on CPU, flashinfer on CUDA (triton
     # without flashinfer or for float32)
     attention_backend: str | None = None
-    linear_backend: str = "auto"  # auto | torch | onednn (auto = onednn on CPU float32)
+    # Dense weights' products: auto | cpu (the C kernels: batch-invariant) | onednn | torch (auto
+    # = cpu on a float32 CPU with the kernels; onednn and torch are not batch-invariant)
+    linear_backend: str = "auto"
     # Weights held block-quantized on CPU: none | int8 (q8_0) | int4 (q4_1, lm_head q8_0) | auto
     # (a GGUF's own format on CPU: the embedded Q4_1 model runs int4; none otherwise)
     quantization: str = "auto"
-    # The quantized path's products of more than 16 rows (prefill, big decode batches: a
-    # dequantized weight, one GEMM):
-    # float32 | bfloat16 | auto (bfloat16 where the CPU multiplies bf16 natively: AVX512-BF16 or
-    # AMX, ~2-3x the float32 GEMM; float32 elsewhere)
-    prefill_matmul_dtype: str = "auto"
     # CUDA graphs for decode batches (CUDA only, backends with supports_cuda_graph)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160  # largest captured decode batch (also capped by running reqs)
@@ -108,14 +105,12 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r} (auto, dummy)")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError(f"unknown linear_backend {self.linear_backend!r}")
+        if self.linear_backend not in ("auto", "torch", "onednn", "cpu"):
+            raise ValueError(f"unknown linear_backend {self.linear_backend!r} "
+                             f"(auto, cpu, onednn, torch)")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"unknown quantization {self.quantization!r} "
                              f"(auto, none, int8, int4)")
-        if self.prefill_matmul_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"unknown prefill_matmul_dtype {self.prefill_matmul_dtype!r} "
-                             f"(auto, float32, bfloat16)")
         if self.hicache_write_policy not in (
             "write_through",
             "write_through_selective",

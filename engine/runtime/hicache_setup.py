@@ -7,7 +7,6 @@ import logging
 import os
 from typing import Any
 
-import torch
 
 from engine.config import ServerArgs
 from hicache.controller import HiCacheController
@@ -20,21 +19,16 @@ log = logging.getLogger(__name__)
 
 
 def model_fingerprint(
-    hf_config: Any, dtype: Any, object_size: int, quantization: str = "none",
-    prefill_dtype: Any = None,
+    hf_config: Any, dtype: Any, object_size: int, quantization: str = "none", numerics: str = "",
 ) -> str:
-    """Hash of the model config, KV dtype, L3 object size, weight quantization and prefill GEMM
-    dtype: objects of another model (or object size, or weights whose steps round differently)
-    never match."""
+    """Hash of the model config, KV dtype, L3 object size, weight quantization and the numeric
+    path that computed the KV (``ModelRunner.numerics``): objects of another model (or object
+    size, or kernels that round differently) never match."""
     to_json = getattr(hf_config, "to_json_string", None)
     cfg = to_json(use_diff=False) if to_json is not None else repr(hf_config)
-    # NOTE: dense weights (and float32 prefill) keep the fingerprint they had before
     weights = "" if quantization == "none" else f"|W{quantization}"
-    if quantization == "int8":  # its q8_0 decode products round activations to int8 since 60445af
-        weights += "|A8"
-    if prefill_dtype is not None and prefill_dtype != torch.float32:
-        weights += f"|P{str(prefill_dtype).replace('torch.', '')}"
-    return hashlib.sha256(f"{cfg}|{dtype}|S{object_size}{weights}".encode()).hexdigest()[:32]
+    return hashlib.sha256(
+        f"{cfg}|{dtype}|S{object_size}{weights}|N{numerics}".encode()).hexdigest()[:32]
 
 
 def storage_scope(fingerprint: str, host_pool: Any) -> str:
@@ -83,7 +77,7 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
         layout=args.hicache_mem_layout)  # fmt: skip
     sps = args.hicache_storage_page_size
     fingerprint = model_fingerprint(runner.hf_config, kv_pool.dtype, sps, runner.quantization,
-                                    getattr(runner, "prefill_dtype", None))
+                                    runner.numerics)
     controller = HiCacheController(
         kv_pool, host_pool, allocator, io_backend=args.hicache_io_backend,
         storage=build_storage(args, storage_scope(fingerprint, host_pool)),

@@ -11,15 +11,11 @@ from engine.config import ServerArgs
 from engine.runtime.cuda_graph_runner import CudaGraphRunner
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.layers.attention import create_backend, default_backend
+from engine.runtime.layers.attention.cpu_backend import CpuAttnBackend
 from engine.runtime.layers.attention.cpu_backend import supports as cpu_attention_supports
 from engine.runtime.layers.cpu_kernels import KERNELS, enable_cpu_kernels, kernel_status
 from engine.runtime.layers.linear import prepack_linears, resolve_linear_backend
-from engine.runtime.layers.quant import (
-    quantize_linears,
-    resolve_prefill_dtype,
-    resolve_quantization,
-    set_prefill_dtype,
-)
+from engine.runtime.layers.quant import quantize_linears, resolve_quantization
 from engine.runtime.models.llama_cpu_decode import install as install_fused_decode
 from engine.runtime.models.loader import gguf_linear_types, load_model
 from engine.runtime.request import Req
@@ -60,11 +56,10 @@ class ModelRunner:
             count = quantize_linears(self.model, self.quantization)
             log.info("quantized %d linear layers to %s (kernels: %s)", count, self.quantization,
                      kernel_status())
-        self.prefill_dtype = resolve_prefill_dtype(args.prefill_matmul_dtype, self.quantization)
-        set_prefill_dtype(self.model, self.prefill_dtype)
         self.linear_backend = resolve_linear_backend(args.linear_backend, self.device, self.dtype)
-        if self.linear_backend == "onednn":
-            log.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
+        if self.linear_backend in ("cpu", "onednn"):
+            log.info("prepacked %d dense linear layers for %s",
+                     prepack_linears(self.model, self.linear_backend), self.linear_backend)
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -72,16 +67,25 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.max_context_len = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
         self._init_pools()
-        # The quantized path is the fast CPU path: fused norms, RoPE in place, C decode attention
-        # (the dense path stays the torch reference)
-        self.cpu_kernels = self.quantization != "none" and KERNELS.get() is not None
-        if self.cpu_kernels:
-            enable_cpu_kernels(self.model, self.max_context_len)
+        # The CPU path: norms, RoPE, SiLU, products and attention on the C kernels, one numeric
+        # path per token row (batch-invariant) for every quantization mode
+        self.cpu_kernels = (self.device.type == "cpu" and self.dtype == torch.float32
+                            and KERNELS.get() is not None)
+        self._torch_ops = (enable_cpu_kernels(self.model, self.max_context_len)
+                           if self.cpu_kernels else [])
         cpu_attn = self.cpu_kernels and cpu_attention_supports(
             cfg.num_attention_heads, self.num_kv_heads, self.head_dim
         )
         default_attn = "cpu" if cpu_attn else default_backend(self.device, self.dtype)
         self.attn_backend = create_backend(args.attention_backend or default_attn, self)
+        self.batch_invariant = self._batch_invariant()
+        # what computed the KV, for the L3 fingerprint: another numeric path's objects never match
+        self.numerics = ("cpu-invariant-1" if self.batch_invariant else
+                         f"{self.device.type}|{self.linear_backend}|{type(self.attn_backend).__name__}")
+        if self.device.type == "cpu" and not self.batch_invariant:
+            log.warning("CPU path not batch-invariant (%s): a prompt's tokens may depend on the "
+                        "batch it runs in and on where its prefix's KV came from",
+                        self._why_not_invariant)
         # one C call per decode step for the whole stack, where the model and setup allow
         self.fused_decode = self.cpu_kernels and (
             why_not := install_fused_decode(self.model, self.kv_pool, self.attn_backend)
@@ -96,6 +100,23 @@ class ModelRunner:
         ):
             self.cuda_graph_runner = CudaGraphRunner(self)
         self.sampler = Sampler()
+
+    def _batch_invariant(self) -> bool:
+        """Whether every op of this CPU setup is one of the C kernels (``cpu_kernels``); sets
+        ``_why_not_invariant`` when not."""
+        why = None
+        if KERNELS.get() is None:
+            why = f"no C kernels: {KERNELS.error}"
+        elif not self.cpu_kernels:
+            why = f"dtype {self.dtype} (the kernels are float32)"
+        elif not isinstance(self.attn_backend, CpuAttnBackend):
+            why = f"attention backend {type(self.attn_backend).__name__}"
+        elif self.quantization == "none" and self.linear_backend != "cpu":
+            why = f"linear_backend {self.linear_backend!r}"
+        elif self._torch_ops:
+            why = f"on torch ops: {', '.join(self._torch_ops[:3])}"
+        self._why_not_invariant = why
+        return why is None
 
     def _init_pools(self) -> None:
         args, ps = self.args, self.args.page_size
@@ -161,8 +182,8 @@ class ModelRunner:
             "page_size": self.args.page_size,
             "linear_backend": self.linear_backend,
             "quantization": self.quantization,
-            "prefill_matmul_dtype": str(self.prefill_dtype).replace("torch.", ""),
-            "cpu_kernels": kernel_status() if self.quantization != "none" else "off",
+            "cpu_kernels": kernel_status() if self.cpu_kernels else "off",
+            "batch_invariant": self.batch_invariant,
             "fused_decode": self.fused_decode,
             "cuda_graph_batch_sizes": (
                 self.cuda_graph_runner.batch_sizes if self.cuda_graph_runner else []

@@ -4,6 +4,7 @@ forked child, which has no workers, still runs kernels."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -21,9 +22,8 @@ pytestmark = pytest.mark.skipif(LIB is None, reason=f"no CPU kernels: {cpu_kerne
 
 def _product(layer: QuantLinear, x: torch.Tensor, nthreads: int) -> torch.Tensor:
     y = torch.empty(x.shape[0], layer.out_features)
-    p = torch.Tensor.data_ptr
-    assert LIB.linear_q4_1_q8(p(x), x.shape[0], layer.in_features, p(layer.qs), p(layer.d),
-                              p(layer.m), layer.out_features, p(y), nthreads) == 0
+    assert LIB.linear_packed(ctypes.byref(layer.panels.desc), x.data_ptr(), x.shape[0],
+                             y.data_ptr(), nthreads) == 0
     return y
 
 

@@ -1,5 +1,6 @@
-"""Linear backends: the oneDNN-prepacked path equals ``F.linear``; prepacking a whole model keeps
-its logits and frees dense copies except shared (tied) ones; the engine runs either backend."""
+"""Linear backends: the C products' panels (``cpu``) and the oneDNN-prepacked path equal
+``F.linear``; prepacking a whole model keeps its logits and frees dense copies except shared
+(tied) ones; the engine runs every backend."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from engine import Engine
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.layers.attention import create_backend
+from engine.runtime.layers.cpu_kernels import KERNELS
 from engine.runtime.layers.linear import (
     Linear,
     LMHead,
@@ -27,10 +29,17 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
-@needs_onednn
+needs_kernels = pytest.mark.skipif(KERNELS.get() is None, reason=f"no C kernels: {KERNELS.error}")
+
+
+def _backends() -> list:
+    return [pytest.param("onednn", marks=needs_onednn), pytest.param("cpu", marks=needs_kernels)]
+
+
+@pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_equals_f_linear(rows, bias):
+def test_prepacked_linear_equals_f_linear(backend, rows, bias):
     g = torch.Generator().manual_seed(rows)
     lin = Linear(96, 200, bias)
     merged = MergedLinear(96, {"a": 120, "b": 80}, bias)
@@ -45,7 +54,7 @@ def test_prepacked_linear_equals_f_linear(rows, bias):
         ref = F.linear(x, dense_w, layer.bias)
         dense_out = layer(x)
         torch.testing.assert_close(dense_out, ref, rtol=1e-5, atol=1e-5)
-        layer.prepack()
+        layer.prepack(backend)
         assert layer.weight.numel() == 0  # the dense copy is dropped
         out = layer(x)
         assert out.shape == (rows, dense_w.shape[0])
@@ -76,15 +85,15 @@ def _decode_logits(model, config, tokens: list[int]) -> torch.Tensor:
         return model(fb)[0]
 
 
-@needs_onednn
+@pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("tied", [False, True])
-def test_prepack_model_keeps_logits_and_tied_weights(tmp_path, tied):
+def test_prepack_model_keeps_logits_and_tied_weights(tmp_path, backend, tied):
     path = make_tiny_model_dir(str(tmp_path / "m"), "llama", tie_word_embeddings=tied)
     model, config, _ = load_model(path, "cpu")
     tokens = [5, 17, 99, 3, 250, 8, 41]
     ref = _decode_logits(model, config, tokens)
     embed = model.model.embed_tokens.weight.detach().clone()
-    count = prepack_linears(model)
+    count = prepack_linears(model, backend)
     assert count == 4 * config.num_hidden_layers + 1
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0
     # a tied lm_head shares the embedding: its dense copy must survive (embedding lookups)
@@ -102,8 +111,14 @@ def test_resolve_linear_backend():
     assert resolve_linear_backend("torch", cpu, torch.float32) == "torch"
     assert resolve_linear_backend("auto", cpu, torch.float16) == "torch"
     assert resolve_linear_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch"
-    if torch.backends.mkldnn.is_available():
+    if KERNELS.get() is not None:
+        assert resolve_linear_backend("auto", cpu, torch.float32) == "cpu"
+        with pytest.raises(ValueError, match="linear_backend 'cpu' needs float32"):
+            resolve_linear_backend("cpu", cpu, torch.bfloat16)
+    elif torch.backends.mkldnn.is_available():
         assert resolve_linear_backend("auto", cpu, torch.float32) == "onednn"
+    with pytest.raises(ValueError, match="linear_backend 'cpu' needs float32"):
+        resolve_linear_backend("cpu", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="unknown linear_backend"):
         Engine(linear_backend="blas")
 
@@ -112,10 +127,10 @@ def test_engine_linear_backends_agree(tiny_llama_dir):
     prompts = [[5, 9, 33, 120, 7], list(range(3, 60))]
     sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
     outs = {}
-    for backend in ("torch", "auto"):
+    for backend in ("torch", "auto", "onednn"):
         with Engine(tiny_llama_dir, linear_backend=backend, max_total_tokens=1024) as eng:
             outs[backend] = [o.token_ids for o in eng.generate(prompts, sp)]
-            expected = backend if backend == "torch" else resolve_linear_backend(
-                "auto", torch.device("cpu"), torch.float32)  # fmt: skip
+            expected = backend if backend != "auto" else resolve_linear_backend(
+                "auto", torch.device("cpu"), torch.float32)
             assert eng.model_info()["linear_backend"] == expected
-    assert outs["torch"] == outs["auto"]
+    assert outs["torch"] == outs["auto"] == outs["onednn"]

@@ -10,7 +10,6 @@ import torch
 from engine import Engine
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.layers import cpu_kernels
-from engine.runtime.layers.quant import DECODE_MAX_ROWS
 from tests.tiny_models import make_tiny_model_dir
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.KERNELS.get() is None,
@@ -57,11 +56,12 @@ def _decode_step(runner, seq_lens: list[int], seed: int):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("seq_lens", [[1], [7], [300, 2, 41], [5] * DECODE_MAX_ROWS])
-def test_fused_decode_equals_the_module_path(tmp_path_factory, arch, seq_lens):
+@pytest.mark.parametrize("arch,quantization", [("llama", "int4"), ("qwen2", "int4"),
+                                               ("llama", "int8"), ("llama", "none")])
+@pytest.mark.parametrize("seq_lens", [[1], [7], [300, 2, 41], [5] * 16, [3, 600] * 12])
+def test_fused_decode_equals_the_module_path(tmp_path_factory, arch, quantization, seq_lens):
     path = make_tiny_model_dir(str(tmp_path_factory.mktemp(arch) / "m"), arch)
-    with Engine(path, quantization="int4", max_total_tokens=4096) as eng:
+    with Engine(path, quantization=quantization, max_total_tokens=16384) as eng:
         assert eng.model_info()["fused_decode"] is True
 
         def run(s):
@@ -93,7 +93,8 @@ def test_fused_decode_generates_what_the_module_path_generates(tiny_llama_dir):
 def test_fused_decode_is_not_installed_where_it_cannot_run(tmp_path_factory, tiny_llama_dir):
     qwen3 = make_tiny_model_dir(str(tmp_path_factory.mktemp("qwen3") / "m"), "qwen3")
     for path, kwargs in [(qwen3, {"quantization": "int4"}),  # q/k norms before RoPE
-                         (tiny_llama_dir, {"quantization": "none"}),  # dense reference path
+                         (tiny_llama_dir, {"quantization": "none",  # not on packed panels
+                                           "linear_backend": "onednn"}),
                          (tiny_llama_dir, {"quantization": "int4",
                                            "attention_backend": "torch_native"})]:
         with Engine(path, max_total_tokens=1024, **kwargs) as eng:

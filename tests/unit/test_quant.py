@@ -1,9 +1,11 @@
 """Block-quantized weights (q4_1, q8_0): the formats' round trips, the requantization that
-recovers the embedded GGUF's own codes bit for bit, the C products against the torch reference
-on the dequantized weight, the torch fallback, the option's resolution, and the engine's greedy
-tokens on the quantized path against the dense one."""
+recovers the embedded GGUF's own codes bit for bit, packing into panels, the C products against
+the exact integer reference and the dense product, their row invariance (a row's output never
+depends on how many rows share the call), the torch fallback, the option's resolution."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -13,17 +15,23 @@ from hypothesis import strategies as st
 
 from engine import Engine
 from engine.runtime.layers import cpu_kernels
+from engine.runtime.layers.packed import (
+    PackedWeight,
+    pack_f32,
+    pack_q4_1,
+    pack_q8_0,
+    unpack_f32,
+    unpack_q4_1,
+    unpack_q8_0,
+)
 from engine.runtime.layers.quant import (
-    DECODE_MAX_ROWS,
     QuantLinear,
     dequantize_q4_1,
     dequantize_q8_0,
     quantize_linears,
     quantize_q4_1,
     quantize_q8_0,
-    resolve_prefill_dtype,
     resolve_quantization,
-    set_prefill_dtype,
 )
 from engine.runtime.models.loader import load_model
 
@@ -102,26 +110,28 @@ def _int8_activation_reference(x: torch.Tensor, layer: QuantLinear) -> torch.Ten
     amax = xb.abs().amax(-1)  # [rows, nb]
     xq = (xb * torch.where(amax > 0, 127 / amax, 0.0)[..., None]).round().double()
     xd = (amax / 127).double()
-    if layer.m is None:  # q8_0: signed codes
-        q = layer.qs.reshape(layer.qs.shape[0], nb, 32).double()
+    qs, d, m = layer.codes()
+    if m is None:  # q8_0: signed codes
+        q = qs.reshape(qs.shape[0], nb, 32).double()
     else:
-        packed = layer.qs.reshape(layer.qs.shape[0], nb, 16)
+        packed = qs.reshape(qs.shape[0], nb, 16)
         q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).double()  # [N, nb, 32]
     dots = torch.einsum("rbj,nbj->rnb", xq, q)  # [rows, N, nb] integers
-    scale = layer.d.double()[None] * xd[:, None]  # [rows, N, nb]
+    scale = d.double()[None] * xd[:, None]  # [rows, N, nb]
     out = dots * scale
-    if layer.m is not None:
-        out = out + layer.m.double()[None] * (xd * xq.sum(-1))[:, None]
+    if m is not None:
+        out = out + m.double()[None] * (xd * xq.sum(-1))[:, None]
     return out.sum(-1).float()
 
 
 @needs_kernels
 @pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 40, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_quant_linear_products(scheme, rows, bias):
-    """<= DECODE_MAX_ROWS rows: equal to the int8-activation reference (llama.cpp's scheme) and
-    within 2% (norm per row) of the dense product. More rows: dequantize + GEMM, bit-equal."""
+    """Every row count: equal to the int8-activation reference (llama.cpp's scheme: exact
+    integer block dots, the scales in float64) up to float32 rounding, and within 2% (norm per
+    row) of the dense product."""
     w = _weights(rows, 200, 96, 0.05)
     b = torch.randn(200) if bias else None
     layer = QuantLinear(w, b, scheme)
@@ -130,89 +140,70 @@ def test_quant_linear_products(scheme, rows, bias):
     ref = F.linear(x, layer.dequantize(), b)
     out = layer(x)
     assert out.shape == (rows, 200)
-    if rows > DECODE_MAX_ROWS:
-        assert torch.equal(out, ref)
-    else:
-        exact = _int8_activation_reference(x, layer) + (b if bias else 0)
-        torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-4)
-        rel = (out - ref).norm(dim=1) / ref.norm(dim=1)
-        assert rel.max().item() < 0.02, rel
+    exact = _int8_activation_reference(x, layer) + (b if bias else 0)
+    torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-4)
+    rel = (out - ref).norm(dim=1) / ref.norm(dim=1)
+    assert rel.max().item() < 0.02, rel
     # leading dims are kept
     assert torch.equal(layer(x.view(1, rows, 96)).view(rows, 200), out)
 
 
-@needs_kernels
-@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
-def test_bf16_prefill_products(scheme):
-    """A prefill GEMM in bfloat16: the dequantized weight and the rows rounded to bf16, one GEMM
-    accumulated in float32; within 1% of the float32 product. Decode rows are not affected."""
-    rows = DECODE_MAX_ROWS + 24
-    w = _weights(rows, 200, 96, 0.05)
-    b = torch.randn(200)
-    layer = QuantLinear(w, b, scheme)
-    x = torch.randn(rows, 96)
-    fp32 = layer(x)
-    decode = layer(x[:3])
-    layer.prefill_dtype = torch.bfloat16
-    out = layer(x)
-    bf = torch.bfloat16
-    assert torch.equal(out, F.linear(x.to(bf), layer.dequantize().to(bf)).float() + b)
-    rel = (out - fp32).norm(dim=1) / fp32.norm(dim=1)
-    assert rel.max().item() < 0.01, rel
-    assert torch.equal(layer(x[:3]), decode)
-
-
-def test_resolve_prefill_dtype(monkeypatch):
-    from engine.runtime.layers import quant
-
-    assert resolve_prefill_dtype("bfloat16", "none") == torch.float32  # dense: the reference
-    assert resolve_prefill_dtype("bfloat16", "int4") == torch.bfloat16
-    assert resolve_prefill_dtype("float32", "int4") == torch.float32
-    monkeypatch.setattr(quant, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
-    want = torch.bfloat16 if cpu_kernels.KERNELS.get() is not None else torch.float32
-    assert resolve_prefill_dtype("auto", "int4") == want
-    monkeypatch.setattr(quant, "cpu_flags", lambda: {"avx2", "fma"})
-    assert resolve_prefill_dtype("auto", "int4") == torch.float32
-    with pytest.raises(ValueError, match="unknown prefill_matmul_dtype"):
-        resolve_prefill_dtype("fp8", "int4")
-    with pytest.raises(ValueError, match="unknown prefill_matmul_dtype"):
-        Engine(prefill_matmul_dtype="half")
-
-
-def test_set_prefill_dtype_leaves_dense_heads_float32():
-    head = QuantLinear(torch.randn(64, 64), None, "q8_0", dense=torch.randn(64, 64))
-    model = torch.nn.Sequential(QuantLinear(torch.randn(64, 64), None, "q4_1"), head)
-    assert set_prefill_dtype(model, torch.bfloat16) == 1
-    assert model[0].prefill_dtype == torch.bfloat16 and head.prefill_dtype == torch.float32
+def _layer(kind: str, n: int, k: int, seed: int, bias: bool) -> QuantLinear | PackedWeight:
+    w = _weights(seed, n, k, 0.05)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed)) if bias else None
+    return PackedWeight.dense(w, b) if kind == "f32" else QuantLinear(w, b, kind)
 
 
 @needs_kernels
-def test_dequantize_kernel_equals_torch():
-    w = _weights(3, 130, 160, 0.1)
-    for scheme, ref in (("q4_1", lambda L: dequantize_q4_1(L.qs, L.d, L.m)),
-                        ("q8_0", lambda L: dequantize_q8_0(L.qs, L.d))):
-        layer = QuantLinear(w, None, scheme)
-        assert torch.equal(layer.dequantize(), ref(layer))
-        # rounded in the same pass as torch rounds (to nearest, ties to even)
-        assert torch.equal(layer.dequantize(torch.bfloat16), ref(layer).to(torch.bfloat16))
-    # k * (1 + 3 * 2^-8): halfway between two bf16 numbers for k a power of two (the lower one
-    # odd, so ties-to-even rounds up), past halfway for k = 5
-    k = torch.tensor([127.0, 1, 2, -1, 4, 64, -32, 5] * 4)
-    tie = QuantLinear((k * (1 + 3 * 2**-8)).repeat(2, 1), None, "q8_0")
-    assert torch.equal(tie.dequantize(torch.bfloat16), tie.dequantize().to(torch.bfloat16))
-    assert tie.dequantize(torch.bfloat16)[0, 1].item() == 1 + 2**-6
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        layer.dequantize(torch.float16)
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["q4_1", "q8_0", "f32"]), n=st.integers(1, 70),
+       kb=st.integers(1, 6), rows=st.integers(1, 70), bias=st.booleans(),
+       data=st.data())
+def test_products_are_row_invariant(kind, n, kb, rows, bias, data):
+    """A row's outputs are the same bits whatever rows share the call: alone, in any slice of
+    the batch, at any position (the C products' one numeric path for every row count)."""
+    k = 32 * kb + (data.draw(st.integers(0, 31)) if kind == "f32" else 0)
+    layer = _layer(kind, n, k, seed=n * 7 + kb, bias=bias)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    full = layer(x)
+    i = data.draw(st.integers(0, rows - 1))
+    assert torch.equal(layer(x[i : i + 1]), full[i : i + 1])
+    a = data.draw(st.integers(0, rows - 1))
+    b = data.draw(st.integers(a + 1, rows))
+    assert torch.equal(layer(x[a:b]), full[a:b])
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(kb))
+    assert torch.equal(layer(x[perm]), full[perm])
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 40), blocks=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_packing_round_trips(n, blocks, seed):
+    """Packing permutes codes and fp16 scales into panels: unpacking gives them back exactly
+    (the zero-padded columns past n dropped)."""
+    w = _weights(seed, n, 32 * blocks, 0.1)
+    qs, d, m = quantize_q4_1(w)
+    assert all(torch.equal(a, b) for a, b in zip(unpack_q4_1(pack_q4_1(qs, d, m), n), (qs, d, m)))
+    qs8, d8 = quantize_q8_0(w)
+    assert all(torch.equal(a, b) for a, b in zip(unpack_q8_0(pack_q8_0(qs8, d8), n), (qs8, d8)))
+    assert torch.equal(unpack_f32(pack_f32(w), n), w)
+    assert pack_q4_1(qs, d, m).shape == (-(-n // 8), blocks, 160)
+    assert pack_q8_0(qs8, d8).shape == (-(-n // 8), blocks, 272)
 
 
 def test_torch_fallback_without_kernels(monkeypatch):
-    """No compiler / no AVX2: the same layer runs on torch ops with the same results."""
+    """No compiler / no AVX2: the layer keeps its codes and runs on torch ops (dense float32
+    on the dequantized weight), close to the kernels' int8-activation products."""
     w = _weights(5, 64, 64, 0.05)
     x = torch.randn(3, 64)
-    layer = QuantLinear(w, None, "q4_1")
+    fast = QuantLinear(w, None, "q4_1") if cpu_kernels.KERNELS.get() is not None else None
     monkeypatch.setattr(cpu_kernels.KERNELS, "_lib", None)
     monkeypatch.setattr(cpu_kernels.KERNELS, "_tried", True)
-    torch.testing.assert_close(layer(x), F.linear(x, dequantize_q4_1(layer.qs, layer.d, layer.m)))
+    layer = QuantLinear(w, None, "q4_1")
+    assert layer.panels is None
+    assert torch.equal(layer(x), F.linear(x, dequantize_q4_1(layer.qs, layer.d, layer.m)))
+    if fast is not None:
+        assert all(torch.equal(a, b) for a, b in zip(fast.codes(), layer.codes()))
+        torch.testing.assert_close(fast(x), layer(x), rtol=0.05, atol=0.05)
 
 
 @needs_kernels
@@ -222,40 +213,46 @@ def test_kernel_builds_into_a_fresh_cache(monkeypatch, tmp_path):
     path = cpu_kernels._build()
     assert path.parent == tmp_path / "kernels" and path.is_file()
     assert cpu_kernels._build() == path
-    assert cpu_kernels._load(path).linear_q4_1_q8 is not None
+    assert cpu_kernels._load(path).linear_packed is not None
+
+
+@pytest.fixture(scope="module")
+def avx2_lib(tmp_path_factory):
+    """The kernels built for plain AVX2 (16 registers, two-step integer dots)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HICACHE_CPU_ISA", "avx2")
+        mp.setenv("HICACHE_KERNEL_CACHE", str(tmp_path_factory.mktemp("avx2")))
+        return cpu_kernels._load(cpu_kernels._build())
 
 
 @needs_kernels
 @pytest.mark.skipif(cpu_kernels.isa() == "avx2", reason="the CPU has no AVX-VNNI / AVX512-VNNI")
-@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_vnni_and_avx2_builds_give_the_same_products(monkeypatch, tmp_path, scheme, rows):
-    """The products' integer dots in one VNNI instruction or two AVX2 ones: same bits."""
-    w = _weights(rows, 200, 256, 0.05)
-    layer = QuantLinear(w, None, scheme)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 77])
+def test_vnni_and_avx2_builds_give_the_same_products(avx2_lib, kind, rows):
+    """The products' integer dots in one VNNI instruction or three AVX2 ones, 32 registers or
+    16 (other tiles): the same bits."""
+    layer = _layer(kind, 200, 256, seed=rows, bias=True)
+    packed = layer if isinstance(layer, PackedWeight) else layer.panels
     x = torch.randn(rows, 256)
     x[0, 7] = 30.0  # a block whose other weights round to small integers
     vnni = layer(x)
-    monkeypatch.setenv("HICACHE_CPU_ISA", "avx2")
-    monkeypatch.setenv("HICACHE_KERNEL_CACHE", str(tmp_path))
-    lib = cpu_kernels._load(cpu_kernels._build())
+    lib = avx2_lib
     y = torch.empty(rows, 200)
-    p = torch.Tensor.data_ptr
-    if scheme == "q4_1":
-        rc = lib.linear_q4_1_q8(p(x), rows, 256, p(layer.qs), p(layer.d), p(layer.m), 200, p(y), 2)
-    else:
-        rc = lib.linear_q8_0_q8(p(x), rows, 256, p(layer.qs), p(layer.d), 200, p(y), 2)
-    assert rc == 0
+    assert lib.linear_packed(ctypes.byref(packed.desc), x.data_ptr(), rows, y.data_ptr(), 2) == 0
     assert torch.equal(y, vnni)
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 20])
 def test_q8_0_products_take_every_code(rows):
-    """Codes -128 and 127 (a file may hold -128; our quantizer never writes it) and 0: |w| as
-    u8 and x carrying w's sign still give the exact integer dots."""
-    layer = QuantLinear(_weights(rows, 40, 64, 0.05), None, "q8_0")
-    layer.qs[:, :32] = torch.tensor([-128, 127, 0, -1] * 8, dtype=torch.int8)
+    """Codes -128 and 127 (a file may hold -128; our quantizer never writes it) and 0: the
+    offset codes (VNNI) and |w| times x carrying w's sign (AVX2) give the exact integer dots."""
+    w = _weights(rows, 40, 64, 0.05)
+    qs, d = quantize_q8_0(w)
+    qs[:, :32] = torch.tensor([-128, 127, 0, -1] * 8, dtype=torch.int8)
+    layer = QuantLinear(w, None, "q8_0")
+    layer.panels = PackedWeight("q8_0", pack_q8_0(qs, d), 40, 64, None)
     x = torch.randn(rows, 64)
     x[:, 0] = -5.0  # the block's largest: rounded to -127, times -128
     torch.testing.assert_close(layer(x), _int8_activation_reference(x, layer), rtol=1e-5,
@@ -307,8 +304,7 @@ def test_quantize_linears_keeps_tied_embedding(tiny_llama_dir):
     assert count == 2 * 4 + 1
     assert model.lm_head.scheme == "q8_0"
     assert model.model.layers[0].mlp.down_proj.scheme == "q4_1"
-    if model.tie_word_embeddings:
-        assert model.lm_head.dense is embed
+    assert model.model.embed_tokens.weight is embed  # the lookup keeps the dense weight
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])

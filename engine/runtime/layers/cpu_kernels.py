@@ -1,14 +1,17 @@
-"""The engine's C kernels for CPU serving (``csrc/cpu_kernels.c``): block-quantized matrix
-products (``quant.QuantLinear``), fused residual + RMSNorm, RoPE in place, SiLU x up, decode
-attention read straight from the paged KV pool (``attention/cpu_backend.py``), and a Llama
-decode stack in one call (``models/llama_cpu_decode.py``).
+"""The engine's C kernels for CPU serving (``csrc/``): the matrix products on packed weights
+(``packed.PackedWeight``: q4_1, q8_0 and float32, every row count one numeric path), attention
+over the paged KV pool for prefill, extend and decode alike (``attention/cpu_backend.py``),
+fused residual + RMSNorm, RoPE in place, SiLU x up, and a Llama decode stack in one call
+(``models/llama_cpu_decode.py``). Each computes a token row's values with a fixed sequence of
+roundings whatever the batch around it (``csrc/common.h``): the CPU path is batch-invariant.
 
 Built on first use with the system C compiler (``gcc -O3 -mavx2 -mfma -pthread``) into
 ``~/.cache/hicache/kernels/`` (or ``$HICACHE_KERNEL_CACHE``), keyed by the sources' hash, and
 loaded with ctypes (calls release the GIL). The kernels run on their own thread pool
 (``csrc/thread_pool.h``: why not OpenMP is said there), with the thread count passed per call
 (``torch.get_num_threads()``). Without a compiler or AVX2
-(or with ``HICACHE_NO_CPU_KERNEL=1``) ``KERNELS.get()`` is None and callers use torch ops.
+(or with ``HICACHE_NO_CPU_KERNEL=1``) ``KERNELS.get()`` is None and callers use torch ops,
+which are not batch-invariant (the engine logs a warning).
 """
 
 from __future__ import annotations
@@ -30,20 +33,31 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-ffp-contract=off", "-shared", "-fPIC"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class PackedLinearC(ctypes.Structure):
+    """``PackedLinear`` of csrc/products.h."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("w", _P), ("bias", _P), ("n", _I64), ("k", _I64)]
+
+
+class AttnBatchC(ctypes.Structure):
+    """``AttnBatch`` of csrc/attention.h."""
+
+    _fields_ = [("q", _P), ("q_stride", _I64), ("out", _P), ("k", _P), ("v", _P), ("hk", _P),
+                ("hv", _P), ("h_stride", _I64), ("host_row", _P), ("req_to_token", _P),
+                ("r2t_stride", _I64), ("rows", _P), ("q_first", _P), ("q_len", _P),
+                ("kv_len", _P), ("bs", _I64), ("heads", _I64), ("kv_heads", _I64), ("hd", _I64),
+                ("scale", _F32)]
+
+
 _SIGNATURES: dict[str, tuple[list, type | None]] = {
-    "linear_q4_1_q8": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I32], _I32),
-    "linear_q8_0_q8": ([_P, _I64, _I64, _P, _P, _I64, _P, _I32], _I32),
-    "dequant_q4_1": ([_P, _P, _P, _I64, _I64, _P, _I32], None),
-    "dequant_q8_0": ([_P, _P, _I64, _I64, _P, _I32], None),
-    "dequant_q4_1_bf16": ([_P, _P, _P, _I64, _I64, _P, _I32], None),
-    "dequant_q8_0_bf16": ([_P, _P, _I64, _I64, _P, _I32], None),
-    "rms_norm_residual": ([_P, _P, _P, _F32, _I64, _I64, _P, _P], None),
-    "rope_neox_inplace": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
+    "linear_packed": ([_P, _P, _I64, _P, _I32], _I32),
+    "rms_norm_residual": ([_P, _P, _P, _F32, _I64, _I64, _P, _P, _I32], None),
+    "rope_neox_inplace": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I32], None),
     "silu_mul": ([_P, _I64, _I64, _P, _I32], None),
-    "decode_attention": (
-        [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
-    "decode_layers": (
-        [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _I32], _I32),
+    "attention": ([_P, _I32], _I32),
+    "decode_layers": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I32], _I32),
 }
 
 
@@ -85,23 +99,24 @@ def _cpu_has_avx2() -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernels are built for: ``avx-vnni`` where the CPU has it,
-    ``avx512-vnni`` where it has AVX512-VNNI + VL but not the VEX form (Zen 4; the same
-    instruction on 256-bit registers), else ``avx2``: the int4 products' integer dots in one
-    instruction instead of two, the same results. ``HICACHE_CPU_ISA=avx2`` forces the last."""
+    """The instruction set the kernels are built for: ``avx512-vnni`` where the CPU has
+    AVX512-VNNI + VL + BW (the u8 x s8 dot in one instruction, and 32 vector registers for the
+    products' tiles; still 256-bit vectors), else ``avx-vnni`` (the same dot, VEX form), else
+    ``avx2``. Every build gives the same bits (``csrc/common.h``); ``HICACHE_CPU_ISA=avx2``
+    forces the last."""
     if os.environ.get("HICACHE_CPU_ISA") == "avx2":
         return "avx2"
     flags = cpu_flags()
+    if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags:
+        return "avx512-vnni"
     if "avx_vnni" in flags:
         return "avx-vnni"
-    if {"avx512_vnni", "avx512vl"} <= flags:
-        return "avx512-vnni"
     return "avx2"
 
 
 # NOTE: 256-bit vectors as with AVX2 (the kernels are written for them; no zmm frequency drop)
 _ISA_FLAGS = {"avx-vnni": ["-mavxvnni"],
-              "avx512-vnni": ["-mavx512f", "-mavx512vl", "-mavx512vnni",
+              "avx512-vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni",
                               "-mprefer-vector-width=256"],
               "avx2": []}
 
@@ -161,21 +176,23 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def enable_cpu_kernels(model: torch.nn.Module, max_context_len: int) -> int:
+def enable_cpu_kernels(model: torch.nn.Module, max_context_len: int) -> list[str]:
     """Route the model's modules that have a ``kernel`` hook (RMSNorm, RoPE, the MLP's SiLU)
-    through the C kernels; returns how many."""
+    through the C kernels; returns the names of those left on torch ops (and why)."""
     from engine.runtime.layers.norm import RMSNorm
     from engine.runtime.layers.rotary import RotaryEmbedding
 
     lib = KERNELS.get()
-    count = 0
-    for module in model.modules():
+    left = []
+    for name, module in model.named_modules():
         if not hasattr(module, "kernel"):
             continue
         if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
+            left.append(f"{name} ({module.weight.dtype} weight)")
             continue
         # NOTE: the RoPE kernel does not bound-check positions: only when its cache covers all
         if isinstance(module, RotaryEmbedding) and module.max_position < max_context_len:
+            left.append(f"{name} (positions past {module.max_position})")
             continue
-        module.kernel, count = lib, count + 1
-    return count
+        module.kernel = lib
+    return left

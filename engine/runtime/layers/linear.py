@@ -2,12 +2,14 @@
 checkpoint), plus the fused projections the decoder uses: one matmul for q/k/v and one for
 gate/up, loaded shard by shard from the separate HF tensors.
 
-Linear backends (``--linear-backend``): ``torch`` runs ``F.linear`` on the dense weight;
-``onednn`` (CPU) reorders each weight once, after loading, into oneDNN's blocked layout and runs
-``mkldnn._linear_pointwise`` on it. On CPU that is 1.4-4x faster than ``F.linear`` for every
-row count measured (decode batches of 1-64 rows are bound by streaming the weights, and MKL's
-sgemm with a transposed ``[out, in]`` weight streams them slowly), with results equal to
-``F.linear`` within fp32 rounding. ``auto`` = ``onednn`` on CPU when torch has oneDNN.
+Linear backends (``--linear-backend``), for dense (unquantized) weights:
+``cpu`` packs each weight once, after loading, into column panels for the C products
+(``packed.PackedWeight``): every row count runs one numeric path (a fixed FMA chain along k per
+output element), so a token row's result never depends on the batch around it. ``onednn``
+(CPU) reorders each weight into oneDNN's blocked layout and runs ``mkldnn._linear_pointwise``;
+``torch`` runs ``F.linear``. Neither of the last two is batch-invariant (their blocking and
+reduction order change with the row count). ``auto`` = ``cpu`` on a float32 CPU with the C
+kernels, else ``onednn`` on CPU with oneDNN, else ``torch``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+from engine.runtime.layers.cpu_kernels import KERNELS
+from engine.runtime.layers.packed import PackedWeight
+
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
 # Row-count hint for oneDNN's weight layout: decode batches are the hot path. Measured on CPU:
 # the hint barely matters (a 16-row packing is also faster than F.linear at 1,024 rows).
 PACK_ROWS_HINT = 16
@@ -46,21 +51,29 @@ class Linear(nn.Module):
             else None
         )
 
-        # oneDNN blocked copy of ``weight`` (``prepack``); None = dense ``F.linear``
-        self.packed: torch.Tensor | None = None
+        # oneDNN blocked copy of ``weight`` (``prepack(backend="onednn")``)
+        self.onednn: torch.Tensor | None = None
+        # C products' panels (``prepack(backend="cpu")``)
+        self.panels: PackedWeight | None = None
 
-    def prepack(self, free_dense: bool = True) -> None:
-        """Reorder the loaded weight for oneDNN (CPU). ``free_dense`` drops the dense copy so
-        the weights are held once (pass False when the tensor is shared, e.g. a tied lm_head)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
+    def prepack(self, backend: str, free_dense: bool = True) -> None:
+        """Repack the loaded weight for ``backend`` (``cpu`` or ``onednn``). ``free_dense`` drops
+        the dense copy so the weights are held once (pass False when the tensor is shared, e.g. a
+        tied lm_head)."""
+        if backend == "cpu":
+            self.panels = PackedWeight.dense(self.weight.detach(), self.bias)
+        else:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                  PACK_ROWS_HINT)
         if free_dense:
             # NOTE: keep a 0-element placeholder so the parameter still names dtype/device
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            # [..., out_features]
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.panels is not None:
+            return self.panels(x)  # [..., out_features]
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)  # [..., out_features]
 
 
@@ -101,7 +114,7 @@ class LMHead(Linear):
     """The vocab projection: prepacked like any Linear, else ``chunked_linear`` on CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.panels is not None or self.onednn is not None:
             return super().forward(x)
         return chunked_linear(x, self.weight)  # [rows, vocab]
 
@@ -126,7 +139,7 @@ class Embedding(nn.Module):
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``torch`` or ``onednn`` for ``--linear-backend name`` on this device / dtype."""
+    """``torch``, ``onednn`` or ``cpu`` for ``--linear-backend name`` on this device / dtype."""
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear_backend {name!r}; expected one of {LINEAR_BACKENDS}")
     onednn_ok = (
@@ -135,26 +148,33 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
         and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
         and dtype in (torch.float32, torch.bfloat16)
     )
+    cpu_ok = device.type == "cpu" and dtype == torch.float32 and KERNELS.get() is not None
     if name == "onednn" and not onednn_ok:
         raise ValueError(
             f"linear_backend 'onednn' needs a CPU device with oneDNN and float32/bfloat16 "
             f"(got {device.type}, {dtype})"
         )
+    if name == "cpu" and not cpu_ok:
+        why = KERNELS.error if KERNELS.get() is None else f"{device.type}, {dtype}"
+        raise ValueError(f"linear_backend 'cpu' needs float32 on a CPU with the C kernels ({why})")
     if name == "auto":
+        if cpu_ok:
+            return "cpu"
         return "onednn" if onednn_ok and dtype == torch.float32 else "torch"
     return name
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Prepack every ``Linear`` of a loaded model for oneDNN; returns how many. A weight shared
-    with another module (tied embeddings) keeps its dense copy."""
+def prepack_linears(model: nn.Module, backend: str) -> int:
+    """Prepack every dense ``Linear`` of a loaded model for ``backend`` (``cpu`` / ``onednn``);
+    returns how many. A weight shared with another module (tied embeddings) keeps its dense
+    copy."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for linear in linears:
-        linear.prepack(free_dense=owners[id(linear.weight)] == 1)
+        linear.prepack(backend, free_dense=owners[id(linear.weight)] == 1)
     return len(linears)
 
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.runtime.layers.cpu_kernels import threads
+
 
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim.
@@ -58,11 +60,11 @@ class RMSNorm(nn.Module):
         out = torch.empty_like(x)
         if residual is None:
             self.kernel.rms_norm_residual(x.data_ptr(), None, self.weight.data_ptr(), self.eps,
-                                          rows, self.hidden_size, out.data_ptr(), None)
+                                          rows, self.hidden_size, out.data_ptr(), None, threads())
             return out
         residual = residual.contiguous()
         summed = torch.empty_like(x)
         self.kernel.rms_norm_residual(x.data_ptr(), residual.data_ptr(), self.weight.data_ptr(),
                                       self.eps, rows, self.hidden_size, out.data_ptr(),
-                                      summed.data_ptr())
+                                      summed.data_ptr(), threads())
         return out, summed

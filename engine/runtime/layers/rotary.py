@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.runtime.layers.cpu_kernels import threads
+
 
 def rope_params_from_config(config: Any) -> tuple[float, dict[str, Any]]:
     """``(rope_theta, scaling)`` from an HF config: transformers>=5 ``rope_parameters`` or the
@@ -91,7 +93,7 @@ class RotaryEmbedding(nn.Module):
             positions = positions.contiguous()
             self.kernel.rope_neox_inplace(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
                                           self.head_dim, positions.data_ptr(),
-                                          self.cos_sin_cache.data_ptr())
+                                          self.cos_sin_cache.data_ptr(), threads())
             return x
         # out = (x1 * cos - x2 * sin) | (x2 * cos + x1 * sin) = x * (cos|cos) + (x2|x1) * (-sin|sin)
         cos2, sin2 = self.cos_sin(positions)

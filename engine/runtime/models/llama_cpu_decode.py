@@ -1,18 +1,19 @@
 """A Llama-family decode stack as one C call (``decode_layers`` in csrc/cpu_kernels.c).
 
-On the quantized CPU path, a decode step of 1-16 rows spends as long in per-layer Python and
-torch dispatch (~40 ops a layer: views, chunks, the norm / RoPE / attention / product calls and
-their output tensors) as in the matmuls. ``FusedDecode`` hands the C side every layer's weight
-and KV-pool pointers once, at start-up; per step it passes the embeddings and the batch's
-positions, slots and ``req_to_token`` rows, and gets back the last layer's output and the
-residual stream (``LlamaModel.forward`` applies the final norm and the vocab projection as
+On the CPU path, a decode step of a few rows spends as long in per-layer Python and torch
+dispatch (~40 ops a layer: views, chunks, the norm / RoPE / attention / product calls and their
+output tensors) as in the matmuls. ``FusedDecode`` hands the C side every layer's packed
+weights and KV-pool pointers once, at start-up; per step it passes the embeddings and the
+batch's positions, slots and ``req_to_token`` rows, and gets back the last layer's output and
+the residual stream (``LlamaModel.forward`` applies the final norm and the vocab projection as
 always). The C function calls the same product, norm, RoPE and attention kernels the modules
-call, in the same order, so its logits equal the per-module path's up to float reassociation
+call, in the same order, so its outputs equal the per-module path's bit for bit
 (``tests/unit/test_llama_cpu_decode.py``).
 
-Taken when (``install``): C kernels built, weights quantized (every q/k/v, o, gate/up, down a
-``QuantLinear``), the ``cpu`` attention backend, RoPE and norms on their kernels, and a plain
-Llama attention (no ``prepare_qk`` hook: Qwen3's q/k norms keep the module path).
+Taken when (``install``): C kernels built, every q/k/v, o, gate/up, down on packed panels
+(quantized, or dense with the ``cpu`` linear backend), the ``cpu`` attention backend, RoPE and
+norms on their kernels, and a plain Llama attention (no ``prepare_qk`` hook: Qwen3's q/k norms
+keep the module path).
 """
 
 from __future__ import annotations
@@ -25,20 +26,19 @@ import torch
 
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.layers.attention.cpu_backend import CpuAttnBackend
-from engine.runtime.layers.cpu_kernels import KERNELS, threads
-from engine.runtime.layers.quant import DECODE_MAX_ROWS, QuantLinear
+from engine.runtime.layers.cpu_kernels import KERNELS, PackedLinearC, threads
+from engine.runtime.layers.linear import Linear
+from engine.runtime.layers.packed import PackedWeight
+from engine.runtime.layers.quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
 
-class _QLinear(ctypes.Structure):
-    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
-
-
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
+                ("qkv", ctypes.POINTER(PackedLinearC)), ("o", ctypes.POINTER(PackedLinearC)),
+                ("gate_up", ctypes.POINTER(PackedLinearC)),
+                ("down", ctypes.POINTER(PackedLinearC)),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
 
 
@@ -52,9 +52,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _qlinear(layer: QuantLinear) -> _QLinear:
-    return _QLinear(_ptr(layer.qs), _ptr(layer.d), _ptr(layer.m), _ptr(layer.bias),
-                    layer.out_features, layer.in_features)
+def _panels(layer: Any) -> PackedWeight | None:
+    """The packed weight of a QuantLinear or a ``cpu``-prepacked Linear, else None."""
+    return layer.panels if isinstance(layer, (QuantLinear, Linear)) else None
 
 
 class FusedDecode:
@@ -68,10 +68,11 @@ class FusedDecode:
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_buf, v_buf = kv_pool.get_kv_buffer(i)
+            linears = [_panels(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                            mlp.down_proj)]
             entries.append(_DecodeLayer(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _qlinear(attn.qkv_proj), _qlinear(attn.o_proj), _qlinear(mlp.gate_up_proj),
-                _qlinear(mlp.down_proj), _ptr(k_buf), _ptr(v_buf)))
+                *(ctypes.pointer(w.desc) for w in linears), _ptr(k_buf), _ptr(v_buf)))
         self.layers = (_DecodeLayer * len(entries))(*entries)
         rope = attn0.rotary_emb
         self.shape = _DecodeShape(
@@ -82,22 +83,21 @@ class FusedDecode:
         self.kv_pool = kv_pool
 
     def takes(self, fb: ForwardBatch) -> bool:
-        return (fb.forward_mode.is_decode() and fb.batch_size <= DECODE_MAX_ROWS
-                and self.backend.decode_rows is not None)
+        return fb.forward_mode.is_decode() and self.backend.decode_rows is not None
 
     def __call__(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self.kv_pool.k_buffer) != self.num_layers:  # released at shutdown
             raise RuntimeError("fused decode: the KV pool's memory was released")
         hidden = hidden.contiguous()  # [bs, hidden_size] float32, overwritten in place
         residual = torch.empty_like(hidden)
-        rows, seq_lens = self.backend.decode_rows
+        rows = self.backend.decode_rows
         positions = fb.positions.to(torch.int64).contiguous()
         out_loc = fb.out_cache_loc.to(torch.int64).contiguous()
         r2t = fb.req_to_token_pool.req_to_token
         rc = self.lib.decode_layers(
             self.layers, self.num_layers, ctypes.byref(self.shape), hidden.data_ptr(),
             residual.data_ptr(), hidden.shape[0], positions.data_ptr(), out_loc.data_ptr(),
-            r2t.data_ptr(), r2t.stride(0), rows.data_ptr(), seq_lens.data_ptr(), threads())
+            r2t.data_ptr(), r2t.stride(0), rows.data_ptr(), threads())
         if rc == -1:
             raise MemoryError("fused decode: no memory for its scratch buffers")
         if rc != 0:
@@ -123,8 +123,8 @@ def install(model: torch.nn.Module, kv_pool: Any, backend: Any) -> str | None:
         if type(attn).prepare_qk is not LlamaAttention.prepare_qk:
             return f"{type(attn).__name__} transforms q/k before RoPE"
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(x, QuantLinear) for x in linears):
-            return "weights not quantized"
+        if any(_panels(x) is None for x in linears):
+            return "weights not on packed panels (linear_backend is not 'cpu')"
         if layer.input_layernorm.kernel is None or layer.post_attention_layernorm.kernel is None:
             return "norms not on the C kernel"
         if attn.rotary_emb.kernel is None:
