@@ -1,9 +1,9 @@
 """The embedded SmolLM2-135M-Instruct: the engine's greedy tokens equal transformers' generate
 on the same converted weights, single and batched, page sizes 1 and 16, chunked prefill, and on a
 prefix-cache hit, on the dense path. On the int4 path (the GGUF's Q4_1 weights, which requantize
-to exactly the converted ones, run by the C kernels) decode rounds each activation block to int8
-as llama.cpp does (~0.3% per product), which can flip a near-tie: there every greedy token must be
-transformers' top-1 on the same sequence or within NEAR_TIE logits of it."""
+to exactly the converted ones, run by the C kernels) every product rounds each activation block
+to int8 as llama.cpp does (~0.3% per product), which can flip a near-tie: there every greedy
+token must be transformers' top-1 on the same sequence or within NEAR_TIE logits of it."""
 
 from __future__ import annotations
 
@@ -61,10 +61,8 @@ def test_smollm2_greedy_matches_transformers(reference, page_size, chunk):
 def test_smollm2_int4_greedy_is_transformers_top1_or_a_near_tie(reference, page_size, chunk):
     """Each token int4 greedy picks (single, batched, and again from the prefix cache) is the
     argmax of transformers' logits at that position of the same sequence, or within NEAR_TIE of
-    it; a wrong product or KV would pick tokens far down the list. (Whether a prompt's last rows
-    run dense or with int8 activations depends on how many rows share the forward: more than
-    DECODE_MAX_ROWS run dense. "What is the capital of France?" opens with 504 by 0.08 logits
-    over 60, and a 1-row prefill may take 60.)"""
+    it; a wrong product or KV would pick tokens far down the list. Single, batched and cached
+    runs give the same tokens (the CPU path is batch-invariant)."""
     from transformers import AutoModelForCausalLM
 
     prompts, _, _ = reference
@@ -78,6 +76,7 @@ def test_smollm2_int4_greedy_is_transformers_top1_or_a_near_tie(reference, page_
         assert all(o.cached_tokens > 0 for o in again)
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(None)),
                                                  dtype=torch.float32).eval()
+    assert first == outs[0] and [o.token_ids for o in again] == outs
     runs = [(prompts[0], first)] + list(zip(prompts, outs))
     runs += [(ids, o.token_ids) for ids, o in zip(prompts, again)]
     flipped = 0
@@ -94,23 +93,19 @@ def test_smollm2_int4_greedy_is_transformers_top1_or_a_near_tie(reference, page_
     assert flipped <= len(runs) * NEW // 10, flipped
 
 
-@pytest.mark.parametrize("quantization,prefill", [
-    ("none", "auto"), ("int4", "float32"), ("int4", "bfloat16")])
-def test_smollm2_prefill_logits_close(reference, quantization, prefill):
-    """Prefill logits agree with transformers' forward within 1e-3 (fp32), dense or int4 with
-    float32 prefill GEMMs (a prefill dequantizes each layer's weight to exactly the converted
-    floats). With bfloat16 GEMMs (weights and activations rounded to bf16): within 10% of the
-    logits' norm at every position and 2% at the median (measured: 6.3% and 1.3%; the int8
-    activations every decode product takes measure 22% and 4.5% on this prompt), and the same
-    top-1 token wherever transformers' lead is clear (> 0.5 logits)."""
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
+def test_smollm2_prefill_logits_close(reference, quantization):
+    """Prefill logits agree with transformers' forward within 1e-3 on the dense path (float32
+    products in another order). With int4 / int8 weights every product rounds its activation
+    blocks to int8 (llama.cpp's scheme): within 40% of the logits' norm at every position and
+    10% at the median (measured on this prompt: int4 ~22% and ~4.5%), and the same top-1 token
+    wherever transformers' lead is clear (> 1 logit)."""
     from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 
     prompts, _, ref_logits = reference
     ids = prompts[0]
-    with Engine(max_total_tokens=4096, quantization=quantization,
-                prefill_matmul_dtype=prefill) as eng:
-        assert eng.model_info()["prefill_matmul_dtype"] == (
-            "float32" if quantization == "none" else prefill)
+    with Engine(max_total_tokens=4096, quantization=quantization) as eng:
+        assert eng.model_info()["batch_invariant"] is True
 
         def run(s):
             r = s.runner
@@ -131,11 +126,11 @@ def test_smollm2_prefill_logits_close(reference, quantization, prefill):
             r.req_to_token_pool.free(row)
             return out
         logits = eng.call_in_scheduler(run)
-    if prefill != "bfloat16":
+    if quantization == "none":
         assert torch.allclose(logits, ref_logits, atol=1e-3, rtol=0)
         return
     rel = (logits - ref_logits).norm(dim=1) / ref_logits.norm(dim=1)
     top2 = ref_logits.topk(2, dim=1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.5
-    assert rel.max().item() < 0.1 and rel.median().item() < 0.02, rel
+    clear = (top2[:, 0] - top2[:, 1]) > 1.0
+    assert rel.max().item() < 0.4 and rel.median().item() < 0.1, rel
     assert torch.equal(logits.argmax(1)[clear], ref_logits.argmax(1)[clear])
