@@ -54,6 +54,12 @@ class ServerArgs:
     # float32 | bfloat16 | auto (bfloat16 where the CPU multiplies bf16 natively: AVX512-BF16 or
     # AMX, ~2-3x the float32 GEMM; float32 elsewhere)
     prefill_matmul_dtype: str = "auto"
+    # Deterministic inference (SGLang's --enable-deterministic-inference): a prompt's tokens do
+    # not depend on which requests share its forwards nor on whether its prefix came from the
+    # cache. On CUDA: batch-invariant matmul / RMSNorm / sampling softmax and attention with
+    # fixed KV split sizes (engine/runtime/deterministic.py; the attention backend defaults to
+    # triton). On the CPU it changes nothing: the CPU path is batch-invariant always.
+    enable_deterministic_inference: bool = False
     # CUDA graphs for decode batches (CUDA only, backends with supports_cuda_graph)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160  # largest captured decode batch (also capped by running reqs)

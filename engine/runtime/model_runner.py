@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine.config import ServerArgs
+from engine.runtime import deterministic
 from engine.runtime.cuda_graph_runner import CudaGraphRunner
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.layers.attention import create_backend, default_backend
@@ -65,6 +66,10 @@ class ModelRunner:
         self.linear_backend = resolve_linear_backend(args.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             log.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
+        self.deterministic = deterministic.enabled(args, self.device)
+        if self.deterministic:
+            log.info("deterministic inference: %d layers batch-invariant",
+                     deterministic.install(self.model))
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -81,7 +86,10 @@ class ModelRunner:
             cfg.num_attention_heads, self.num_kv_heads, self.head_dim
         )
         default_attn = "cpu" if cpu_attn else default_backend(self.device, self.dtype)
-        self.attn_backend = create_backend(args.attention_backend or default_attn, self)
+        attn = args.attention_backend or default_attn
+        if self.deterministic:
+            attn = deterministic.attention_backend(args.attention_backend)
+        self.attn_backend = create_backend(attn, self)
         # one C call per decode step for the whole stack, where the model and setup allow
         self.fused_decode = self.cpu_kernels and (
             why_not := install_fused_decode(self.model, self.kv_pool, self.attn_backend)
@@ -95,7 +103,7 @@ class ModelRunner:
             and getattr(self.attn_backend, "supports_cuda_graph", False)
         ):
             self.cuda_graph_runner = CudaGraphRunner(self)
-        self.sampler = Sampler()
+        self.sampler = Sampler(batch_invariant=self.deterministic)
 
     def _init_pools(self) -> None:
         args, ps = self.args, self.args.page_size
@@ -164,6 +172,7 @@ class ModelRunner:
             "prefill_matmul_dtype": str(self.prefill_dtype).replace("torch.", ""),
             "cpu_kernels": kernel_status() if self.quantization != "none" else "off",
             "fused_decode": self.fused_decode,
+            "deterministic_inference": self.deterministic,
             "cuda_graph_batch_sizes": (
                 self.cuda_graph_runner.batch_sizes if self.cuda_graph_runner else []
             ),

@@ -113,3 +113,22 @@ def test_row_ops_are_invariant_and_match_torch(op):
     for m, idx in _subsets(70, seed=7):
         assert torch.equal(fn(x[idx]), full[idx]), m
 
+
+def test_seeded_sampling_with_row_ops_does_not_depend_on_the_batch():
+    from engine.runtime.sampling import Sampler, SamplingParams
+
+    sampler = Sampler(batch_invariant=True)
+    assert sampler.row_ops is bi
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 2500, generator=gen) * 3
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50 * i or -1, seed=i)
+              for i in range(6)]  # fmt: skip
+
+    def draw(s: Sampler, rows: list[int]) -> list[int]:
+        gens = [torch.Generator().manual_seed(i) for i in rows]  # each request's own seed
+        return s(logits[rows], [params[i] for i in rows], gens).tolist()
+
+    full = draw(sampler, list(range(6)))
+    assert full == draw(Sampler(), list(range(6)))  # the same distributions as torch's ops
+    for rows in ([3], [5, 0], [2, 4, 1]):
+        assert draw(sampler, rows) == [full[i] for i in rows]

@@ -12,6 +12,8 @@ sgemm with a transposed ``[out, in]`` weight streams them slowly), with results 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +50,8 @@ class Linear(nn.Module):
 
         # oneDNN blocked copy of ``weight`` (``prepack``); None = dense ``F.linear``
         self.packed: torch.Tensor | None = None
+        # batch_invariant.linear when deterministic inference is on (CUDA); it comes first
+        self.matmul: Callable[..., torch.Tensor] | None = None
 
     def prepack(self, free_dense: bool = True) -> None:
         """Reorder the loaded weight for oneDNN (CPU). ``free_dense`` drops the dense copy so
@@ -58,6 +62,8 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul is not None:
+            return self.matmul(x, self.weight, self.bias)  # [..., out_features]
         if self.packed is not None:
             # [..., out_features]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -98,10 +104,11 @@ class MergedLinear(Linear):
 
 
 class LMHead(Linear):
-    """The vocab projection: prepacked like any Linear, else ``chunked_linear`` on CPU."""
+    """The vocab projection: prepacked or batch-invariant like any Linear, else
+    ``chunked_linear`` on CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None or self.matmul is not None:
             return super().forward(x)
         return chunked_linear(x, self.weight)  # [rows, vocab]
 
