@@ -10,9 +10,10 @@ reduction order by the batch's shape, the flag takes:
   RMSNorm through ``batch_invariant.rms_norm`` (``install``);
 - attention with fixed KV split sizes: ``triton`` (the default under the flag) runs its
   fixed-split kernels, with which a token's output is the same bits in a prefill, after a
-  prefix hit and at decode; ``flashinfer`` plans with fixed splits (flashinfer >= 0.4.0), which
-  keeps its rows batch-invariant but runs prefill and decode on different kernels, and picks its
-  query tile by the batch (flashinfer issue #2424): use triton for the whole property;
+  prefix hit and at decode; ``flashinfer`` plans with fixed splits (flashinfer >= 0.4.0), meant
+  to keep its rows batch-invariant, but it runs prefill and decode on different kernels and
+  picks its query tile by the batch (flashinfer issue #2424): triton is built for the whole
+  property;
 - the sampler's softmax and top-p running sum one row per program, its sort stable.
 
 The model runner calls ``enabled``, ``install``, ``attention_backend``; the attention backends

@@ -27,10 +27,10 @@ fp16/bf16; an fp32 pool is rejected (use ``--dtype bfloat16`` or another backend
 Deterministic inference (``deterministic_of``): prefill plans with ``fixed_split_size``
 (PREFILL_SPLIT_SIZE keys per KV split, SGLang's default), decode with ``disable_split_kv`` on
 tensor cores, in eager and CUDA-graph plans alike (flashinfer PR #1675, release 0.4.0; an older
-flashinfer is refused, never silently run without them). That keeps a batch's rows independent;
-it does not make a token's prefill and decode outputs equal (different kernels), and FlashInfer
-picks its prefill query tile by the batch (flashinfer issue #2424): the triton backend has the
-whole property (engine/runtime/deterministic.py).
+flashinfer is refused, never silently run without them). That is meant to keep a batch's rows
+independent; it does not make a token's prefill and decode outputs equal (different kernels),
+and FlashInfer picks its prefill query tile by the batch (flashinfer issue #2424): the triton
+backend is the one built for the whole property (engine/runtime/deterministic.py).
 
 CUDA graphs (decode only): ``init_cuda_graph_state`` allocates fixed index buffers once; per
 captured batch size a decode wrapper with ``use_cuda_graph=True`` lives on slices of them, and
