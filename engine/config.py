@@ -51,6 +51,12 @@ class ServerArgs:
     # Weights held block-quantized on CPU: none | int8 (q8_0) | int4 (q4_1, lm_head q8_0) | auto
     # (a GGUF's own format on CPU: the embedded Q4_1 model runs int4; none otherwise)
     quantization: str = "auto"
+    # Deterministic inference (SGLang's --enable-deterministic-inference): a prompt's tokens do
+    # not depend on which requests share its forwards nor on whether its prefix came from the
+    # cache. On CUDA: batch-invariant matmul / RMSNorm / sampling softmax and attention with
+    # fixed KV split sizes (engine/runtime/deterministic.py; the attention backend defaults to
+    # triton). On the CPU it changes nothing: the CPU path is batch-invariant always.
+    enable_deterministic_inference: bool = False
     # CUDA graphs for decode batches (CUDA only, backends with supports_cuda_graph)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160  # largest captured decode batch (also capped by running reqs)

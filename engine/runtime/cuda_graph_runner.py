@@ -23,6 +23,10 @@ Capture sizes (SGLang's): ``[1, 2, 4, 8] + range(16, cuda_graph_max_bs + 1, 8)``
 that grid, so every decode batch the scheduler can build (<= max_running_requests) has a graph
 when max_running_requests <= cuda_graph_max_bs. Larger batches run eagerly.
 
+Deterministic inference: the backends give a replayed decode the same fixed KV splits as an
+eager one (triton: its chunk grid sized by the table width; flashinfer: the same plan options),
+so neither a graph nor its padding requests change a request's logits.
+
 ``capture=False`` runs the model eagerly on the padded static batch instead of replaying a graph:
 the same buffers, padding and backend calls, without CUDA (how the CPU tests check them).
 """

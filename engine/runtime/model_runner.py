@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine.config import ServerArgs
+from engine.runtime import deterministic
 from engine.runtime.cuda_graph_runner import CudaGraphRunner
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.layers.attention import create_backend, default_backend
@@ -60,6 +61,10 @@ class ModelRunner:
         if self.linear_backend in ("cpu", "onednn"):
             log.info("prepacked %d dense linear layers for %s",
                      prepack_linears(self.model, self.linear_backend), self.linear_backend)
+        self.deterministic = deterministic.enabled(args, self.device)
+        if self.deterministic:
+            log.info("deterministic inference: %d layers batch-invariant",
+                     deterministic.install(self.model))
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -77,11 +82,15 @@ class ModelRunner:
             cfg.num_attention_heads, self.num_kv_heads, self.head_dim
         )
         default_attn = "cpu" if cpu_attn else default_backend(self.device, self.dtype)
-        self.attn_backend = create_backend(args.attention_backend or default_attn, self)
+        attn = args.attention_backend or default_attn
+        if self.deterministic:
+            attn = deterministic.attention_backend(args.attention_backend)
+        self.attn_backend = create_backend(attn, self)
         self.batch_invariant = self._batch_invariant()
         # what computed the KV, for the L3 fingerprint: another numeric path's objects never match
         self.numerics = ("cpu-invariant-1" if self.batch_invariant else
-                         f"{self.device.type}|{self.linear_backend}|{type(self.attn_backend).__name__}")
+                         f"{self.device.type}|{self.linear_backend}|{type(self.attn_backend).__name__}"
+                         f"{'|deterministic' if self.deterministic else ''}")
         if self.device.type == "cpu" and not self.batch_invariant:
             log.warning("CPU path not batch-invariant (%s): a prompt's tokens may depend on the "
                         "batch it runs in and on where its prefix's KV came from",
@@ -99,7 +108,7 @@ class ModelRunner:
             and getattr(self.attn_backend, "supports_cuda_graph", False)
         ):
             self.cuda_graph_runner = CudaGraphRunner(self)
-        self.sampler = Sampler()
+        self.sampler = Sampler(batch_invariant=self.deterministic)
 
     def _batch_invariant(self) -> bool:
         """Whether every op of this CPU setup is one of the C kernels (``cpu_kernels``); sets
@@ -185,6 +194,7 @@ class ModelRunner:
             "cpu_kernels": kernel_status() if self.cpu_kernels else "off",
             "batch_invariant": self.batch_invariant,
             "fused_decode": self.fused_decode,
+            "deterministic_inference": self.deterministic,
             "cuda_graph_batch_sizes": (
                 self.cuda_graph_runner.batch_sizes if self.cuda_graph_runner else []
             ),

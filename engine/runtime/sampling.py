@@ -81,7 +81,24 @@ class SamplingParams:
 class Sampler:
     """Samples one token per row. Greedy rows take argmax; others go through temperature,
     top-k, top-p and min-p filtering, then an exponential race (argmax of p / Exp(1)) so that a
-    per-request torch.Generator gives reproducible draws without per-token Python loops."""
+    per-request torch.Generator gives reproducible draws without per-token Python loops.
+
+    ``batch_invariant`` (deterministic inference on CUDA): the softmax and top-p's running sum
+    run one row per program (torch's CUDA scan lays rows out by the row count) and the sort is
+    stable (ties in a fixed order), so a seeded row's draw does not depend on its neighbours."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.row_ops: Any = None
+        if batch_invariant:
+            from engine.runtime.layers import batch_invariant as row_ops  # Triton: when used
+
+            self.row_ops = row_ops
+
+    def _softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return self.row_ops.softmax(x) if self.row_ops else torch.softmax(x, dim=-1)
+
+    def _cumsum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.row_ops.cumsum(x) if self.row_ops else x.cumsum(dim=-1)
 
     def __call__(
         self,
@@ -95,7 +112,7 @@ class Sampler:
             return greedy_ids
         device = logits.device
         temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)
-        probs = torch.softmax(logits.float() / temps[:, None], dim=-1)  # [bs, vocab]
+        probs = self._softmax(logits.float() / temps[:, None])  # [bs, vocab]
         top_ks = [p.top_k for p in params]
         if any(k > 0 for k in top_ks):
             vocab = probs.shape[-1]
@@ -105,8 +122,8 @@ class Sampler:
             probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
         if any(p.top_p < 1.0 for p in params):
             top_ps = torch.tensor([p.top_p for p in params], device=device)
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            cum = sorted_p.cumsum(dim=-1)
+            sorted_p, order = probs.sort(dim=-1, descending=True, stable=self.row_ops is not None)
+            cum = self._cumsum(sorted_p)
             # keep the smallest set whose mass reaches top_p (always keep the first token)
             drop = (cum - sorted_p) > top_ps[:, None] * cum[:, -1:]
             sorted_p = sorted_p.masked_fill(drop, 0.0)

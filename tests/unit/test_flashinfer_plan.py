@@ -220,7 +220,8 @@ ATOL = 2e-2
 class _Harness:
     """Two layers, two backends (flashinfer over the fake, torch_native), real pools."""
 
-    def __init__(self, heads, kv_heads, head_dim, runner=False, q_dtype=DTYPE, seed=0):
+    def __init__(self, heads, kv_heads, head_dim, runner=False, q_dtype=DTYPE, seed=0,
+                 deterministic=False):  # fmt: skip
         self.gen = torch.Generator().manual_seed(seed)
         self.req_pool = ReqToTokenPool(8, 128, "cpu")
         self.pools = {
@@ -234,6 +235,7 @@ class _Harness:
             dtype=q_dtype,
             kv_pool=self.pools["flashinfer"],
             device="cpu",
+            deterministic=deterministic,
         )
         self.backends = {
             "torch_native": create_backend("torch_native", None),
@@ -356,3 +358,70 @@ def test_cuda_graph_protocol(fake_flashinfer):
     other = RadixAttention(1, 8, 2, 16, scaling=0.5)
     with pytest.raises(RuntimeError, match="CUDA-graph"):
         fi.forward(q, k, v, other, fb)
+
+
+# ---- deterministic inference: the fixed-split plan options -------------------------------
+
+
+class _FixedSplitDecode(_FakeDecode):
+    """flashinfer >= 0.4.0: plan() takes the fixed-split options (recorded, then ignored: the
+    torch model has no splits)."""
+
+    def plan(self, *args, fixed_split_size=None, disable_split_kv=False, **kw):
+        self.split_options = {"fixed_split_size": fixed_split_size,
+                              "disable_split_kv": disable_split_kv}  # fmt: skip
+        super().plan(*args, **kw)
+
+
+class _FixedSplitPrefill(_FakePrefill):
+    def plan(self, *args, fixed_split_size=None, disable_split_kv=False, **kw):
+        self.split_options = {"fixed_split_size": fixed_split_size,
+                              "disable_split_kv": disable_split_kv}  # fmt: skip
+        super().plan(*args, **kw)
+
+
+@pytest.fixture
+def fixed_split_flashinfer(fake_flashinfer):
+    fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper = _FixedSplitDecode
+    fake_flashinfer.BatchPrefillWithPagedKVCacheWrapper = _FixedSplitPrefill
+    return fake_flashinfer
+
+
+def test_deterministic_plans_fix_the_splits(fixed_split_flashinfer):
+    h = _Harness(4, 2, 16, runner=True, deterministic=True)  # group 2: no tensor cores by default
+    fi = h.backends["flashinfer"]
+    assert fi.deterministic
+    h.step(ForwardMode.EXTEND, [0, 1], [9, 40])
+    assert fi.prefill_wrapper.split_options == {
+        "fixed_split_size": fib.PREFILL_SPLIT_SIZE, "disable_split_kv": False}
+    h.step(ForwardMode.DECODE, [0, 1], [1, 1])
+    assert list(fi.decode_wrappers) == [True]  # tensor cores whatever the group
+    decode = fi.decode_wrappers[True]
+    assert decode.split_options == {"fixed_split_size": None, "disable_split_kv": True}
+    # the captured decode is planned with the same options
+    fi.init_cuda_graph_state(max_bs=2, max_num_kv_tokens=256)
+    h.grow([0, 1], [1, 1])
+    fb = h.batch(ForwardMode.DECODE, [0, 1], [1, 1], "flashinfer")
+    fi.init_forward_metadata_capture(fb)
+    graph = fi.graph_wrappers[2]
+    assert graph.use_tensor_cores and graph.split_options == decode.split_options
+    assert fi.workspace.numel() == fib.WORKSPACE_BYTES * fib.DETERMINISTIC_WORKSPACE_FACTOR
+
+
+def test_without_the_flag_plans_keep_flashinfers_splits(fixed_split_flashinfer):
+    h = _Harness(4, 2, 16, runner=True)
+    h.step(ForwardMode.EXTEND, [0], [9])
+    h.step(ForwardMode.DECODE, [0], [1])
+    fi = h.backends["flashinfer"]
+    assert not fi.deterministic and list(fi.decode_wrappers) == [False]
+    assert fi.prefill_wrapper.split_options == {"fixed_split_size": None,
+                                                "disable_split_kv": False}  # fmt: skip
+    assert fi.workspace.numel() == fib.WORKSPACE_BYTES
+
+
+def test_deterministic_refuses_a_flashinfer_without_fixed_splits(fake_flashinfer):
+    fake_flashinfer.__version__ = "0.3.1"
+    config = SimpleNamespace(enable_deterministic_inference=True)
+    with pytest.raises(RuntimeError, match=r"flashinfer >= 0\.4\.0.*installed: 0\.3\.1"):
+        create_backend("flashinfer", config)
+    create_backend("flashinfer", SimpleNamespace(enable_deterministic_inference=False))

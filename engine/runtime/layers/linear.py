@@ -14,6 +14,8 @@ kernels, else ``onednn`` on CPU with oneDNN, else ``torch``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,6 +57,8 @@ class Linear(nn.Module):
         self.onednn: torch.Tensor | None = None
         # C products' panels (``prepack(backend="cpu")``)
         self.panels: PackedWeight | None = None
+        # batch_invariant.linear when deterministic inference is on (CUDA); it comes first
+        self.matmul: Callable[..., torch.Tensor] | None = None
 
     def prepack(self, backend: str, free_dense: bool = True) -> None:
         """Repack the loaded weight for ``backend`` (``cpu`` or ``onednn``). ``free_dense`` drops
@@ -70,6 +74,8 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul is not None:
+            return self.matmul(x, self.weight, self.bias)  # [..., out_features]
         if self.panels is not None:
             return self.panels(x)  # [..., out_features]
         if self.onednn is not None:
@@ -111,10 +117,11 @@ class MergedLinear(Linear):
 
 
 class LMHead(Linear):
-    """The vocab projection: prepacked like any Linear, else ``chunked_linear`` on CPU."""
+    """The vocab projection: prepacked or batch-invariant like any Linear, else
+    ``chunked_linear`` on CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None or self.onednn is not None:
+        if self.panels is not None or self.onednn is not None or self.matmul is not None:
             return super().forward(x)
         return chunked_linear(x, self.weight)  # [rows, vocab]
 

@@ -86,6 +86,15 @@ def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -
     return "flashinfer"
 
 
+def deterministic_of(model_runner_or_config: Any) -> bool:
+    """Whether a backend runs its deterministic (fixed split size) path: the model runner's
+    resolved ``deterministic`` (the flag, on CUDA only), else a config's
+    ``enable_deterministic_inference``."""
+    if hasattr(model_runner_or_config, "deterministic"):
+        return bool(model_runner_or_config.deterministic)
+    return bool(getattr(model_runner_or_config, "enable_deterministic_inference", False))
+
+
 def create_backend(name: str, model_runner_or_config: Any = None) -> AttentionBackend:
     """A new backend ``name``, given the model runner (or its config) to size itself from."""
     if name not in _BACKENDS:
@@ -103,5 +112,6 @@ __all__ = [
     "available_backends",
     "create_backend",
     "default_backend",
+    "deterministic_of",
     "register_backend",
 ]

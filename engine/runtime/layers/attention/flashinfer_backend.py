@@ -24,6 +24,14 @@ Dtypes: FlashInfer computes in fp16/bf16. q is cast to the KV dtype when the poo
 (and the output back to q's dtype); an fp8 pool is read as fp8 (``kv_data_type``) with q in
 fp16/bf16; an fp32 pool is rejected (use ``--dtype bfloat16`` or another backend).
 
+Deterministic inference (``deterministic_of``): prefill plans with ``fixed_split_size``
+(PREFILL_SPLIT_SIZE keys per KV split, SGLang's default), decode with ``disable_split_kv`` on
+tensor cores, in eager and CUDA-graph plans alike (flashinfer PR #1675, release 0.4.0; an older
+flashinfer is refused, never silently run without them). That is meant to keep a batch's rows
+independent; it does not make a token's prefill and decode outputs equal (different kernels),
+and FlashInfer picks its prefill query tile by the batch (flashinfer issue #2424): the triton
+backend is the one built for the whole property (engine/runtime/deterministic.py).
+
 CUDA graphs (decode only): ``init_cuda_graph_state`` allocates fixed index buffers once; per
 captured batch size a decode wrapper with ``use_cuda_graph=True`` lives on slices of them, and
 ``init_forward_metadata_replay`` re-plans it (copying the new indices into the same buffers)
@@ -33,6 +41,7 @@ before each replay. NOTE: both ``init_forward_metadata_capture`` and ``_replay``
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from itertools import accumulate
 from types import ModuleType
@@ -40,11 +49,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from engine.runtime.layers.attention import deterministic_of
+
 if TYPE_CHECKING:
     from engine.runtime.forward_batch import ForwardBatch
     from engine.runtime.layers.radix_attention import RadixAttention
 
 WORKSPACE_BYTES = 256 * 2**20  # float workspace shared by all wrappers (split-KV partials)
+# Deterministic: a fixed split size no longer adapts the partials to the workspace; 2 GiB, as
+# SGLang's and vLLM's deterministic modes size it
+DETERMINISTIC_WORKSPACE_FACTOR = 8
+PREFILL_SPLIT_SIZE = 4096  # deterministic prefill: KV keys per split
+FIXED_SPLIT_OPTIONS = ("fixed_split_size", "disable_split_kv")  # plan() keywords, >= 0.4.0
 _HALF = (torch.float16, torch.bfloat16)
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 _INSTALL_HINT = (
@@ -129,6 +145,21 @@ def _import_flashinfer() -> ModuleType:
     return flashinfer
 
 
+def check_fixed_split(fi: ModuleType) -> None:
+    """Refuses a flashinfer whose plan() lacks the fixed-split options deterministic inference
+    needs (added in 0.4.0)."""
+    wrappers = (fi.BatchPrefillWithPagedKVCacheWrapper, fi.BatchDecodeWithPagedKVCacheWrapper)
+    if all(set(FIXED_SPLIT_OPTIONS) <= inspect.signature(w.plan).parameters.keys()
+           for w in wrappers):  # fmt: skip
+        return
+    raise RuntimeError(
+        f"enable_deterministic_inference with the flashinfer attention backend needs "
+        f"flashinfer >= 0.4.0 (plan() options {', '.join(FIXED_SPLIT_OPTIONS)}); installed: "
+        f"{getattr(fi, '__version__', 'unknown')}. Upgrade flashinfer-python, or use "
+        f"--attention-backend triton"
+    )
+
+
 def _check_cuda(device: torch.device) -> None:
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError(f"{_INSTALL_HINT}; got device {device}")
@@ -142,6 +173,9 @@ class FlashInferAttnBackend:
     def __init__(self, model_runner_or_config: Any = None) -> None:
         self.fi = _import_flashinfer()
         runner = model_runner_or_config
+        self.deterministic = deterministic_of(runner)
+        if self.deterministic:
+            check_fixed_split(self.fi)
         self.device: torch.device | None = None
         # Geometry known up front (from the model runner) lets init_forward_metadata plan
         # eagerly; without it the first forward() plans and the geometry is remembered.
@@ -176,8 +210,9 @@ class FlashInferAttnBackend:
         if self.workspace is None:
             _check_cuda(device)
             self.device = device
+            size = WORKSPACE_BYTES * (DETERMINISTIC_WORKSPACE_FACTOR if self.deterministic else 1)
             # NOTE: FlashInfer wants it zeroed before first use
-            self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self.workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         return self.workspace
 
     def _eager_wrapper(self, is_decode: bool, geom: _Geometry, device: torch.device) -> Any:
@@ -186,12 +221,16 @@ class FlashInferAttnBackend:
             if self.prefill_wrapper is None:
                 self.prefill_wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
             return self.prefill_wrapper
-        tc = geom.use_tensor_cores()
+        tc = self._tensor_cores(geom)
         if tc not in self.decode_wrappers:
             self.decode_wrappers[tc] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 ws, "NHD", use_tensor_cores=tc
             )
         return self.decode_wrappers[tc]
+
+    def _tensor_cores(self, geom: _Geometry) -> bool:
+        # deterministic: decode on the tensor-core kernels, as SGLang's deterministic mode does
+        return self.deterministic or geom.use_tensor_cores()
 
     def _plan(self, meta: _Metadata, geom: _Geometry, device: torch.device) -> None:
         if not meta.graph:
@@ -199,7 +238,12 @@ class FlashInferAttnBackend:
         g = geom
         args = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
         args += (g.num_qo_heads, g.num_kv_heads, g.head_dim, 1)  # page_size 1
-        kw = {"sm_scale": g.sm_scale, "q_data_type": g.q_dtype, "kv_data_type": g.kv_dtype}
+        kw: dict[str, Any] = {
+            "sm_scale": g.sm_scale, "q_data_type": g.q_dtype, "kv_data_type": g.kv_dtype
+        }
+        if self.deterministic:  # the same in eager and CUDA-graph plans
+            kw.update({"disable_split_kv": True} if meta.is_decode
+                      else {"fixed_split_size": PREFILL_SPLIT_SIZE})  # fmt: skip
         if meta.is_decode:
             # NOTE: data_type too: in some 0.2 releases its "float16" default overrode q/kv
             meta.wrapper.plan(*args, data_type=g.kv_dtype, **kw)
@@ -253,7 +297,7 @@ class FlashInferAttnBackend:
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=self.geom.use_tensor_cores(),
+                use_tensor_cores=self._tensor_cores(self.geom),
                 paged_kv_indptr_buffer=self.graph_kv_indptr[: bs + 1],
                 paged_kv_indices_buffer=self.graph_kv_indices,
                 paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs],

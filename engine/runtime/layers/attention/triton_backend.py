@@ -8,9 +8,15 @@ pool and launches one kernel that gathers each request's KV through ``req_to_tok
     EXTEND  one program per (request, head, query block): new token i sees keys
             ``j <= prefix_len[b] + i`` (causal with the cached prefix)
 
-CUDA graphs (decode): the decode metadata is only the batch size; the kernel reads
-``seq_lens`` / ``req_pool_indices`` from device memory (its KV loop bound included) and its grid
-``(bs, heads)`` is fixed per captured batch size, so capture and replay need no extra buffers.
+With deterministic inference on (``deterministic_of``), both modes run the fixed-split kernels
+of triton_fixed_split.py instead, which reduce every query's keys in the same fixed
+chunks in both modes: a token's output is the same bits in prefill, after a prefix hit, at
+decode, and beside any other requests.
+
+CUDA graphs (decode): the decode metadata is only the batch size; the kernels read
+``seq_lens`` / ``req_pool_indices`` from device memory (their KV loop bounds included) and their
+grids are fixed per captured batch size (the fixed-split decode's chunk axis by the table width),
+so capture and replay need no extra buffers and replay the same splits as eager decode.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.runtime.layers.attention import triton_kernels
+from engine.runtime.layers.attention import deterministic_of, triton_fixed_split, triton_kernels
 
 if TYPE_CHECKING:
     from engine.runtime.forward_batch import ForwardBatch
@@ -42,6 +48,8 @@ class TritonAttnBackend:
 
     def __init__(self, model_runner_or_config: Any = None) -> None:
         self.meta: _Metadata | None = None
+        self.deterministic = deterministic_of(model_runner_or_config)
+        self.split_size = triton_fixed_split.SPLIT_SIZE  # keys per chunk (deterministic)
 
     # --- CUDA graph protocol (decode) ---------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_kv_tokens: int) -> None:
@@ -83,14 +91,17 @@ class TritonAttnBackend:
         heads, head_dim = layer.num_heads, layer.head_dim
         q3 = q.reshape(-1, heads, head_dim)  # [num_tokens, heads, head_dim]
         req_to_token = fb.req_to_token_pool.req_to_token  # [rows, max_context_len] int32
+        split = {"split": self.split_size} if self.deterministic else {}
+        kernels = triton_fixed_split if self.deterministic else triton_kernels
         if meta.is_decode:
-            out = triton_kernels.decode_attention(
-                q3, k_buf, v_buf, req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling
+            out = kernels.decode_attention(
+                q3, k_buf, v_buf, req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
+                **split,
             )  # [bs, heads, head_dim]
         else:
             assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
             assert meta.extend_starts is not None
-            out = triton_kernels.extend_attention(
+            out = kernels.extend_attention(
                 q3,
                 k_buf,
                 v_buf,
@@ -101,5 +112,6 @@ class TritonAttnBackend:
                 meta.extend_starts,
                 meta.max_extend_len,
                 layer.scaling,
+                **split,
             )  # [num_tokens, heads, head_dim]
         return out.reshape(-1, heads * head_dim)  # [num_tokens, heads*head_dim]
