@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     ap.add_argument("--page-size", type=int, default=d.page_size)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--daemon-arg", action="append", default=[], help="an extra `hicache "
+                    "serve` argument, for the soaked and the reference daemon alike "
+                    "(repeatable; e.g. --daemon-arg=--quantization=none)")
     ap.add_argument("--rss-tolerance-mb", type=float, default=d.rss_tolerance_mb)
     ap.add_argument("--rss-tolerance-frac", type=float, default=d.rss_tolerance_frac)
     ap.add_argument("--work-dir", default=None, help="kept (default: a temp dir, removed "
@@ -314,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = replace(d, model=a.model, duration_s=a.duration_s, round_s=a.round_s,
                   clients=a.clients, seed=a.seed, faults=faults, fault_hold_s=a.fault_hold_s,
                   max_total_tokens=a.max_total_tokens, page_size=a.page_size,
-                  max_new_tokens=a.max_new_tokens, rss_tolerance_mb=a.rss_tolerance_mb,
+                  max_new_tokens=a.max_new_tokens, extra_args=tuple(a.daemon_arg),
+                  rss_tolerance_mb=a.rss_tolerance_mb,
                   rss_tolerance_frac=a.rss_tolerance_frac, work_dir=a.work_dir)
     res = run_soak(cfg)
     res["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])

@@ -201,5 +201,5 @@ def test_tool_runs_as_a_script():
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     for word in ("--duration-s", "--clients", "--seed", "--model", "--out", "--faults",
-                 "kill9", "diskfull"):
+                 "--daemon-arg", "kill9", "diskfull"):
         assert word in r.stdout
