@@ -31,15 +31,23 @@ every tier is exact (L1 / L2: used == cached, nothing locked, pinned or held by 
 tree's node residency sums to the same; L3: the index equals the files on disk, nothing
 pending); greedy check prompts give the token ids the fresh daemon gave before any traffic;
 the daemon's RSS. At the end: RSS of the last two (clean, same process) rounds within
---rss-tolerance-mb / --rss-tolerance-frac, and no traceback in the daemon's log.
+--rss-tolerance-mb / --rss-tolerance-frac, and no traceback in the daemon's log. Then the
+reference check (tools/soaklib/reference.py): a fresh daemon with the same command line and an
+empty cache computes, one request at a time, each distinct (prompt, sampling params) the soak
+sent greedy or with a seed, and every answer served for it (whole, or the prefix a cancelled,
+aborted or killed stream got) must be those tokens; each mismatch is a violation, named with
+the prompt, the answer, the first differing token, the tiers its prefix came from and the
+faults around it.
 
     .venv/bin/python tools/soak.py --duration-s 1200 --clients 8 --out soak.json --plot soak.png
     .venv/bin/python tools/soak.py --duration-s 60 --faults corrupt+delete,kill9 --model DIR
 
 --out gets requests, the status histogram (overall and per RPC), faults injected / skipped,
-TTFT p50 / p99, RSS per round (first / last), leaked slots per tier, every violation, and per
-round its faults, calls by status, TTFT p50 / p99 and RSS; --plot draws those per-round figures
-(tools/soaklib/plot.py). Exit status 0 when nothing was violated, 1 otherwise.
+TTFT p50 / p99, RSS per round (first / last), leaked slots per tier, every violation, the
+reference check (answers checked, references computed, mismatches with their prompt, served and
+expected tokens), and per round its faults, calls by status, TTFT p50 / p99 and RSS; --plot
+draws those per-round figures (tools/soaklib/plot.py). Exit status 0 when nothing was
+violated, 1 otherwise.
 
 This file runs the rounds and prints the summary; the parts live in tools/soaklib/.
 """
@@ -62,6 +70,8 @@ from typing import Any
 # run as a script (python tools/soak.py), tools/ is on sys.path but not the repo root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import grpc
+
 from engine.client import HicacheClient
 from tools.soaklib.checks import (
     check_round,
@@ -76,6 +86,12 @@ from tools.soaklib.faults import FaultInjector, fault_schedule
 from tools.soaklib.l3 import L3Dir
 from tools.soaklib.plot import plot_rounds
 from tools.soaklib.recorder import CLIENT_SIDE, DOCUMENTED, Recorder, ttft_summary
+from tools.soaklib.reference import (
+    ReferenceDaemon,
+    check_answers,
+    engine_config,
+    flag_mismatches,
+)
 from tools.soaklib.traffic import Traffic
 from tools.soaklib.workload import Workload
 
@@ -106,7 +122,9 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
             f"{', tmpfs' if l3.mounted else ''})")
         with HicacheClient(daemon.addr, timeout=RPC_TIMEOUT_S) as c:
             wl = Workload(c.model_info().vocab_size, cfg)
-            reference = greedy_outputs(c, wl.check_prompts, cfg.check_new_tokens)
+            soaked_config = engine_config(c.server_info())
+            rec.phase = "fresh daemon's check prompts"
+            reference = greedy_outputs(c, wl.check_prompts, cfg.check_new_tokens, rec=rec)
         n_rounds = max(3, round(cfg.duration_s / cfg.round_s))
         schedule = fault_schedule(cfg, n_rounds)
         traffic = Traffic(daemon.addr, cfg, wl, rec).start()
@@ -114,6 +132,7 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
         for r, group in enumerate(schedule):
             t_round = time.monotonic()
             n_calls, _ = rec.snapshot()
+            rec.phase = f"round {r} ({'+'.join(group) or 'clean'})"
             if group:
                 time.sleep(cfg.round_s * rng.uniform(0.2, 0.4))
                 for fault in group:
@@ -122,6 +141,7 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
             time.sleep(max(0.0, t_round + cfg.round_s - time.monotonic()))
             traffic.pause()
             faults.drain_check()
+            rec.phase += " end-of-round check"
             with HicacheClient(daemon.addr, timeout=RPC_TIMEOUT_S) as c:
                 info = check_round(c, rec, wl, reference, l3,
                                    label=f"round {r} {'+'.join(group) or 'clean'}: ")
@@ -139,6 +159,7 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
         rc = daemon.stop()
         if rc != 0:
             rec.violate("shutdown", f"exit status {rc} after the final SIGTERM")
+        result["reference_check"] = _reference_check(cfg, work, rec, soaked_config, log)
     finally:
         if traffic is not None:
             traffic.pauser.stop()
@@ -154,6 +175,46 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
     if own_dir and result["passed"]:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def _reference_check(cfg: SoakConfig, work: Path, rec: Recorder, soaked: dict[str, str],
+                     log: Callable[[str], None]) -> dict[str, Any]:
+    """Every answer against its prompt computed alone on a fresh daemon (after the soaked one
+    stopped: the cores are the reference's); mismatches are violations."""
+    ref = ReferenceDaemon(cfg, work)
+    try:
+        took = ref.start()
+        theirs = ref.engine_config()
+        differ = sorted(k for k in soaked.keys() | theirs.keys() if soaked.get(k) != theirs.get(k))
+        if differ:
+            rec.violate("reference check", "the reference daemon's ServerArgs differ: " + ", ".join(
+                f"{k} {soaked.get(k)} vs {theirs.get(k)}" for k in differ))
+            return {"error": f"ServerArgs differ: {differ}"}
+        log(f"reference daemon SERVING after {took:.1f}s: {len(rec.answers)} answers to check")
+
+        def progress(done: int, total: int) -> None:
+            if done % max(1, total // 10) == 0:
+                log(f"  references {done}/{total}")
+
+        report = check_answers(rec.answers, ref.compute, rec.faults, progress)
+        rc = ref.stop()
+        if rc != 0:
+            rec.violate("shutdown", f"the reference daemon's exit status {rc}")
+    except (grpc.RpcError, RuntimeError) as e:
+        rec.violate("reference check", f"{type(e).__name__}: {e}"[:500])
+        return {"error": str(e)[:500]}
+    finally:
+        proc = ref.daemon.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in ref.log_problems():
+            if "Traceback" in p:
+                rec.violate("daemon log", f"reference {p}")
+    flag_mismatches(rec, report)
+    log(f"reference check: {report.checked} answers against {report.references} references "
+        f"in {report.seconds:.0f}s, {len(report.mismatches)} mismatches")
+    return report.to_dict()
 
 
 def _summary(cfg: SoakConfig, rec: Recorder, faults: FaultInjector,
@@ -179,6 +240,7 @@ def _summary(cfg: SoakConfig, rec: Recorder, faults: FaultInjector,
                          "max": {t: max((abs(r["leaks"].get(t, 0)) for r in rounds), default=0)
                                  for t in ("l1", "l2", "l3")}},
         "greedy_mismatches": sum(r.get("greedy_mismatches", 0) for r in rounds),
+        "reference_mismatches": len(rec.violations.get("reference mismatch", [])),
         "rounds": rounds,
         "daemon_log_problems": log_problems[:50],
         "violations": violations,
@@ -200,6 +262,16 @@ def format_summary(res: dict[str, Any]) -> str:
         (f"  leaked slots (last round): {res['leaked_slots']['last_round']}; greedy "
          f"mismatches: {res['greedy_mismatches']}"),
     ]
+    ref = res.get("reference_check", {})
+    if "checked" in ref:
+        lines.append(
+            f"  against the prompt alone on a fresh daemon: {ref['checked']} answers checked "
+            f"({ref['greedy']} greedy, {ref['seeded']} seeded; {ref['whole']} whole, "
+            f"{ref['partial']} partial; prefix from {ref['served_from']}) against "
+            f"{ref['references']} references in {ref['seconds']:.0f}s, "
+            f"{ref['mismatch_count']} mismatches ({ref['unseeded']} unseeded not checked)")
+    elif ref:
+        lines.append(f"  reference check not done: {ref.get('error')}")
     for kind, v in res["violations"].items():
         lines.append(f"  VIOLATION {kind} x{v['count']}: {v['examples'][0]}")
     lines.append("PASSED" if res["passed"] else "FAILED")
@@ -227,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     ap.add_argument("--page-size", type=int, default=d.page_size)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--daemon-arg", action="append", default=[], help="an extra `hicache "
+                    "serve` argument, for the soaked and the reference daemon alike "
+                    "(repeatable; e.g. --daemon-arg=--quantization=none)")
     ap.add_argument("--rss-tolerance-mb", type=float, default=d.rss_tolerance_mb)
     ap.add_argument("--rss-tolerance-frac", type=float, default=d.rss_tolerance_frac)
     ap.add_argument("--work-dir", default=None, help="kept (default: a temp dir, removed "
@@ -242,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = replace(d, model=a.model, duration_s=a.duration_s, round_s=a.round_s,
                   clients=a.clients, seed=a.seed, faults=faults, fault_hold_s=a.fault_hold_s,
                   max_total_tokens=a.max_total_tokens, page_size=a.page_size,
-                  max_new_tokens=a.max_new_tokens, rss_tolerance_mb=a.rss_tolerance_mb,
+                  max_new_tokens=a.max_new_tokens, extra_args=tuple(a.daemon_arg),
+                  rss_tolerance_mb=a.rss_tolerance_mb,
                   rss_tolerance_frac=a.rss_tolerance_frac, work_dir=a.work_dir)
     res = run_soak(cfg)
     res["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])

@@ -3,7 +3,9 @@ clients (multi-turn prompts over shared prefixes, cancels, short deadlines, Abor
 request ids) with admin RPCs alongside, and faults: L3 files corrupted and deleted, the L3
 filesystem read-only and full, kill -9 and restart on the same L3 dir, SIGTERM drain. After each
 round: only documented status codes, SERVING, exact KV accounting per tier, greedy outputs equal
-to the fresh daemon's; RSS flat over the last two rounds.
+to the fresh daemon's; RSS flat over the last two rounds; at the end, every greedy or seeded
+answer (whole or cut short) equal to its prompt computed alone on a fresh daemon at the same
+settings (tools/soaklib/reference.py).
 
 A storage backend that stalls cannot be chosen in a daemon subprocess (backends are named: file,
 redis), so that fault runs in an in-process daemon whose file L3 sits behind
@@ -70,6 +72,15 @@ def test_soak_with_faults(tiny_llama_dir, tmp_path):
         assert done.get(fault) == 1 or fault in res["faults_skipped"], res["faults_skipped"]
     assert all(r["leaks"] == {"l1": 0, "l2": 0, "l3": 0} for r in res["rounds"])
     assert res["greedy_mismatches"] == 0
+    ref = res["reference_check"]
+    assert ref["mismatch_count"] == 0 and res["reference_mismatches"] == 0
+    # the workload's sampled requests all carry a seed: every answer with a token is checked
+    assert ref["unseeded"] == 0 and ref["checked"] + ref["empty"] == ref["answers"]
+    assert ref["checked"] > 100 and ref["seeded"] > 0 and ref["partial"] > 0
+    assert ref["references"] <= ref["checked"]
+    # answers whose prefix came from the lower tiers were among them
+    assert ref["served_from"].get("l1", 0) > 0, ref["served_from"]
+    assert ref["served_from"].get("l2", 0) + ref["served_from"].get("l3", 0) > 0
     assert res["rss"]["flat"] is True, res["rss"]
     assert len(res["rounds"]) == 7
 
@@ -190,5 +201,5 @@ def test_tool_runs_as_a_script():
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     for word in ("--duration-s", "--clients", "--seed", "--model", "--out", "--faults",
-                 "kill9", "diskfull"):
+                 "--daemon-arg", "kill9", "diskfull"):
         assert word in r.stdout

@@ -1,5 +1,6 @@
 """One recorded call: a Generate stream checked for its shape (one ``complete``, a finish
-reason, usage equal to the tokens streamed, the length asked for), or a unary admin call."""
+reason, usage equal to the tokens streamed, the length asked for) and its answer kept for the
+reference check, or a unary admin call."""
 
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def stream_generate(rec: Recorder, c: HicacheClient, ids: list[int], variant: st
     rec.record(Call("Generate", variant, res.code, t0, res.end,
                     ttft=(first_token - t0) if first_token and variant == "plain" else None,
                     first=res.first), allowed | {"OK"}, res.abort_message)
+    rec.answer(variant, ids, sampling, res.ids, code=res.code, finish=res.finish, rid=rid,
+               namespace=ns, cached=usage_tiers(usage), t0=t0, t1=res.end)
     if res.code == "OK":
         if res.completes != 1:
             rec.violate("stream shape", f"{variant}: {res.completes} complete messages")
@@ -79,6 +82,14 @@ def stream_generate(rec: Recorder, c: HicacheClient, ids: list[int], variant: st
                 res.finish == "LENGTH" and sampling.get("ignore_eos") and len(res.ids) != mx)):
             rec.violate("length", f"{variant}: {len(res.ids)} tokens for max_new_tokens {mx}")
     return res
+
+
+def usage_tiers(usage: Any) -> tuple[int, int, int, int] | None:
+    """(l1, l2, l3 cached tokens, prompt tokens) of a Usage message; None for None."""
+    if usage is None:
+        return None
+    t = usage.cached_tokens_per_tier
+    return (t.l1, t.l2, t.l3, usage.prompt_tokens)
 
 
 def unary(rec: Recorder, rpc: str, fn: Callable[[], Any], allowed: Iterable[str] = (),

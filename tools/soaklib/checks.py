@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from engine.client import HicacheClient
+from tools.soaklib.calls import FINISH, usage_tiers
 from tools.soaklib.config import STREAM_TIMEOUT_S, SoakConfig
 from tools.soaklib.l3 import L3Dir
 from tools.soaklib.recorder import Recorder
@@ -98,21 +99,29 @@ def _accounting_once(c: HicacheClient, l3: L3Dir | None
 
 
 def greedy_outputs(c: HicacheClient, prompts: list[list[int]], n: int,
-                   sources: list[str] | None = None) -> list[list[int]]:
+                   sources: list[str] | None = None, rec: Recorder | None = None,
+                   variant: str = "check") -> list[list[int]]:
     """Each prompt's greedy continuation; ``sources`` (when given) gets, per prompt, where its
-    cached prefix came from ("l1=.. l2=.. l3=.. of N")."""
+    cached prefix came from ("l1=.. l2=.. l3=.. of N"); ``rec`` (when given) keeps the answers
+    for the reference check."""
     out = []
+    sampling = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
     for p in prompts:
-        _, ids, done = c.generate_text(p, max_new_tokens=n, temperature=0.0, ignore_eos=True,
-                                       timeout=STREAM_TIMEOUT_S)
+        t0 = time.monotonic()
+        _, ids, done = c.generate_text(p, timeout=STREAM_TIMEOUT_S, **sampling)
         out.append(ids)
+        if rec is not None:
+            rec.answer(variant, p, sampling, ids, code="OK", finish=FINISH.get(
+                done.finish_reason, "?"), cached=usage_tiers(done.usage), t0=t0,
+                t1=time.monotonic())
         if sources is not None:
             t = done.usage.cached_tokens_per_tier
             sources.append(f"l1={t.l1} l2={t.l2} l3={t.l3} of {len(p)}")
     return out
 
 
-def _forensics(c: HicacheClient, prompt: list[int], reference: list[int], n: int) -> str:
+def _forensics(c: HicacheClient, prompt: list[int], reference: list[int], n: int,
+               rec: Recorder) -> str:
     """After a greedy mismatch: the prompt again as the cache now holds it, then from L2 only
     (L1 evicted), then from L3 only (L2 evicted too): which tier holds the wrong KV."""
     out = []
@@ -120,7 +129,7 @@ def _forensics(c: HicacheClient, prompt: list[int], reference: list[int], n: int
         for tier in tiers:
             c.evict(tier, all=True)
         sources: list[str] = []
-        ids = greedy_outputs(c, [prompt], n, sources)[0]
+        ids = greedy_outputs(c, [prompt], n, sources, rec, "forensics")[0]
         out.append(f"{step}: {'same as fresh' if ids == reference else ids} "
                    f"(cached {sources[0]})")
     return "; ".join(out)
@@ -138,13 +147,14 @@ def check_round(c: HicacheClient, rec: Recorder, wl: Workload, reference: list[l
     try:
         wait_idle(c)
         sources: list[str] = []
-        got = greedy_outputs(c, wl.check_prompts, wl.cfg.check_new_tokens, sources)
+        got = greedy_outputs(c, wl.check_prompts, wl.cfg.check_new_tokens, sources, rec)
         bad = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
         out["greedy_mismatches"] = len(bad)
         for i in bad:
             rec.violate("greedy output", f"{label}check prompt {i} (cached {sources[i]}): "
                         f"{got[i]} != fresh {reference[i]}; "
-                        + _forensics(c, wl.check_prompts[i], reference[i], wl.cfg.check_new_tokens))
+                        + _forensics(c, wl.check_prompts[i], reference[i],
+                                     wl.cfg.check_new_tokens, rec))
         wait_idle(c)
     except TimeoutError as e:
         rec.violate("not idle", f"still busy after 60 s: {e}")

@@ -26,8 +26,9 @@ def free_port() -> int:
 class DaemonProcess:
     """`hicache serve` as a subprocess on a fixed port and L3 dir; restartable."""
 
-    def __init__(self, cfg: SoakConfig, work_dir: Path, l3_dir: Path) -> None:
-        self.cfg, self.work_dir, self.l3_dir = cfg, work_dir, l3_dir
+    def __init__(self, cfg: SoakConfig, work_dir: Path, l3_dir: Path,
+                 name: str = "daemon") -> None:
+        self.cfg, self.work_dir, self.l3_dir, self.name = cfg, work_dir, l3_dir, name
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -53,7 +54,7 @@ class DaemonProcess:
                if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
         env.update(XDG_CACHE_HOME=str(self.work_dir / "xdg"), HICACHE_LOG_LEVEL="info",
                    PYTHONUNBUFFERED="1")
-        log = self.work_dir / f"daemon-{len(self.logs)}.log"
+        log = self.work_dir / f"{self.name}-{len(self.logs)}.log"
         self.logs.append(log)
         with open(log, "w") as out:
             self.proc = subprocess.Popen(self.argv(), cwd=self.work_dir, env=env, stdout=out,

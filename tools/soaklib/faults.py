@@ -43,7 +43,9 @@ class FaultInjector:
     def inject(self, fault: str) -> None:
         if not self.supported(fault):
             return
+        t0 = time.monotonic()
         getattr(self, f"_{fault}")()
+        self.rec.fault(fault, t0, time.monotonic())
         self.injected[fault] += 1
 
     def _wait_for_files(self, timeout: float = 10.0) -> None:

@@ -1,4 +1,5 @@
-"""Status bookkeeping: every call's status code and timing, the violations found, and the
+"""Status bookkeeping: every call's status code and timing, every Generate answer (the tokens
+served, for the reference check), the faults injected and when, the violations found, and the
 windows in which the daemon was down or draining (UNAVAILABLE is allowed only there)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -30,6 +32,35 @@ class Call:
     first: float | None = None  # first response received (monotonic)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """The tokens one Generate call was served, and how (tools/soaklib/reference.py checks
+    them against the same prompt computed alone)."""
+
+    seq: int  # its index in Recorder.answers
+    variant: str  # the client action: plain, cancel, deadline, abort, dup_*, check, forensics
+    rid: str
+    namespace: str
+    prompt: tuple[int, ...]
+    sampling: tuple[tuple[str, Any], ...]  # the sampling params sent, sorted by name
+    ids: tuple[int, ...]  # the tokens received (all of them when ``whole``)
+    whole: bool  # ended OK with finish STOP / LENGTH; else a prefix (cancelled, aborted, ...)
+    code: str
+    finish: str
+    # prompt tokens served from (l1, l2, l3), and the prompt's length; None without usage
+    cached: tuple[int, int, int, int] | None
+    t0: float  # monotonic
+    t1: float
+    phase: str  # the soak's phase it ended in, e.g. "round 3 (kill9)"
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    name: str
+    t0: float  # monotonic, the injection's start and end (a restart included)
+    t1: float
+
+
 class Recorder:
     """Every call's status; violations; the windows in which the daemon was down or draining."""
 
@@ -38,6 +69,12 @@ class Recorder:
         self.calls: list[Call] = []
         self.violations: dict[str, list[str]] = collections.defaultdict(list)
         self.windows: list[list[float]] = []  # [start, end]; end = inf while open
+        self.answers: list[Answer] = []
+        self.faults: list[FaultEvent] = []
+        self.phase = ""
+        # NOTE: conversations grow their prompt list in place, and one prompt is sent many
+        # times (cancels, duplicates, retries): answers share one tuple per distinct prompt.
+        self._prompts: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._local = threading.local()
 
     def open_window(self) -> int:
@@ -69,6 +106,25 @@ class Recorder:
             return
         kind = "undocumented status" if call.code not in DOCUMENTED else "unexpected status"
         self.violate(kind, f"{call.rpc}/{call.variant}: {call.code} {detail}"[:300])
+
+    def answer(self, variant: str, prompt: Iterable[int], sampling: dict[str, Any],
+               ids: Iterable[int], *, code: str, finish: str, rid: str = "",
+               namespace: str = "", cached: tuple[int, int, int, int] | None = None,
+               t0: float, t1: float) -> Answer:
+        """Keeps what one Generate call was served (``finish``: STOP / LENGTH / ABORT, or ""
+        when no ``complete`` arrived)."""
+        key = tuple(prompt)
+        whole = code == "OK" and finish in ("STOP", "LENGTH")
+        with self._lock:
+            a = Answer(len(self.answers), variant, rid, namespace,
+                       self._prompts.setdefault(key, key), tuple(sorted(sampling.items())),
+                       tuple(ids), whole, code, finish, cached, t0, t1, self.phase)
+            self.answers.append(a)
+        return a
+
+    def fault(self, name: str, t0: float, t1: float) -> None:
+        with self._lock:
+            self.faults.append(FaultEvent(name, t0, t1))
 
     def take_unavailable(self) -> bool:
         """Whether this thread saw UNAVAILABLE since it last asked."""
