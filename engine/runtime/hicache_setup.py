@@ -7,7 +7,6 @@ import logging
 import os
 from typing import Any
 
-
 from engine.config import ServerArgs
 from hicache.controller import HiCacheController
 from hicache.hiradix_cache import HiRadixCache

@@ -44,12 +44,12 @@ QUESTIONS = ["What are the three tiers? Answer in one sentence.",
              "What happens when memory is short?",
              "Summarise the text in five words."]
 OTHERS = [
-    "Write a short poem about the sea. It should have four lines, mention the tide, the wind and "
+    ("Write a short poem about the sea. It should have four lines, mention the tide, the wind and "
     "a lighthouse, and end on a hopeful note. Avoid rhyming the first and last lines, and keep "
-    "each line under ten words so that it reads well aloud to a child at bedtime.",
-    "List four prime numbers between ten and fifty, and for each one explain in a sentence why "
+    "each line under ten words so that it reads well aloud to a child at bedtime."),
+    ("List four prime numbers between ten and fifty, and for each one explain in a sentence why "
     "it has no divisors other than one and itself. Then say which of them is the sum of two "
-    "other primes from your list, if any, and show the addition step by step.",
+    "other primes from your list, if any, and show the addition step by step."),
 ]
 
 
@@ -110,7 +110,7 @@ def _wait_in_l3(eng: Engine, prompts: list[list[int]]) -> None:
         want = (len(p) - 1) // size * size
         eng.call_in_scheduler(lambda s: cache_admin.settle(s.tree_cache))
         deadline = time.monotonic() + 60
-        while eng.call_in_scheduler(lambda s: s.tree_cache.storage_prefix_len(p)) < want:
+        while eng.call_in_scheduler(lambda s, p=p: s.tree_cache.storage_prefix_len(p)) < want:
             assert time.monotonic() < deadline, "the L3 backups did not land"
             time.sleep(0.02)
 
@@ -159,12 +159,13 @@ TIER_CASES = {"auto": [(16, 256, "layer_first"), (64, 64, "page_first")],
 def test_same_answer_alone_batched_and_from_every_tier(quantization, tmp_path):
     prompts, ref = _alone_batched_l1(quantization)
     for page_size, chunk, layout in TIER_CASES[quantization]:
-        opts = dict(quantization=quantization, page_size=page_size, chunked_prefill_size=chunk,
-                    max_total_tokens=8192, enable_hierarchical_cache=True,
-                    hicache_mem_layout=layout, hicache_storage_backend="file",
-                    hicache_storage_dir=str(tmp_path / f"kv{page_size}"),
-                    hicache_storage_prefetch_policy="wait_complete",
-                    hicache_prefetch_threshold=0, debug_check_invariants=True)
+        opts = {"quantization": quantization, "page_size": page_size,
+                "chunked_prefill_size": chunk, "max_total_tokens": 8192,
+                "enable_hierarchical_cache": True, "hicache_mem_layout": layout,
+                "hicache_storage_backend": "file",
+                "hicache_storage_dir": str(tmp_path / f"kv{page_size}"),
+                "hicache_storage_prefetch_policy": "wait_complete",
+                "hicache_prefetch_threshold": 0, "debug_check_invariants": True}
         where = f"page {page_size}, chunk {chunk}, {layout}"
         with Engine(**opts) as eng:
             rec = Recorder(eng)
