@@ -712,6 +712,48 @@ class StallMidSweep:
             _resume(self.stalled)
 
 
+def test_a_stall_mid_sweep_keeps_the_last_complete_counts(
+        target: ValkeyServer | ValkeyCluster, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A server that stops answering in the middle of a sweep for longer than the socket
+    timeout: an outage (one warning), and the sweep is dropped: the counts stay those of the
+    last complete sweep plus this process's own changes, not the part of the sweep counted
+    before the stall (another process's new object is not there yet). The next sweep after the
+    backoff counts everything."""
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    name = scope()
+    writer = patient(target.url, name)
+    keys = [f"k{i}" for i in range(24)]
+    values = [bytes([i]) * (i + 1) for i in range(24)]
+    assert all(writer.batch_set(keys, values))
+    b = RedisStorageBackend(target.url, name, socket_timeout_s=1.0)
+    try:
+        b.reconcile()
+        payload = sum(len(v) for v in values)
+        assert (b.stats()["objects"], b.stats()["bytes"]) == (24, payload)
+        assert writer.set("twin", b"12345")  # another process's write: for the next sweep
+        b.delete(keys[0])
+        stall = StallMidSweep(monkeypatch, b, target)
+        try:
+            with caplog.at_level(logging.INFO, logger=LOGGER):
+                b.reconcile()  # one socket timeout, then the outage
+        finally:
+            stall.resume()
+        assert stall.stalled is not None and stall.counted_before > 0
+        s = b.stats()
+        assert (s["objects"], s["bytes"]) == (23, payload - 1)
+        assert s["outages"] == 1 and s["connected"] == 0
+        warned = our_warnings(caplog)
+        assert len(warned) == 1 and "unreachable" in warned[0].getMessage()
+        wait_backoff(b)
+        b.reconcile()
+        s = b.stats()
+        assert (s["objects"], s["bytes"]) == (24, payload - 1 + 5)
+        assert s["outages"] == 1 and s["connected"] == 1
+    finally:
+        writer.clear()
+
+
 def test_a_sweep_waits_out_a_stall_shorter_than_its_socket_timeout(
         target: ValkeyServer | ValkeyCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that stalls mid-sweep for longer than the default socket timeout, but not as
