@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 
 META_VERSION = 2
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
+# a server that answers nothing for SOCKET_TIMEOUT_S is down (an outage): the serving path
+# waits at most this long for L3 before it goes on from L1/L2
+SOCKET_TIMEOUT_S, CONNECT_TIMEOUT_S = 2.0, 1.0
 RECONCILE_MAX_KEYS = 100_000  # metadata keys one reconcile pass scans; a sweep resumes after
 SCAN_COUNT = 1000
 CLEAR_CHUNK = 500
@@ -206,7 +209,8 @@ class RedisStorageBackend(StorageBackend):
     """
 
     def __init__(self, url: str, scope: str, key_prefix: str = "hicache",
-                 socket_timeout_s: float = 2.0, connect_timeout_s: float = 1.0,
+                 socket_timeout_s: float = SOCKET_TIMEOUT_S,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  max_connections: int = 16) -> None:
         for what, name in (("key_prefix", key_prefix), ("scope", scope)):
             if not isinstance(name, str) or not _NAME.match(name):
@@ -451,7 +455,11 @@ class RedisStorageBackend(StorageBackend):
         """Count this scope's objects and payload bytes (SCAN of the metadata keys, STRLEN of
         their payloads, pipelined per page) and read maxmemory / evicted_keys from INFO. One pass
         scans at most ``RECONCILE_MAX_KEYS`` keys; a larger store is swept over several passes
-        and the counts are published when a sweep completes. Nothing to drop locally: 0."""
+        and the counts are published when a sweep completes. A pass that fails (the server does
+        not answer within the socket timeout: an outage; or it refuses a command) drops its
+        sweep: the counts stay those of the last complete sweep plus this process's own changes,
+        never a part of a sweep; the next pass starts over.
+        Nothing to drop locally: 0."""
         with self._reconcile_lock:
             self._run("reconcile", self._reconcile_pass)
         return 0

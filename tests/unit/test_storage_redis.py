@@ -54,6 +54,21 @@ def scope() -> str:
     return uuid.uuid4().hex[:16]
 
 
+# NOTE: the backend's socket timeout (redis_mod.SOCKET_TIMEOUT_S, 2 s) is its outage detector: a
+# server that answers nothing for that long is down. A busy test machine can stall a server
+# process that long; the backend then rightly declares an outage, which a test that is not about
+# outages would read as wrong counts or failed writes. Such tests wait this long instead; the
+# tests that hang a server on purpose set their own short timeout.
+PATIENT_TIMEOUT_S = 60.0
+
+
+def patient(url: str, scope_: str | None = None, key_prefix: str = "hicache"
+            ) -> RedisStorageBackend:
+    """A backend for a test that is not about outages (see ``PATIENT_TIMEOUT_S``)."""
+    return RedisStorageBackend(url, scope_ or scope(), key_prefix=key_prefix,
+                               socket_timeout_s=PATIENT_TIMEOUT_S)
+
+
 def wait_backoff(b: RedisStorageBackend) -> None:
     """Sleep until the backend's backoff deadline (one sleep, no polling)."""
     time.sleep(b.stats()["retry_in_ms"] / 1000 + 0.01)
@@ -106,14 +121,14 @@ def target(request: pytest.FixtureRequest) -> ValkeyServer | ValkeyCluster:
 
 @pytest.fixture
 def backend(target: ValkeyServer | ValkeyCluster) -> Iterator[RedisStorageBackend]:
-    b = RedisStorageBackend(target.url, scope())
+    b = patient(target.url)
     yield b
     b.clear()
 
 
 @pytest.fixture
 def single(shared_server: ValkeyServer) -> Iterator[RedisStorageBackend]:
-    b = RedisStorageBackend(shared_server.url, scope())
+    b = patient(shared_server.url)
     yield b
     b.clear()
 
@@ -173,7 +188,7 @@ def test_rewrite_is_idempotent_and_not_double_counted(backend: RedisStorageBacke
 
 def test_describe_and_key_layout(shared_server: ValkeyServer) -> None:
     s = scope()
-    b = RedisStorageBackend(shared_server.url, s, key_prefix="team-a")
+    b = patient(shared_server.url, s, key_prefix="team-a")
     assert b.describe() == {"backend": "redis", "address": shared_server.url,
                             "key_prefix": f"team-a:{s}"}
     assert b.set("k0", b"v")
@@ -184,7 +199,7 @@ def test_describe_and_key_layout(shared_server: ValkeyServer) -> None:
 
 def test_cluster_spreads_objects_and_keeps_pairs_together(
         valkey_cluster: ValkeyCluster) -> None:
-    b = RedisStorageBackend(valkey_cluster.url, scope())
+    b = patient(valkey_cluster.url)
     assert b.describe()["backend"] == "redis-cluster"
     keys, parents = chain(30)
     assert all(b.batch_set(keys, [tensor(i, shape=(4,)) for i in range(30)], parents))
@@ -199,9 +214,9 @@ def test_cluster_spreads_objects_and_keeps_pairs_together(
 # ---- clear is scoped ---------------------------------------------------------------------------
 def test_clear_leaves_other_scopes_and_prefixes(target: ValkeyServer | ValkeyCluster) -> None:
     s = scope()
-    mine = RedisStorageBackend(target.url, s)
-    other_scope = RedisStorageBackend(target.url, scope())
-    other_prefix = RedisStorageBackend(target.url, s, key_prefix="other")
+    mine = patient(target.url, s)
+    other_scope = patient(target.url)
+    other_prefix = patient(target.url, s, key_prefix="other")
     keys, parents = chain(4)
     for b in (mine, other_scope, other_prefix):
         assert all(b.batch_set(keys, [tensor(i) for i in range(4)], parents))
@@ -337,7 +352,7 @@ def test_maxmemory_eviction_never_returns_wrong_data(valkey_server: ValkeyServer
     plain = valkey_server.client()
     plain.config_set("maxmemory", 4 << 20)
     plain.config_set("maxmemory-policy", "allkeys-lru")
-    b = RedisStorageBackend(valkey_server.url, scope())
+    b = patient(valkey_server.url)
     values = [tensor(i, shape=(64, 1024)) for i in range(40)]  # 256 KiB each, 10 MiB total
     keys = [f"k{i}-{uuid.uuid4().hex}" for i in range(40)]
     for i in range(0, 40, 4):
@@ -363,7 +378,7 @@ def test_noeviction_oom_fails_writes_and_logs_once(
     used = plain.info("memory")["used_memory"]
     plain.config_set("maxmemory", used + (1 << 20))
     plain.config_set("maxmemory-policy", "noeviction")
-    b = RedisStorageBackend(valkey_server.url, scope())
+    b = patient(valkey_server.url)
     values = [tensor(i, shape=(64, 1024)) for i in range(12)]  # 3 MiB > the 1 MiB left
     keys = [f"k{i}" for i in range(12)]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -404,7 +419,7 @@ def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp
     try:
         url = f"rediss://127.0.0.1:{front.port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
         name = scope()
-        b = RedisStorageBackend(url, name)
+        b = patient(url, name)
         keys, parents = chain(3)
         values = [tensor(i) for i in range(3)]
         assert b.batch_set(keys, values, parents) == [True] * 3
@@ -412,7 +427,7 @@ def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp
         assert b.batch_exists(keys) == 3 and b.stats()["errors"] == 0
         assert b.describe()["address"].startswith("rediss://127.0.0.1:")
         # the same objects through the plain port: TLS carried the real server's data
-        assert RedisStorageBackend(shared_server.url, name).batch_exists(keys) == 3
+        assert patient(shared_server.url, name).batch_exists(keys) == 3
         b.clear()
 
         monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)
@@ -447,8 +462,7 @@ def test_rediss_cluster_over_tls(tmp_path) -> None:
             assert time.monotonic() < deadline, "the announced ports did not spread"
             time.sleep(0.1)
         hosts = ",".join(f"127.0.0.1:{f.port}" for f in fronts)
-        b = RedisStorageBackend(
-            f"rediss-cluster://{hosts}?ssl_ca_certs={tmp_path / 'ca.pem'}", scope())
+        b = patient(f"rediss-cluster://{hosts}?ssl_ca_certs={tmp_path / 'ca.pem'}")
         assert b.describe()["backend"] == "redis-cluster"
         keys, parents = chain(12)
         values = [tensor(i) for i in range(12)]
@@ -478,7 +492,7 @@ def test_server_down_answers_at_once_without_network(
         valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)  # no retry during this test
-    b = RedisStorageBackend(valkey_server.url, scope())
+    b = patient(valkey_server.url)
     keys, parents = chain(3)
     assert all(b.batch_set(keys, [tensor(i) for i in range(3)], parents))
     b.reconcile()
@@ -511,7 +525,7 @@ def test_restart_recovers_after_backoff(valkey_server: ValkeyServer,
                                         monkeypatch: pytest.MonkeyPatch,
                                         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
-    b = RedisStorageBackend(valkey_server.url, scope())
+    b = patient(valkey_server.url)
     keys, parents = chain(2)
     assert all(b.batch_set(keys, [tensor(0), tensor(1)], parents))
     valkey_server.stop()
@@ -534,7 +548,7 @@ def test_starts_while_server_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
     server = ValkeyServer()  # not started yet
     try:
-        b = RedisStorageBackend(server.url, scope())  # no I/O at construction
+        b = patient(server.url)  # no I/O at construction
         assert b.batch_exists(["k"]) == 0 and b.stats()["connected"] == 0
         assert b.stats()["outages"] == 1
         server.start()
@@ -645,7 +659,7 @@ def test_stats_and_reconcile_agree_with_the_server(backend: RedisStorageBackend,
     backend.reconcile()
     assert (backend.stats()["objects"], backend.stats()["bytes"]) == (6, payload)
     # another process's write (same scope) shows up at the next sweep
-    twin = RedisStorageBackend(target.url, backend.namespace.split(":")[1])
+    twin = patient(target.url, backend.namespace.split(":")[1])
     assert twin.set("twin" + uuid.uuid4().hex, b"12345")
     backend.delete(keys[0])
     assert backend.stats()["objects"] == 5
@@ -658,6 +672,111 @@ def test_stats_and_reconcile_agree_with_the_server(backend: RedisStorageBackend,
     assert backend.stats()["objects"] == 0
     backend.reconcile()
     assert (backend.stats()["objects"], backend.stats()["bytes"]) == (0, 0)
+
+
+class StallMidSweep:
+    """Stops (SIGSTOP) the server that ``backend``'s sweep scans next, once the sweep has counted
+    some objects: the server stalls in the middle of a sweep, as a busy machine or another
+    client's slow command can make it. A timer resumes it after ``resume_after_s`` (None: only
+    ``resume()`` does)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, backend: RedisStorageBackend,
+                 target: ValkeyServer | ValkeyCluster, resume_after_s: float | None = None
+                 ) -> None:
+        self.stalled: ValkeyServer | None = None
+        self.counted_before = 0  # objects the sweep had counted when the server stalled
+        self._timer: threading.Timer | None = None
+        servers = target.nodes if isinstance(target, ValkeyCluster) else [target]
+        real_scan = backend._scan
+
+        def scan(client: object, node: object, cursor: int, match: str
+                 ) -> tuple[int, list[bytes]]:
+            sweep = backend._sweep
+            if self.stalled is None and sweep is not None and sweep.objects > 0:
+                port = getattr(node, "port", None)  # None: the single server
+                self.stalled = next(s for s in servers if port is None or s.port == port)
+                self.counted_before = sweep.objects
+                _hang(self.stalled)
+                if resume_after_s is not None:
+                    self._timer = threading.Timer(resume_after_s, _resume, (self.stalled,))
+                    self._timer.start()
+            return real_scan(client, node, cursor, match)
+
+        monkeypatch.setattr(backend, "_scan", scan)
+        monkeypatch.setattr(redis_mod, "SCAN_COUNT", 2)  # a sweep of several pages per server
+
+    def resume(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.stalled is not None:
+            _resume(self.stalled)
+
+
+def test_a_stall_mid_sweep_keeps_the_last_complete_counts(
+        target: ValkeyServer | ValkeyCluster, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A server that stops answering in the middle of a sweep for longer than the socket
+    timeout: an outage (one warning), and the sweep is dropped: the counts stay those of the
+    last complete sweep plus this process's own changes, not the part of the sweep counted
+    before the stall (another process's new object is not there yet). The next sweep after the
+    backoff counts everything."""
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    name = scope()
+    writer = patient(target.url, name)
+    keys = [f"k{i}" for i in range(24)]
+    values = [bytes([i]) * (i + 1) for i in range(24)]
+    assert all(writer.batch_set(keys, values))
+    b = RedisStorageBackend(target.url, name, socket_timeout_s=1.0)
+    try:
+        b.reconcile()
+        payload = sum(len(v) for v in values)
+        assert (b.stats()["objects"], b.stats()["bytes"]) == (24, payload)
+        assert writer.set("twin", b"12345")  # another process's write: for the next sweep
+        b.delete(keys[0])
+        stall = StallMidSweep(monkeypatch, b, target)
+        try:
+            with caplog.at_level(logging.INFO, logger=LOGGER):
+                b.reconcile()  # one socket timeout, then the outage
+        finally:
+            stall.resume()
+        assert stall.stalled is not None and stall.counted_before > 0
+        s = b.stats()
+        assert (s["objects"], s["bytes"]) == (23, payload - 1)
+        assert s["outages"] == 1 and s["connected"] == 0
+        warned = our_warnings(caplog)
+        assert len(warned) == 1 and "unreachable" in warned[0].getMessage()
+        wait_backoff(b)
+        b.reconcile()
+        s = b.stats()
+        assert (s["objects"], s["bytes"]) == (24, payload - 1 + 5)
+        assert s["outages"] == 1 and s["connected"] == 1
+    finally:
+        writer.clear()
+
+
+def test_a_sweep_waits_out_a_stall_shorter_than_its_socket_timeout(
+        target: ValkeyServer | ValkeyCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that stalls mid-sweep for longer than the default socket timeout, but not as
+    long as this backend's: the sweep waits, reads the late replies and counts every object,
+    and nothing is an outage. (The tests that are not about outages rely on this: their
+    backends' patience is what keeps a slow moment of the machine out of their results.)"""
+    assert PATIENT_TIMEOUT_S > redis_mod.SOCKET_TIMEOUT_S + 1.0
+    b = patient(target.url)
+    keys = [f"k{i}" for i in range(24)]
+    values = [bytes([i]) * (i + 1) for i in range(24)]
+    assert all(b.batch_set(keys, values))
+    twin = patient(target.url, b.namespace.split(":")[1])
+    assert twin.set("twin", b"12345")
+    stall = StallMidSweep(monkeypatch, b, target, resume_after_s=redis_mod.SOCKET_TIMEOUT_S + 0.5)
+    try:
+        b.reconcile()
+        assert stall.stalled is not None and stall.counted_before > 0
+        s = b.stats()
+        assert (s["objects"], s["bytes"]) == (25, sum(len(v) for v in values) + 5)
+        assert s["outages"] == 0 and s["errors"] == 0 and s["connected"] == 1
+    finally:
+        stall.resume()
+        twin.clear()  # the scope's keys (b's own counts are asserted above)
 
 
 def test_reconcile_leaves_the_servers_lru_alone(backend: RedisStorageBackend,
@@ -682,7 +801,7 @@ def test_reconcile_sweeps_over_several_passes(single: RedisStorageBackend,
     monkeypatch.setattr(redis_mod, "SCAN_COUNT", 3)
     keys = [f"k{i}" for i in range(30)]
     assert all(single.batch_set(keys, [b"abc"] * 30))
-    fresh = RedisStorageBackend(single.target.url, single.namespace.split(":")[1])
+    fresh = patient(single.target.url, single.namespace.split(":")[1])
     fresh.reconcile()
     assert fresh.stats()["objects"] == 0  # 30 metadata keys > 5: the sweep goes on
     for _ in range(30):  # bounded: each pass scans at least a page
@@ -693,7 +812,7 @@ def test_reconcile_sweeps_over_several_passes(single: RedisStorageBackend,
 
 
 def test_capacity_is_the_server_maxmemory(valkey_server: ValkeyServer) -> None:
-    b = RedisStorageBackend(valkey_server.url, scope())
+    b = patient(valkey_server.url)
     b.reconcile()
     assert b.stats()["capacity_bytes"] == 0  # unlimited
     valkey_server.client().config_set("maxmemory", 64 << 20)
@@ -706,7 +825,7 @@ def test_capacity_is_the_server_maxmemory(valkey_server: ValkeyServer) -> None:
 def test_password_protected_server_and_describe_hides_it() -> None:
     server = ValkeyServer(password="s3cret-pw").start()
     try:
-        b = RedisStorageBackend(server.url, scope())
+        b = patient(server.url)
         assert b.set("k", b"v") and b.get("k") == b"v"
         d = b.describe()
         assert "s3cret-pw" not in str(d) and str(server.port) in d["address"]
@@ -810,7 +929,7 @@ def test_random_operations_match_a_model(shared_server: ValkeyServer,
                                          ops: list[tuple[str, list[int], int]]) -> None:
     """set / get / delete / exists against a dict of key -> (value, parent); a get that misses
     also drops the batch's later keys chained after the missing one."""
-    b = RedisStorageBackend(shared_server.url, scope())
+    b = patient(shared_server.url)
     model: dict[str, tuple[object, str | None]] = {}
     names = [f"key{i}" for i in range(8)]
     try:
