@@ -1,13 +1,16 @@
-"""In-process CPU decode step time: the model runner alone (no scheduler, no processes), on the
-embedded model, per batch size and context length, for the fused decode stack (one C call per
-step), the per-module path (same kernels, Python per layer) and optionally the dense reference.
+"""In-process CPU step time: the model runner alone (no scheduler, no processes), on the
+embedded model. Decode per batch size and context length, for the fused decode stack (one C call
+per step), the per-module path (same kernels, Python per layer) and optionally the dense path;
+against the step's physical floor (the bytes of weights one step reads over this machine's
+measured read bandwidth); and a cold prefill of ``--prefill`` tokens.
 
     python tools/bench_cpu_decode.py [--batch 1,4,16] [--context 100,1000] [--steps 30]
-        [--dense] [--out docs/bench_cpu_decode.json]
+        [--dense] [--prefill 2048] [--arg name=value ...] [--out docs/bench_cpu_decode.json]
 
 Each configuration fills its context with module-path steps first, checks that one fused step's
 logits equal the module step's, then times ``--steps`` steps of each path alternately (twice, the
-faster pass counts: this VM's speed drifts). Threads: torch's default (all cores).
+faster pass counts: this VM's speed drifts). Threads: torch's default (all cores). ``--arg``
+passes an engine option (ServerArgs) to every runner, e.g. to time an older commit's options.
 """
 
 from __future__ import annotations
@@ -75,21 +78,100 @@ def measure(runner: ModelRunner, bs: int, ctx: int, steps: int) -> dict[str, flo
     return out
 
 
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """This machine's read bandwidth in GB/s: the best of ``reps`` sums of a ``gib`` buffer
+    (all threads; larger than any cache)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of weights a decode step reads: every product's weights (packed panels, or the
+    dense / quantized tensors) once; the embedding lookup reads one row per token, not counted."""
+    seen: set[int] = set()
+    total = 0
+    for module in runner.model.modules():
+        panels = getattr(module, "panels", None)
+        tensors = [panels.data] if panels is not None else [
+            t for name, t in list(module.named_parameters(recurse=False))
+            + list(module.named_buffers(recurse=False))
+            if t is not None and name != "cos_sin_cache"]
+        if type(module).__name__ == "Embedding":
+            continue
+        for t in tensors:
+            if t.data_ptr() not in seen and t.numel():
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def prefill(runner: ModelRunner, n: int, reps: int = 3) -> float:
+    """Seconds of the best of ``reps`` cold prefills of ``n`` tokens (one EXTEND forward)."""
+    ids = torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n))
+    best = float("inf")
+    for _ in range(reps):
+        row = runner.req_to_token_pool.alloc(1)[0]
+        slots = runner.allocator.alloc(n)
+        runner.req_to_token_pool.req_to_token[row, :n] = slots.to(torch.int32)
+        fb = ForwardBatch(
+            ForwardMode.EXTEND, 1, ids, torch.arange(n), slots, torch.tensor([row]),
+            torch.tensor([n]), torch.tensor([0]), torch.tensor([n]), [n], [0], [n],
+            runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)  # fmt: skip
+        with torch.inference_mode():
+            t = time.perf_counter()
+            runner.forward(fb)
+            best = min(best, time.perf_counter() - t)
+        runner.allocator.free(slots)
+        runner.req_to_token_pool.free(row)
+    return best
+
+
+def _value(text: str) -> int | float | bool | str:
+    """An option's value from the command line: a number, true / false, or the string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text, text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", default="1,4,16")
     p.add_argument("--context", default="100,1000")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--dense", action="store_true", help="also time quantization=none")
+    p.add_argument("--prefill", type=int, default=0, help="also time a cold prefill of N tokens")
+    p.add_argument("--arg", action="append", default=[], help="engine option name=value")
     p.add_argument("--out", default="")
     a = p.parse_args()
-    batches = [int(x) for x in a.batch.split(",")]
-    contexts = [int(x) for x in a.context.split(",")]
-    need = max(batches) * (max(contexts) + 2 * a.steps + 4) + 64
-    results = {"machine": machine(), "rows": []}
+    batches = [int(x) for x in a.batch.split(",")] if a.batch else []
+    contexts = [int(x) for x in a.context.split(",")] if a.context else []
+    need = max(batches, default=1) * (max(contexts, default=0) + 2 * a.steps + 4) + 64
+    need = max(need, a.prefill + 64)
+    extra = {k: _value(v) for k, v in (kv.split("=", 1) for kv in a.arg)}
+    bw = read_bandwidth()
+    results = {"machine": machine(), "read_bandwidth_gb_s": bw, "rows": []}
+    print(f"read bandwidth {bw:.1f} GB/s", flush=True)
     for quant in ["int4"] + (["none"] if a.dense else []):
-        runner = ModelRunner(ServerArgs(quantization=quant, max_total_tokens=need))
+        runner = ModelRunner(ServerArgs(quantization=quant, max_total_tokens=need, **extra))
         info = runner.model_info()
+        wb = weight_bytes(runner)
+        floor_ms = wb / (bw * 1e9) * 1e3
+        results.setdefault("floor", {})[quant] = {"weight_bytes": wb, "floor_ms": floor_ms}
+        print(f"{quant}: {wb / 1e6:.1f} MB of weights a decode step: floor {floor_ms:.2f} ms "
+              f"({1e3 / floor_ms:.0f} steps/s)", flush=True)
+        if a.prefill:
+            sec = prefill(runner, a.prefill)
+            results.setdefault("prefill", {})[quant] = {"tokens": a.prefill, "seconds": sec}
+            print(f"{quant}: cold prefill of {a.prefill} tokens {sec * 1e3:.0f} ms "
+                  f"({a.prefill / sec:.0f} tok/s)", flush=True)
         for ctx in contexts:
             for bs in batches:
                 row = {"quantization": quant, "fused_decode": info["fused_decode"], "batch": bs,

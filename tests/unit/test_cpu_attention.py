@@ -160,3 +160,18 @@ def test_shapes_the_kernel_does_not_take_are_refused():
         create_backend("cpu", type("R", (), {"hf_config": type(
             "C", (), {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 12,
                       "hidden_size": 48})()})())
+
+
+@pytest.mark.skipif(cpu_kernels.isa() == "avx2", reason="the CPU has no AVX-512 / VNNI build")
+def test_avx2_build_gives_the_same_rows(tmp_path_factory):
+    """The AVX-512VL build attends three rows at a time (sharing each K / V load), AVX2 one:
+    the same chains per row, so the same bits."""
+    w = World([300, 41, 700], heads=12, kv_heads=4, hd=64, seed=5)
+    parts = [(0, 0, 300), (1, 0, 41), (2, 0, 700)]
+    ref = w.forward(parts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HICACHE_CPU_ISA", "avx2")
+        mp.setenv("HICACHE_KERNEL_CACHE", str(tmp_path_factory.mktemp("avx2")))
+        w.backend.lib = cpu_kernels._load(cpu_kernels._build())
+    got = w.forward(parts)
+    assert all(torch.equal(got[key], ref[key]) for key in got)

@@ -82,57 +82,133 @@ typedef struct {
     int spans;  /* spans merged into o */
 } Row;
 
-/* (q . k_i) * scale for 8 keys: a chain of FMAs along head_dim in 8 lanes, then the 8x8 tree */
-static inline __m256 score8(const float *q, const float *const kp[8], int64_t hd, __m256 scale) {
-    __m256 a[8];
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+/* (q . k_i) * scale for 8 keys: a chain of FMAs along head_dim in 8 lanes, then the 8x8 tree;
+ * for one or two rows (R, a compile-time constant after inlining): two share each K load, and
+ * each row's chains are the same either way */
+static inline __attribute__((always_inline)) void score8(const float *const q[3],
+                                                         const float *const kp[8], int64_t hd,
+                                                         __m256 scale, const int R, __m256 *out) {
+    __m256 a[3][8];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 8; i++) a[r][i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < hd; c += 8) {
-        const __m256 qc = _mm256_loadu_ps(q + c);
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp[i] + c), a[i]);
+        __m256 qc[3];
+        for (int r = 0; r < R; r++) qc[r] = _mm256_loadu_ps(q[r] + c);
+        for (int i = 0; i < 8; i++) {
+            const __m256 k = _mm256_loadu_ps(kp[i] + c);
+            for (int r = 0; r < R; r++) a[r][i] = _mm256_fmadd_ps(qc[r], k, a[r][i]);
+        }
     }
-    return _mm256_mul_ps(hsum8x8(a), scale);
+    for (int r = 0; r < R; r++) out[r] = _mm256_mul_ps(hsum8x8(a[r]), scale);
+}
+
+/* acc[c .. c + 8W) = acc * rescale + sum_{t < n} p_t v_t[c ..] for R rows sharing each V load
+ * (keys t < min(n) for all of them, then the longer row's rest alone: the same chain per row) */
+static inline __attribute__((always_inline)) void pv_rows(Row *const r[3], const float *const *p,
+                                                          const float rescale[3], const int n[3],
+                                                          const float *const *vp, int64_t c,
+                                                          const int R, const int W) {
+    __m256 a[3][8];
+    for (int j = 0; j < R; j++) {
+        const __m256 rs = _mm256_set1_ps(rescale[j]);
+        for (int i = 0; i < W; i++)
+            a[j][i] = _mm256_mul_ps(_mm256_loadu_ps(r[j]->acc + c + 8 * i), rs);
+    }
+    int both = n[0];
+    for (int j = 1; j < R; j++) both = n[j] < both ? n[j] : both;
+    for (int t = 0; t < both; t++)
+        for (int i = 0; i < W; i++) {
+            const __m256 v = _mm256_loadu_ps(vp[t] + c + 8 * i);
+            for (int j = 0; j < R; j++)
+                a[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(p[j][t]), v, a[j][i]);
+        }
+    for (int j = 0; j < R; j++)
+        for (int t = both; t < n[j]; t++)
+            for (int i = 0; i < W; i++)
+                a[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(p[j][t]), _mm256_loadu_ps(vp[t] + c + 8 * i),
+                                          a[j][i]);
+    for (int j = 0; j < R; j++)
+        for (int i = 0; i < W; i++) _mm256_storeu_ps(r[j]->acc + c + 8 * i, a[j][i]);
 }
 
 /* One block of keys t0 .. t0 + n - 1 (pointers kp/vp, padded to a multiple of 8 with
- * zero_row) for a row with pos >= t0: the online-softmax update of its span state. */
-static void row_block(Row *r, const float *const *kp, const float *const *vp, int64_t t0,
-                      int n, int64_t hd, __m256 scale) {
-    const int nv = r->pos - t0 + 1 < n ? (int)(r->pos - t0 + 1) : n; /* keys <= pos */
-    const int groups = (nv + 7) / 8;
-    float s[ABLK] __attribute__((aligned(32)));
+ * zero_row) for R rows with pos >= t0: each row's online-softmax update of its span state. */
+static inline __attribute__((always_inline)) void rows_block(Row *const r[3],
+                                                             const float *const *kp,
+                                                             const float *const *vp, int64_t t0,
+                                                             int n, int64_t hd, __m256 scale,
+                                                             const int R) {
+    float s[3][ABLK] __attribute__((aligned(32)));
+    int nv[3];
+    for (int j = 0; j < R; j++) /* the row's keys in this block: those <= pos */
+        nv[j] = r[j]->pos - t0 + 1 < n ? (int)(r[j]->pos - t0 + 1) : n;
+    int most = nv[0];
+    for (int j = 1; j < R; j++) most = nv[j] > most ? nv[j] : most;
+    const int groups = (most + 7) / 8;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 mx = _mm256_set1_ps(-INFINITY);
+    const float *q[3];
+    __m256 mx[3];
+    for (int j = 0; j < R; j++) q[j] = r[j]->q, mx[j] = _mm256_set1_ps(-INFINITY);
     for (int g = 0; g < groups; g++) {
-        const __m256 valid = _mm256_castsi256_ps(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(nv - 8 * g), lane));
-        const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                           score8(r->q, kp + 8 * g, hd, scale), valid);
-        _mm256_store_ps(s + 8 * g, sv);
-        mx = _mm256_max_ps(mx, sv);
+        __m256 sv[3];
+        score8(q, kp + 8 * g, hd, scale, R, sv);
+        for (int j = 0; j < R; j++) {
+            const __m256 valid = _mm256_castsi256_ps(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(nv[j] - 8 * g), lane));
+            sv[j] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv[j], valid);
+            _mm256_store_ps(s[j] + 8 * g, sv[j]);
+            mx[j] = _mm256_max_ps(mx[j], sv[j]);
+        }
     }
-    const float bm = hmax8(mx), m_new = bm > r->m ? bm : r->m;
-    const float rescale = expf(r->m - m_new); /* 0 on the span's first block (m = -inf) */
-    const __m256 mv = _mm256_set1_ps(m_new);
-    __m256 sum = _mm256_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s + 8 * g), mv));
-        _mm256_store_ps(s + 8 * g, p);
-        sum = _mm256_add_ps(sum, p);
+    float rescale[3];
+    const float *p[3] = {s[0], s[1], s[2]};
+    for (int j = 0; j < R; j++) {
+        /* a row's groups end at its own last key: the sum below runs over the same vectors
+         * whatever row it shares the block with */
+        const int gj = (nv[j] + 7) / 8;
+        const float bm = hmax8(mx[j]), m_new = bm > r[j]->m ? bm : r[j]->m;
+        rescale[j] = expf(r[j]->m - m_new); /* 0 on the span's first block (m = -inf) */
+        const __m256 mv = _mm256_set1_ps(m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int g = 0; g < gj; g++) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s[j] + 8 * g), mv));
+            _mm256_store_ps(s[j] + 8 * g, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        r[j]->l = r[j]->l * rescale[j] + hsum8(sum);
+        r[j]->m = m_new;
     }
-    r->l = r->l * rescale + hsum8(sum);
-    r->m = m_new;
-    /* acc = acc * rescale + sum_t p_t v_t, 64 floats of the head at a time in registers */
-    const __m256 rs = _mm256_set1_ps(rescale);
+    /* 64 floats of the head at a time in registers */
     for (int64_t c = 0; c < hd; c += 64) {
         const int w = hd - c < 64 ? (int)((hd - c) / 8) : 8;
-        __m256 a[8];
-        for (int i = 0; i < w; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(r->acc + c + 8 * i), rs);
-        for (int t = 0; t < nv; t++) {
-            const __m256 p = _mm256_set1_ps(s[t]);
-            const float *vt = vp[t] + c;
-            for (int i = 0; i < w; i++) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * i), a[i]);
+        if (w == 8) {
+            pv_rows(r, p, rescale, nv, vp, c, R, 8);
+        } else {
+            switch (w) {
+            case 1: pv_rows(r, p, rescale, nv, vp, c, R, 1); break;
+            case 2: pv_rows(r, p, rescale, nv, vp, c, R, 2); break;
+            case 3: pv_rows(r, p, rescale, nv, vp, c, R, 3); break;
+            case 4: pv_rows(r, p, rescale, nv, vp, c, R, 4); break;
+            case 5: pv_rows(r, p, rescale, nv, vp, c, R, 5); break;
+            case 6: pv_rows(r, p, rescale, nv, vp, c, R, 6); break;
+            default: pv_rows(r, p, rescale, nv, vp, c, R, 7); break;
+            }
         }
-        for (int i = 0; i < w; i++) _mm256_storeu_ps(r->acc + c + 8 * i, a[i]);
+    }
+}
+
+/* a block for the rows of a tile that have keys in it: two at a time where 32 vector
+ * registers hold both (AVX-512VL builds), else one (the same bits) */
+static void block_rows(Row *const *rows, int nrows, const float *const *kp,
+                       const float *const *vp, int64_t t0, int n, int64_t hd, __m256 scale) {
+    int i = 0;
+#if WIDE_REGS
+    for (; i + 3 <= nrows; i += 3) rows_block(rows + i, kp, vp, t0, n, hd, scale, 3);
+    if (i + 2 <= nrows) rows_block(rows + i, kp, vp, t0, n, hd, scale, 2), i += 2;
+#endif
+    for (; i < nrows; i++) {
+        Row *const one[3] = {rows[i], NULL, NULL};
+        rows_block(one, kp, vp, t0, n, hd, scale, 1);
     }
 }
 
@@ -201,12 +277,15 @@ static void tile_span(const AttnBatch *a, const AttnTask *t, Row *rows, int nrow
         for (int64_t j = 0; j < hd; j++) rows[i].acc[j] = 0.0f;
         rows[i].m = -INFINITY, rows[i].l = 0.0f;
     }
+    Row *active[QT * AMAXG];
     for (int64_t t0 = s * SPAN; t0 < s_end; t0 += ABLK) {
         const int n = s_end - t0 < ABLK ? (int)(s_end - t0) : ABLK;
         for (int i = 0; i < n; i++) key_ptrs(a, t->b, t->kvh, t0 + i, kp + i, vp + i);
         for (int i = n; i < (n + 7) / 8 * 8; i++) kp[i] = vp[i] = zero_row;
+        int na = 0;
         for (int i = 0; i < nrows; i++)
-            if (rows[i].pos >= t0) row_block(rows + i, kp, vp, t0, n, hd, scale);
+            if (rows[i].pos >= t0) active[na++] = rows + i;
+        block_rows(active, na, kp, vp, t0, n, hd, scale);
     }
 }
 
