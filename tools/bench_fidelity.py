@@ -2,15 +2,16 @@
 llama-server on the same GGUF (the embedded SmolLM2-135M-Instruct Q4_1) and the same prompts.
 
     python tools/bench_fidelity.py [--new-tokens 128] [--threads 2] [--llama-server PATH]
-        [--hicache-args '{"quantization": "int8"}'] [--out docs/bench_fidelity.json]
-        [--plot docs/bench_fidelity.png]
+        [--hicache-args '{"quantization": "int8"}'] [--llama-args "-ctk f32 -ctv f32"]
+        [--out docs/bench_fidelity.json] [--plot docs/bench_fidelity.png]
 
 Three sides get the same token ids (12 prompts: chat questions, a ~400-token document with a
 question, code, a list, a multi-turn chat) and decode greedily, one prompt at a time:
 
     reference     transformers, the GGUF dequantized to float32 (the engine's converted copy)
     hicache       Engine() in process at its defaults (quantization "auto": int4 on a CPU)
-    llama-server  the same .gguf, temperature 0 and top_k 1, 1 slot, no prompt cache
+    llama-server  the same .gguf, temperature 0 and top_k 1, 1 slot, no prompt cache, otherwise
+                  its defaults (a f16 KV cache, flash attention "auto")
 
 Each side stops at its own end-of-generation tokens (the reference runs all --new-tokens);
 every output is then cut after its first token in the union of hicache's EOS ids and
@@ -149,9 +150,11 @@ def hicache(prompts: list[list[int]], new_tokens: int, engine_args: dict[str, An
                                                    "model_info": eng.model_info()})
 
 
-def llama_server(binary: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> Side:
+def llama_server(binary: Path, prompts: list[list[int]], new_tokens: int, threads: int,
+                 extra_args: list[str]) -> Side:
     work = Path(tempfile.mkdtemp(prefix="bench-fidelity-"))
     server = sl.LlamaServer(binary, default_model_path(), threads, work, slots=1, ctx=4096)
+    server.argv += ["-lv", "4", *extra_args]  # verbosity 4 logs the model's EOG tokens
     outs: list[list[int]] = []
     stopped_at: set[int] = set()
     try:
@@ -237,7 +240,7 @@ def report(result: dict[str, Any]) -> str:
         + f"end {result['load_avg_end']}",
         f"- hicache: Engine({hi['engine_args'] or ''}), quantization "
         + f"{hi['model_info'].get('quantization')}",
-        f"- llama-server: {result['llama_server']['binary']}",
+        f"- llama-server: `{' '.join(result['llama_server']['argv'])}`",
         f"- greedy, {result['config']['new_tokens']} new tokens; every output cut after its "
         + f"first token of {result['stop_ids']}",
         "", table(result), "",
@@ -277,6 +280,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--llama-server", help="a llama-server binary (default: build once)")
     p.add_argument("--hicache-args", default="{}", help="Engine keyword arguments, as JSON")
+    p.add_argument("--llama-args", default="", help='extra llama-server flags, e.g. "-ctk f32 '
+                   '-ctv f32" (its KV cache is f16 by default)')
     p.add_argument("--out", default="docs/bench_fidelity.json")
     p.add_argument("--plot", default="docs/bench_fidelity.png")
     a = p.parse_args()
@@ -297,7 +302,7 @@ def main() -> int:
     print("hicache Engine ...", flush=True)
     hi = hicache(prompts, a.new_tokens, json.loads(a.hicache_args))
     print("llama-server ...", flush=True)
-    ll = llama_server(binary, prompts, a.new_tokens, a.threads)
+    ll = llama_server(binary, prompts, a.new_tokens, a.threads, a.llama_args.split())
     stops = hi.stop_ids | ll.stop_ids
     result.update(stop_ids=sorted(stops), hicache=hi.facts, llama_server=ll.facts, prompts=[])
     for i, name in enumerate(PROMPTS):
