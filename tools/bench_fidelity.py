@@ -264,11 +264,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.scatter(list(x), [r["n"] for r in rows], marker="_", s=600, color="black", zorder=3,
                label="N (reference length)")
     ax.set_xticks(list(x), [r["name"] for r in rows], rotation=30, ha="right")
-    ax.set_ylabel("tokens equal to transformers fp32 before the first difference")
+    ax.set_ylabel("tokens before the first difference\nfrom transformers fp32")
+    ax.set_ylim(0, max(r["n"] for r in rows) * 1.25)
     t, m = result["totals"], result["machine"]
     ax.set_title(f"SmolLM2-135M Q4_1 GGUF, greedy: total hicache {t['hicache']} vs "
                  f"llama-server {t['llama_server']} of {t['n']}; {m['cpu_model']}", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncols=3, loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
