@@ -186,8 +186,10 @@ def test_packing_round_trips(n, blocks, seed):
     qs8, d8 = quantize_q8_0(w)
     assert all(torch.equal(a, b) for a, b in zip(unpack_q8_0(pack_q8_0(qs8, d8), n), (qs8, d8)))
     assert torch.equal(unpack_f32(pack_f32(w), n), w)
-    assert pack_q4_1(qs, d, m).shape == (-(-n // 8), blocks, 160)
-    assert pack_q8_0(qs8, d8).shape == (-(-n // 8), blocks, 272)
+    supers = -(-n // 32)  # 4 panels of 8 columns, interleaved block by block
+    assert pack_q4_1(qs, d, m).shape == (supers, blocks, 4, 160)
+    assert pack_q8_0(qs8, d8).shape == (supers, blocks, 4, 272)
+    assert pack_f32(w).shape == (supers, 32 * blocks, 4, 8)
 
 
 def test_torch_fallback_without_kernels(monkeypatch):

@@ -21,6 +21,7 @@ from engine.runtime.layers.cpu_kernels import KERNELS, PackedLinearC, threads
 
 QK = 32  # weights per block along k
 NP = 8  # output columns per panel
+SP = 4  # panels interleaved unit by unit (products.h: one memory stream per tile)
 KINDS = {"q4_1": 0, "q8_0": 1, "f32": 2}
 
 
@@ -31,6 +32,17 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:])))
 
 
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """``[panels, units, ...]`` -> ``[panels / SP, units, SP, ...]`` (panels zero-padded to a
+    multiple of SP): SP panels unit by unit, as products.h reads them."""
+    t = _pad_rows(t, -(-t.shape[0] // SP) * SP)
+    return t.view(-1, SP, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _deinterleave(t: torch.Tensor, panels: int) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])[:panels]
+
+
 def _scales(s: torch.Tensor, panels: int) -> torch.Tensor:
     """``s [N, nb]`` float -> ``[panels, nb, 16]`` bytes: each panel-block's 8 fp16 values."""
     nb = s.shape[1]
@@ -39,15 +51,17 @@ def _scales(s: torch.Tensor, panels: int) -> torch.Tensor:
 
 
 def pack_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``qs uint8 [N, K/2]`` (GGUF block bytes), ``d, m [N, K/32]`` -> ``[panels, K/32, 160]``."""
+    """``qs uint8 [N, K/2]`` (GGUF block bytes), ``d, m [N, K/32]`` ->
+    ``[panels / SP, K/32, SP, 160]``."""
     n, nb = d.shape
     panels = -(-n // NP)
     codes = _pad_rows(qs.view(n, nb, 4, 4), panels * NP).view(panels, NP, nb, 4, 4)
     codes = codes.permute(0, 2, 3, 1, 4).reshape(panels, nb, 128)  # vector j, lane c
-    return torch.cat((codes, _scales(d, panels), _scales(m, panels)), dim=2).contiguous()
+    return _interleave(torch.cat((codes, _scales(d, panels), _scales(m, panels)), dim=2))
 
 
 def unpack_q4_1(w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = _deinterleave(w, -(-n // NP))
     panels, nb, _ = w.shape
     codes = w[:, :, :128].reshape(panels, nb, 4, NP, 4).permute(0, 3, 1, 2, 4)
     qs = codes.reshape(panels * NP, nb * 16)[:n]
@@ -56,16 +70,18 @@ def unpack_q4_1(w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def pack_q8_0(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``qs int8 [N, K]``, ``d [N, K/32]`` -> ``[panels, K/32, 272]`` (codes as u8 = q + 128)."""
+    """``qs int8 [N, K]``, ``d [N, K/32]`` -> ``[panels / SP, K/32, SP, 272]`` (codes as
+    u8 = q + 128)."""
     n, nb = d.shape
     panels = -(-n // NP)
     codes = (qs.view(torch.uint8) ^ 0x80).view(n, nb, 8, 4)
     codes = _pad_rows(codes, panels * NP).view(panels, NP, nb, 8, 4)
     codes = codes.permute(0, 2, 3, 1, 4).reshape(panels, nb, 256)  # vector g, lane c
-    return torch.cat((codes, _scales(d, panels)), dim=2).contiguous()
+    return _interleave(torch.cat((codes, _scales(d, panels)), dim=2))
 
 
 def unpack_q8_0(w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = _deinterleave(w, -(-n // NP))
     panels, nb, _ = w.shape
     codes = w[:, :, :256].reshape(panels, nb, 8, NP, 4).permute(0, 3, 1, 2, 4)
     qs = (codes.reshape(panels * NP, nb * QK)[:n] ^ 0x80).view(torch.int8)
@@ -79,13 +95,14 @@ def _unscales(b: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pack_f32(w: torch.Tensor) -> torch.Tensor:
-    """``w [N, K]`` float32 -> ``[panels, K, 8]`` (k-major panels)."""
+    """``w [N, K]`` float32 -> ``[panels / SP, K, SP, 8]`` (k-major panels)."""
     n, k = w.shape
     panels = -(-n // NP)
-    return _pad_rows(w.float(), panels * NP).view(panels, NP, k).permute(0, 2, 1).contiguous()
+    return _interleave(_pad_rows(w.float(), panels * NP).view(panels, NP, k).permute(0, 2, 1))
 
 
 def unpack_f32(w: torch.Tensor, n: int) -> torch.Tensor:
+    w = _deinterleave(w, -(-n // NP))
     panels, k, _ = w.shape
     return w.permute(0, 2, 1).reshape(panels * NP, k)[:n].contiguous()
 

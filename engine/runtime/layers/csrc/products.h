@@ -12,7 +12,14 @@
  *           8 x fp16 d                          w = d * q, q in -127..127
  *   f32   panel = K x 8 floats (k-major)
  *
- * Panels follow each other; the last is zero-padded to NP columns (and so is the bias).
+ * SP = 4 panels are interleaved block by block (k step by k step for f32), so that a tile of up
+ * to 4 panels reads one sequential stream of memory (decode is bound by streaming the weights:
+ * four separate streams of a few KB each left the prefetchers behind, ~7 GB/s a thread):
+ *
+ *   [panels / SP][blocks][SP][panel-block bytes]
+ *
+ * The last panel is zero-padded to NP columns (and so is the bias), the panels to a multiple
+ * of SP.
  *
  * Quantized products take x as llama.cpp does: each row's blocks of 32 rounded to int8 with a
  * float scale xd = max|x| / 127 (quantize_rows). Per output element and block b:
@@ -42,14 +49,27 @@ typedef struct {
     int64_t n, k;
 } PackedLinear;
 
+#define SP 4 /* panels interleaved unit by unit */
+
 static inline int64_t panels_of(int64_t n) { return (n + NP - 1) / NP; }
 
-static inline int64_t panel_bytes(const PackedLinear *L) {
-    switch (L->kind) {
-    case W_Q4_1: return L->k / QK * Q4_PB;
-    case W_Q8_0: return L->k / QK * Q8_PB;
-    default: return L->k * NP * (int64_t)sizeof(float);
-    }
+/* The first row tile over some panels prefetches their weights PF_AHEAD units ahead: decode
+ * streams the weights from DRAM once, and for products of a MB or two the hardware prefetchers
+ * ramp up too slowly (q4_1 at one row: ~9 GB/s a thread without, ~20-28 with). */
+#define PF_AHEAD 6
+static inline void prefetch_units(const uint8_t *at, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)(at + off), _MM_HINT_T0);
+}
+
+/* bytes of one panel's unit: a block of 32 k (quantized), one k step (f32) */
+static inline int64_t unit_bytes(const PackedLinear *L) {
+    return L->kind == W_Q4_1 ? Q4_PB : L->kind == W_Q8_0 ? Q8_PB : NP * (int64_t)sizeof(float);
+}
+
+/* panel p's first unit; its unit u lies u * SP * unit_bytes(L) further */
+static inline const uint8_t *panel_at(const PackedLinear *L, int64_t p) {
+    const int64_t units = L->kind == W_F32 ? L->k : L->k / QK;
+    return L->w + (p / SP) * units * SP * unit_bytes(L) + (p % SP) * unit_bytes(L);
 }
 
 /* ------------------------------------------------------------------ activations as int8 */
@@ -130,8 +150,9 @@ static inline __attribute__((always_inline)) void tile_store(const Product *pr, 
 static inline __attribute__((always_inline)) void q4_tile(const Product *pr, int64_t m0,
                                                           int64_t p0, const int R, const int P) {
     const PackedLinear *L = pr->L;
-    const int64_t K = L->k, nb = K / QK, stride = panel_bytes(L);
-    const uint8_t *w = L->w + p0 * stride;
+    const int64_t K = L->k, nb = K / QK, step = SP * Q4_PB;
+    const uint8_t *w[4];
+    for (int p = 0; p < P; p++) w[p] = panel_at(L, p0 + p);
     const int8_t *xq = pr->xq.q + m0 * K;
     const float *xd = pr->xq.d + m0 * nb, *xs = pr->xq.s + m0 * nb;
     const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -139,13 +160,14 @@ static inline __attribute__((always_inline)) void q4_tile(const Product *pr, int
     for (int r = 0; r < R; r++)
         for (int p = 0; p < P; p++) acc[r][p] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        if (m0 == 0) prefetch_units(w[0] + (b + PF_AHEAD) * step, P * Q4_PB);
         __m256i ia[4][4];
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) ia[r][p] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i lo[4], hi[4];
             for (int p = 0; p < P; p++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + p * stride + b * Q4_PB + 32 * j));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w[p] + b * step + 32 * j));
                 lo[p] = _mm256_and_si256(v, mask);
                 hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
             }
@@ -161,8 +183,8 @@ static inline __attribute__((always_inline)) void q4_tile(const Product *pr, int
         }
         __m256 dv[4], mv[4];
         for (int p = 0; p < P; p++) {
-            dv[p] = load_half8(w + p * stride + b * Q4_PB + 128);
-            mv[p] = load_half8(w + p * stride + b * Q4_PB + 144);
+            dv[p] = load_half8(w[p] + b * step + 128);
+            mv[p] = load_half8(w[p] + b * step + 144);
         }
         for (int r = 0; r < R; r++) {
             const __m256 d = _mm256_set1_ps(xd[r * nb + b]), s = _mm256_set1_ps(xs[r * nb + b]);
@@ -179,8 +201,9 @@ static inline __attribute__((always_inline)) void q4_tile(const Product *pr, int
 static inline __attribute__((always_inline)) void q8_tile(const Product *pr, int64_t m0,
                                                           int64_t p0, const int R, const int P) {
     const PackedLinear *L = pr->L;
-    const int64_t K = L->k, nb = K / QK, stride = panel_bytes(L);
-    const uint8_t *w = L->w + p0 * stride;
+    const int64_t K = L->k, nb = K / QK, step = SP * Q8_PB;
+    const uint8_t *w[4];
+    for (int p = 0; p < P; p++) w[p] = panel_at(L, p0 + p);
     const int8_t *xq = pr->xq.q + m0 * K;
     const float *xd = pr->xq.d + m0 * nb;
     const int32_t *xi = pr->xq.isum + m0 * nb;
@@ -188,13 +211,14 @@ static inline __attribute__((always_inline)) void q8_tile(const Product *pr, int
     for (int r = 0; r < R; r++)
         for (int p = 0; p < P; p++) acc[r][p] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        if (m0 == 0) prefetch_units(w[0] + (b + PF_AHEAD) * step, P * Q8_PB);
         __m256i ia[4][4];
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) ia[r][p] = _mm256_setzero_si256();
         for (int g = 0; g < 8; g++) {
             __m256i wv[4];
             for (int p = 0; p < P; p++)
-                wv[p] = _mm256_loadu_si256((const __m256i *)(w + p * stride + b * Q8_PB + 32 * g));
+                wv[p] = _mm256_loadu_si256((const __m256i *)(w[p] + b * step + 32 * g));
 #if !HAVE_VNNI
             /* maddubs would saturate on (w + 128) * x: |w| times x carrying w's sign instead */
             __m256i ws[4], aw[4];
@@ -215,7 +239,7 @@ static inline __attribute__((always_inline)) void q8_tile(const Product *pr, int
             }
         }
         __m256 dv[4];
-        for (int p = 0; p < P; p++) dv[p] = load_half8(w + p * stride + b * Q8_PB + 256);
+        for (int p = 0; p < P; p++) dv[p] = load_half8(w[p] + b * step + 256);
         for (int r = 0; r < R; r++) {
 #if HAVE_VNNI /* sum (w + 128) x = sum w x + 128 sum x */
             const __m256i corr = _mm256_set1_epi32(128 * xi[r * nb + b]);
@@ -235,15 +259,16 @@ static inline __attribute__((always_inline)) void q8_tile(const Product *pr, int
 static inline __attribute__((always_inline)) void f32_tile(const Product *pr, int64_t m0,
                                                            int64_t p0, const int R, const int P) {
     const PackedLinear *L = pr->L;
-    const int64_t K = L->k, stride = panel_bytes(L) / (int64_t)sizeof(float);
-    const float *w = (const float *)L->w + p0 * stride;
+    const int64_t K = L->k, step = SP * NP;
+    const float *w[4];
+    for (int p = 0; p < P; p++) w[p] = (const float *)panel_at(L, p0 + p);
     const float *x = pr->x + m0 * K;
     __m256 acc[8][4];
     for (int r = 0; r < R; r++)
         for (int p = 0; p < P; p++) acc[r][p] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         __m256 wv[4];
-        for (int p = 0; p < P; p++) wv[p] = _mm256_loadu_ps(w + p * stride + k * NP);
+        for (int p = 0; p < P; p++) wv[p] = _mm256_loadu_ps(w[p] + k * step);
         for (int r = 0; r < R; r++) {
             const __m256 xb = _mm256_set1_ps(x[r * K + k]);
             for (int p = 0; p < P; p++) acc[r][p] = _mm256_fmadd_ps(xb, wv[p], acc[r][p]);
@@ -270,7 +295,10 @@ static inline __attribute__((always_inline)) void f32_tile(const Product *pr, in
 #define FNP 3
 #endif
 #define QNP 2  /* quantized: panels of the many-row tile */
-#define QFEW 2 /* up to this many rows: the few-row tile (all rows x QFNP panels) */
+#define QFEW 2 /* rows of the streaming tile (x QFNP panels) */
+#define QSTREAM 8 /* up to this many rows: streaming tiles, QFEW rows at a time (measured
+                   * faster than the many-row tile at 3-8 rows: the weights stream once, in
+                   * order, and the second pass over a super-panel hits L1) */
 #define FFEW 2 /* dense: up to this many rows, all rows in one tile */
 
 #define TILE_CASES4(FN, pr, m0, p0, R, P)  \
@@ -314,8 +342,8 @@ static void tile_shape(const Product *pr, int *mr, int *np) {
         *mr = pr->M <= FFEW ? (int)pr->M : FMR;
         *np = FNP;
     } else {
-        *mr = pr->M <= QFEW ? (int)pr->M : QMR;
-        *np = pr->M <= QFEW ? QFNP : QNP;
+        *mr = pr->M <= QSTREAM ? (pr->M < QFEW ? (int)pr->M : QFEW) : QMR;
+        *np = pr->M <= QSTREAM ? QFNP : QNP;
     }
 }
 
