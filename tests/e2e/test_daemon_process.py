@@ -162,13 +162,18 @@ def test_bounded_queue_is_resource_exhausted(server):
 
 def test_sigterm_drains_in_flight_streams(server):
     proc = server["proc"]
+    # NOTE: long enough to outlast the drain's start by far (the tiny model decodes a token in
+    # well under a millisecond on the C kernels: 300 tokens could finish before SIGTERM landed)
+    new = 2000  # the tiny model's context is 2,048
     with HicacheClient(server["addr"]) as c:
-        stream = c.generate("drain me", max_new_tokens=300, **GREEDY)
+        stream = c.generate("drain me", max_new_tokens=new, **GREEDY)
         it = iter(stream)
         got = len(next(it).chunk.token_ids)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        assert c.health() == "NOT_SERVING"
+        deadline = time.monotonic() + 10
+        while (state := c.health()) == "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state == "NOT_SERVING"
         with pytest.raises(grpc.RpcError) as e:
             c.generate_text("too late", max_new_tokens=2)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -176,5 +181,5 @@ def test_sigterm_drains_in_flight_streams(server):
         for r in it:
             got += len(r.chunk.token_ids)
             last = r
-        assert last.complete.finish_reason == gen_pb2.FINISH_REASON_LENGTH and got == 300
+        assert last.complete.finish_reason == gen_pb2.FINISH_REASON_LENGTH and got == new
     assert proc.wait(timeout=30) == 0
