@@ -883,6 +883,46 @@ def test_reconcile_sweeps_over_several_passes(single: RedisStorageBackend,
     assert (fresh.stats()["objects"], fresh.stats()["bytes"]) == (30, 90)
 
 
+def _sweep_until_published(b: RedisStorageBackend) -> tuple[int, int]:
+    """Reconcile passes until a sweep publishes counts (b wrote nothing itself, so its counts
+    are 0 until then); (objects, bytes)."""
+    for _ in range(60):  # bounded: each pass scans at least a page
+        b.reconcile()
+        if b.stats()["objects"]:
+            break
+    return b.stats()["objects"], b.stats()["bytes"]
+
+
+@pytest.mark.parametrize("between", ["an outage", "a quick restart"])
+def test_a_sweep_starts_over_after_a_restart_between_its_passes(
+        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, between: str) -> None:
+    """A sweep spread over passes counted objects of a server that then restarted (its data
+    gone): the counts it publishes are the restarted server's alone, never the part counted
+    before plus the rest of a walk with an old cursor. Seen as an outage (another call failed
+    while the server was down) or not at all (it was back before our next call: redis-py
+    reconnects the pooled connection by itself), the sweep starts over."""
+    monkeypatch.setattr(redis_mod, "RECONCILE_MAX_KEYS", 5)
+    monkeypatch.setattr(redis_mod, "SCAN_COUNT", 3)
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    name = scope()
+    writer = patient(valkey_server.url, name)
+    assert all(writer.batch_set([f"old{i}" for i in range(30)], [b"abc"] * 30))
+    b = patient(valkey_server.url, name)
+    b.reconcile()
+    assert b.stats()["objects"] == 0  # 30 metadata keys > 5: the sweep goes on
+    if between == "an outage":
+        valkey_server.stop()
+        assert b.exists_mask(["k"]) == [False]  # a call between the passes: the outage
+        assert b._sweep is None  # dropped there, whether or not the server comes back new
+        valkey_server.start()  # same port, empty (no persistence)
+        wait_backoff(b)
+    else:
+        valkey_server.restart()
+    assert all(writer.batch_set([f"new{i}" for i in range(4)], [b"xy"] * 4))
+    assert _sweep_until_published(b) == (4, 8)
+    assert b.stats()["outages"] == (1 if between == "an outage" else 0)
+
+
 def test_capacity_is_the_server_maxmemory(valkey_server: ValkeyServer) -> None:
     b = patient(valkey_server.url)
     b.reconcile()
