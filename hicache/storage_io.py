@@ -34,9 +34,13 @@ from hicache.storage.base import StorageBackend, object_keys, prefix_hash_seed
 log = logging.getLogger(__name__)
 
 BACKUP_BATCH_OBJECTS = 32  # objects per batch_set
-# The backup thread, when idle, lets the backend re-check its index against the store at most
-# this often, and at most 2% of the time (a scan of a large store takes a while)
+# The backup thread, when idle, lets the backend re-check its index against the store (and so
+# its objects / bytes stats): at most 2% of the time (a pass over a large store takes a while),
+# at most once a second, and at least every RECONCILE_MAX_INTERVAL_S: a pass that took long
+# because it waited out a socket timeout (an outage) must not push the next one minutes away
+# (2 s / 2% = 100 s of stale stats after the server is back)
 RECONCILE_MIN_INTERVAL_S = 1.0
+RECONCILE_MAX_INTERVAL_S = 30.0
 RECONCILE_MAX_SHARE = 0.02
 PREFETCH_BATCH_OBJECTS = 4  # objects per batch_get: the granularity of prefetch progress
 
@@ -227,8 +231,7 @@ class StorageIO:
         except Exception:
             log.exception("L3 reconcile failed")
         self._last_reconcile = time.monotonic()
-        took = self._last_reconcile - t0
-        self._reconcile_interval = max(RECONCILE_MIN_INTERVAL_S, took / RECONCILE_MAX_SHARE)
+        self._reconcile_interval = reconcile_interval(self._last_reconcile - t0)
 
     def _store(self, job: BackupJob) -> None:
         S = self.object_size
@@ -295,6 +298,12 @@ class StorageIO:
                 op.missed = True
                 self.stats["prefetch_misses"] += 1
                 return
+
+
+def reconcile_interval(took_s: float) -> float:
+    """Seconds from the end of a reconcile pass that took ``took_s`` to the next one."""
+    return min(RECONCILE_MAX_INTERVAL_S,
+               max(RECONCILE_MIN_INTERVAL_S, took_s / RECONCILE_MAX_SHARE))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

