@@ -12,6 +12,7 @@ import struct
 import tempfile
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -303,6 +304,41 @@ def test_version1_files_are_dropped_at_start(tmp_path):
             f.write(struct.pack("<H", 1))
     s2 = FileStorageBackend(tmp_path, capacity_bytes=1 << 20)
     assert s2.stats()["objects"] == 0 and s2.stats()["corrupt"] == 2 and files(tmp_path) == []
+
+
+def test_version2_files_with_crc32_are_still_read(tmp_path):
+    """Objects written before the xxh3 checksums (VERSION 2, crc32) are read and verified; a
+    VERSION 2 payload that does not match its crc32 is corrupt."""
+    from hicache.storage import file as fmod
+
+    s = FileStorageBackend(tmp_path, capacity_bytes=1 << 20)
+    keys = chain(5, 2)
+    store_chain(s, keys)
+    for path in files(tmp_path):  # rewrite each file's header the old way
+        with open(path, "rb") as f:
+            h = fmod._read_header(f)
+            f.seek(h.header_len)
+            payload = f.read()
+        head = fmod._FIXED_V2.pack(fmod.MAGIC, 2, len(h.shape), h.kind,
+                                   len(h.key.encode()), fmod.NO_PARENT if h.parent is None
+                                   else len(h.parent.encode()), h.payload_len,
+                                   zlib.crc32(payload), h.dtype.encode())
+        var = h.key.encode() + (h.parent or "").encode() + struct.pack(
+            f"<{len(h.shape)}Q", *h.shape)
+        with open(path, "wb") as f:
+            f.write(head + var + payload)
+    s2 = FileStorageBackend(tmp_path, capacity_bytes=1 << 20)
+    assert s2.stats()["objects"] == 2 and s2.stats()["corrupt"] == 0
+    got = s2.batch_get(keys)
+    want = s.batch_get(keys)
+    assert all(g is not None and torch.equal(g, w) for g, w in zip(got, want))
+    path = s2._path(keys[1])
+    with open(path, "r+b") as f:  # one payload byte changed: crc32 catches it
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert s2.batch_get(keys)[1] is None and s2.stats()["corrupt"] == 1
 
 
 def _sizes() -> tuple[int, int]:
