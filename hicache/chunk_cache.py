@@ -71,6 +71,10 @@ class ChunkCache:
             torch.int64
         )
 
+    def set_serving(self, active: bool) -> None:
+        """Whether the engine runs requests now (the hierarchical cache defers background
+        copies then); nothing to do here."""
+
     def evict(self, num_tokens: int) -> int:
         return 0
 

@@ -240,6 +240,10 @@ class RadixCache:
         self._protected_size -= delta
         return delta
 
+    def set_serving(self, active: bool) -> None:
+        """Whether the engine runs requests now (the hierarchical cache defers background
+        copies then); nothing to do here."""
+
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least valuable first, until >= ``num_tokens`` are freed or
         nothing is evictable; returns the number of tokens freed."""

@@ -411,3 +411,51 @@ def test_a_node_split_before_its_write_lands_backs_up_both_parts(gated_rig):
     r.tree.flush_tier("l1")
     r.tree.flush_tier("l2")
     assert r.tree.fetch_from_storage(doc) == 24
+
+
+def test_backups_wait_while_the_engine_serves(gated_rig, monkeypatch):
+    """An L3 backup waits while requests are being served (its gathers and writes would take
+    the forwards' cores), and runs once the engine has been idle a moment; a quick idle gap
+    between two requests does not start it."""
+    from hicache import storage_io
+
+    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 60.0)
+    monkeypatch.setattr(storage_io, "BACKUP_QUIET_S", 0.2)
+    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
+    r.tree.set_serving(True)
+    key = list(range(400, 416))
+    r.insert(key)
+    _land_writes(r)
+    assert r.tree.tier_stats()["l3"]["pending_backups"] == 1
+    time.sleep(0.3)
+    assert store.set_calls == 0  # waiting while the engine serves
+    r.tree.set_serving(False)
+    r.tree.set_serving(True)  # the next request came at once: still waiting
+    time.sleep(0.3)
+    assert store.set_calls == 0
+    r.tree.set_serving(False)
+    assert r.controller.wait_storage_idle(10)
+    r.tree.check()
+    assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
+
+
+def test_a_backup_waits_for_the_engine_a_bounded_time(gated_rig, monkeypatch):
+    """Under steady traffic (the engine never idle) a backup still runs, BACKUP_MAX_DEFER_S
+    after it was queued; shutting down ends the wait at once."""
+    from hicache import storage_io
+
+    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 0.3)
+    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
+    r.tree.set_serving(True)
+    key = list(range(500, 516))
+    r.insert(key)
+    _land_writes(r)
+    assert r.controller.wait_storage_idle(10)
+    r.tree.check()
+    assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
+    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 3600.0)
+    r.insert(list(range(600, 616)))
+    _land_writes(r)
+    t0 = time.monotonic()
+    r.close()  # shutdown flushes the waiting backup instead of waiting an hour
+    assert time.monotonic() - t0 < 60
