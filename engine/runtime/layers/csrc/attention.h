@@ -267,25 +267,50 @@ static int tile_rows(const AttnBatch *a, const AttnTask *t, Row *rows, float *sc
 }
 
 /* span s of a tile's rows: each row with keys in it gets its span partial in acc / m / l */
+/* key pointers of keys t0 .. t0 + n - 1 (padded to a multiple of 8 with zero_row) */
+static void block_ptrs(const AttnBatch *a, const AttnTask *t, int64_t t0, int n,
+                       const float **kp, const float **vp) {
+    for (int i = 0; i < n; i++) key_ptrs(a, t->b, t->kvh, t0 + i, kp + i, vp + i);
+    for (int i = n; i < (n + 7) / 8 * 8; i++) kp[i] = vp[i] = zero_row;
+}
+
+/* the K and V rows of a block into the cache while the block before it is computed: the
+ * keys' slots are scattered (paged pool, or host rows), which the hardware prefetchers do not
+ * follow, and a one-query row over long keys is bound by reading them */
+static void prefetch_block(const float *const *kp, const float *const *vp, int n, int64_t hd) {
+    for (int i = 0; i < n; i++)
+        for (int64_t c = 0; c < hd; c += 16) {
+            _mm_prefetch((const char *)(kp[i] + c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(vp[i] + c), _MM_HINT_T0);
+        }
+}
+
 static void tile_span(const AttnBatch *a, const AttnTask *t, Row *rows, int nrows, int64_t s) {
     const int64_t hd = a->hd, t_end = pos_of(a, t->b, t->j1 - 1) + 1; /* the tile's keys */
     const int64_t s_end = (s + 1) * SPAN < t_end ? (s + 1) * SPAN : t_end;
     const __m256 scale = _mm256_set1_ps(a->scale);
-    const float *kp[ABLK], *vp[ABLK];
+    const float *kp[2][ABLK], *vp[2][ABLK]; /* this block's pointers, the next one's */
     for (int i = 0; i < nrows; i++) {
         if (rows[i].pos < s * SPAN) continue;
         for (int64_t j = 0; j < hd; j++) rows[i].acc[j] = 0.0f;
         rows[i].m = -INFINITY, rows[i].l = 0.0f;
     }
     Row *active[QT * AMAXG];
+    int cur = 0;
+    int n = s_end - s * SPAN < ABLK ? (int)(s_end - s * SPAN) : ABLK;
+    block_ptrs(a, t, s * SPAN, n, kp[0], vp[0]);
     for (int64_t t0 = s * SPAN; t0 < s_end; t0 += ABLK) {
-        const int n = s_end - t0 < ABLK ? (int)(s_end - t0) : ABLK;
-        for (int i = 0; i < n; i++) key_ptrs(a, t->b, t->kvh, t0 + i, kp + i, vp + i);
-        for (int i = n; i < (n + 7) / 8 * 8; i++) kp[i] = vp[i] = zero_row;
+        const int64_t t1 = t0 + ABLK;
+        const int next = t1 < s_end ? (s_end - t1 < ABLK ? (int)(s_end - t1) : ABLK) : 0;
+        if (next) {
+            block_ptrs(a, t, t1, next, kp[cur ^ 1], vp[cur ^ 1]);
+            prefetch_block(kp[cur ^ 1], vp[cur ^ 1], next, hd);
+        }
         int na = 0;
         for (int i = 0; i < nrows; i++)
             if (rows[i].pos >= t0) active[na++] = rows + i;
-        block_rows(active, na, kp, vp, t0, n, hd, scale);
+        block_rows(active, na, kp[cur], vp[cur], t0, n, hd, scale);
+        cur ^= 1, n = next;
     }
 }
 
