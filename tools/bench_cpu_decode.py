@@ -6,6 +6,7 @@ measured read bandwidth); and a cold prefill of ``--prefill`` tokens.
 
     python tools/bench_cpu_decode.py [--batch 1,4,16] [--context 100,1000] [--steps 30]
         [--dense] [--prefill 2048] [--arg name=value ...] [--out docs/bench_cpu_decode.json]
+        [--plot docs/bench_cpu_decode.png [--baseline other.json --baseline-label TEXT]]
 
 Each configuration fills its context with module-path steps first, checks that one fused step's
 logits equal the module step's, then times ``--steps`` steps of each path alternately (twice, the
@@ -20,6 +21,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 # run as a script (python tools/bench_cpu_decode.py): the repo root is not on sys.path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,6 +152,9 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=0, help="also time a cold prefill of N tokens")
     p.add_argument("--arg", action="append", default=[], help="engine option name=value")
     p.add_argument("--out", default="")
+    p.add_argument("--plot", default="", help="PNG: fused step ms per batch/context + floor")
+    p.add_argument("--baseline", default="", help="an earlier --out JSON to plot beside")
+    p.add_argument("--baseline-label", default="baseline")
     a = p.parse_args()
     batches = [int(x) for x in a.batch.split(",")] if a.batch else []
     contexts = [int(x) for x in a.context.split(",")] if a.context else []
@@ -182,6 +187,47 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
+    if a.plot:
+        base = json.loads(Path(a.baseline).read_text()) if a.baseline else None
+        plot(results, a.plot, base, a.baseline_label)
+
+
+def plot(results: dict, path: str, base: dict | None, base_label: str) -> None:
+    """Fused decode step ms per (batch, context), this run beside ``base``, with this run's
+    floor (weights over read bandwidth); the cold prefill in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if r["quantization"] == "int4"]
+    labels = [f"bs {r['batch']}\nctx {r['context']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.4 if base else 0.8
+    ax.bar([i - width / 2 if base else i for i in x], [r["fused_ms"] for r in rows], width,
+           label=f"this run ({results['machine'].get('git_commit', '')[:7]})")
+    if base:
+        by = {(r["batch"], r["context"]): r for r in base["rows"] if r["quantization"] == "int4"}
+        ax.bar([i + width / 2 for i in x],
+               [by.get((r["batch"], r["context"]), {}).get("fused_ms", 0) for r in rows], width,
+               label=base_label)
+    floor = results.get("floor", {}).get("int4", {}).get("floor_ms")
+    if floor:
+        ax.axhline(floor, color="tab:red", ls="--", lw=1,
+                   label=f"one row's floor {floor:.1f} ms (weights / read bandwidth)")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("decode step, ms (lower is better)")
+    title = "CPU decode step, embedded SmolLM2 int4"
+    pre = results.get("prefill", {}).get("int4")
+    if pre:
+        title += f"\ncold {pre['tokens']}-token prefill {pre['seconds'] * 1e3:.0f} ms"
+        if base and base.get("prefill", {}).get("int4"):
+            title += f" ({base_label}: {base['prefill']['int4']['seconds'] * 1e3:.0f} ms)"
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
