@@ -452,6 +452,7 @@ class StorageMixin:
         room) lands within ``timeout`` seconds; otherwise logs how many objects are not stored
         and stops the backup threads. Returns the objects not stored."""
         io, deadline = self.storage_io, time.monotonic() + timeout
+        self.set_serving(False)  # nothing is served any more: backups need not wait for quiet
         self.cancel_all_prefetches()
         self.controller.start_writing()  # device->host writes whose acks queue backups
         self.controller.wait_idle(timeout)
@@ -469,7 +470,7 @@ class StorageMixin:
                 end, n = end + len(n.key), n.parent
             deferred += end // S - (end - len(node.key)) // S
         log.warning("L3: %d objects not stored at shutdown: %d in backups still running after "
-                    "%.0f s, %d waiting for backup room", running + deferred, running, timeout,
+                    "%g s, %d waiting for backup room", running + deferred, running, timeout,
                     deferred)
         io.shutdown(timeout=0.0, warn=False)
         return running + deferred

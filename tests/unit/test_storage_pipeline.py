@@ -459,3 +459,18 @@ def test_a_backup_waits_for_the_engine_a_bounded_time(gated_rig, monkeypatch):
     t0 = time.monotonic()
     r.close()  # shutdown flushes the waiting backup instead of waiting an hour
     assert time.monotonic() - t0 < 60
+
+
+def test_drain_at_shutdown_does_not_wait_for_quiet(gated_rig, monkeypatch):
+    """The scheduler may stop between a request's end and its next loop turn, so the tree
+    still believes the engine serves: the shutdown drain lands the backups anyway (they
+    must not wait BACKUP_MAX_DEFER_S, longer than the drain may take)."""
+    from hicache import storage_io
+
+    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 3600.0)
+    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
+    r.tree.set_serving(True)
+    key = list(range(700, 716))
+    r.insert(key)
+    assert r.tree.drain_storage(30.0) == 0
+    assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
