@@ -455,6 +455,8 @@ class HiRadixCache(StorageMixin, RadixCache):
             if self._is_host_leaf(parent):
                 heapq.heappush(heap, (self._priority(parent), parent.id, parent))
         self.counters["host_evictions"] += freed
+        if freed:
+            self._host_room_needed()
         return freed
 
     def _is_host_leaf(self, n: TreeNode) -> bool:

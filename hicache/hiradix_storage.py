@@ -519,6 +519,12 @@ class StorageMixin:
         self._bump()
         return deleted
 
+    def _host_room_needed(self) -> None:
+        """Host eviction freed pages that backups still waiting for quiet hold (their frees
+        are deferred until the backup ran): L2 needs that room now, so those backups go now."""
+        if self.storage_io is not None and self.host_pool.pending_free_size():
+            self.storage_io.expedite()
+
     def set_serving(self, active: bool) -> None:
         """Whether the engine runs requests now: L3 backups wait while it does, a bounded time
         (``storage_io.BACKUP_MAX_DEFER_S``), so that they do not take the forwards' cores."""

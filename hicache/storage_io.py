@@ -122,6 +122,7 @@ class StorageIO:
         self._quiet = threading.Condition()  # backups wait on it while the engine serves
         self._serving = False
         self._quiet_since = time.monotonic()
+        self._urgent_upto = float("-inf")  # backups queued up to then run at once (expedite)
         self._closing = False
         self._threads = [
             threading.Thread(target=self._backup_worker, name="hicache-l3-backup", daemon=True),
@@ -185,12 +186,19 @@ class StorageIO:
             if not active:
                 self._quiet.notify_all()
 
+    def expedite(self) -> None:
+        """L2 needs the host slots of the backups queued so far (a page freed while its backup
+        waits is given back only once the backup ran): they stop waiting for quiet."""
+        with self._quiet:
+            self._urgent_upto = time.monotonic()
+            self._quiet.notify_all()
+
     def _wait_quiet(self, job: BackupJob) -> None:
         """Until the engine has been idle for BACKUP_QUIET_S (or shuts down), at most until
         BACKUP_MAX_DEFER_S after ``job`` was queued."""
         deadline = job.queued_at + BACKUP_MAX_DEFER_S
         with self._quiet:
-            while not self._closing:
+            while not self._closing and job.queued_at > self._urgent_upto:
                 now = time.monotonic()
                 if now >= deadline:
                     return

@@ -474,3 +474,25 @@ def test_drain_at_shutdown_does_not_wait_for_quiet(gated_rig, monkeypatch):
     r.insert(key)
     assert r.tree.drain_storage(30.0) == 0
     assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
+
+
+def test_host_eviction_sends_the_backups_that_hold_its_pages(gated_rig, monkeypatch):
+    """A backup waiting for quiet holds its host pages (their free is deferred until it ran):
+    when L2 evicts them because it needs room, the backup stops waiting and the room comes
+    back, even while the engine keeps serving."""
+    from hicache import storage_io
+
+    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 3600.0)
+    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
+    r.tree.set_serving(True)
+    key = list(range(800, 816))
+    r.insert(key)
+    _land_writes(r)
+    assert r.tree.tier_stats()["l3"]["pending_backups"] == 1 and store.set_calls == 0
+    r.tree.evict(64)  # L1 -> L2 only
+    assert r.tree.evict_host(16) == 16
+    assert r.host_pool.pending_free_size() == 16  # still read by the waiting backup
+    assert r.controller.wait_storage_idle(30)
+    r.tree.check()
+    assert r.host_pool.pending_free_size() == 0
+    assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
