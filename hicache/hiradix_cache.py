@@ -83,6 +83,9 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.load_back_threshold = load_back_threshold
         self.ongoing_write: dict[int, TreeNode] = {}
         self.ongoing_load: dict[int, list[TreeNode]] = {}
+        # write-through copies that found L2's room held by L3 backups of evicted pages (given
+        # back when those land): written then (check), not dropped
+        self.waiting_writes: dict[int, TreeNode] = {}
         self.counters = {"evictions": 0, "demotions": 0, "promotions": 0, "host_evictions": 0,
                          "load_errors": 0}
         self._init_storage(prefetch_policy, prefetch_timeout_base, prefetch_timeout_per_ki_token,
@@ -102,6 +105,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             self.controller.wait_storage_idle(STORAGE_SETTLE_S)
             self.check()
             self.host_pool.clear()
+            self.waiting_writes = {}
         super().reset()
 
     def shutdown(self) -> None:
@@ -119,6 +123,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.writing_check()
         self.loading_check()
         self.storage_check()
+        self._retry_writes()
 
     def writing_check(self) -> None:
         for op in self.controller.drain_write_acks():
@@ -358,12 +363,25 @@ class HiRadixCache(StorageMixin, RadixCache):
             self.evict_host(len(node.key) - self.host_pool.available_size())
             host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
+            if self.host_pool.pending_free_size():
+                self.waiting_writes[node.id] = node
             return False
         self._set_host(node, host_indices)
         node.host_pending = object()
         self.ongoing_write[node.id] = node
         self.inc_lock_ref(node)
         return True
+
+    def _retry_writes(self) -> None:
+        """Write the nodes whose write found L2's room held, once some came back."""
+        if not self.waiting_writes or not self.host_pool.available_size():
+            return
+        nodes, self.waiting_writes = list(self.waiting_writes.values()), {}
+        for node in nodes:
+            path = self._path(node)
+            if path and path[-1] is node:  # still in the tree (with its device copy or not)
+                self._write_backup(node)
+        self.controller.start_writing()
 
     # ---- eviction ----------------------------------------------------------------------------
     def _collect_leaves(self) -> list[TreeNode]:

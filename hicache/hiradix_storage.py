@@ -457,10 +457,16 @@ class StorageMixin:
         self.controller.start_writing()  # device->host writes whose acks queue backups
         self.controller.wait_idle(timeout)
         while True:
-            self.check()  # acks: deferred backups go out as earlier ones land
-            if not self.ongoing_backup and not self.deferred_backups:
+            # acks: deferred backups go out as earlier ones land, and writes that waited for
+            # the L2 room those held (their own backups follow)
+            self.check()
+            if not self.ongoing_backup and not self.deferred_backups and not self.ongoing_write:
                 return 0
-            if not self.controller.wait_storage_idle(max(0.0, deadline - time.monotonic())):
+            left = max(0.0, deadline - time.monotonic())
+            if self.ongoing_write:
+                if not self.controller.wait_idle(left):
+                    break
+            elif not self.controller.wait_storage_idle(left):
                 break
         running, S = io.pending_objects(), self.object_size
         deferred = 0

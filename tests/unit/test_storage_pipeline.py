@@ -496,3 +496,39 @@ def test_host_eviction_sends_the_backups_that_hold_its_pages(gated_rig, monkeypa
     r.tree.check()
     assert r.host_pool.pending_free_size() == 0
     assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
+
+
+def test_a_write_that_finds_l2_room_held_by_backups_lands_once_they_do(gated_rig, monkeypatch):
+    """L2 is full of a page whose L3 backup waits for quiet; a new node's write-through evicts
+    it, but its room comes back only once the backup ran: the write waits for that room (it is
+    not dropped), lands with the right bytes, and is backed up in turn."""
+    from hicache import storage_io
+
+    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 3600.0)
+    r, store = gated_rig(object_size=4, device_size=64, host_size=16)
+    r.tree.set_serving(True)
+    store.writes.close()
+    old, new = list(range(900, 916)), list(range(1000, 1012))
+    r.insert(old)
+    _land_writes(r)
+    r.tree.evict(64)  # old: host only, its backup still waiting
+    assert store.set_calls == 0
+    r.insert(new)  # its write evicts old from L2; the room is held by old's backup
+    node = r.tree.match_prefix(new).last_device_node
+    assert node.host_value is None and node.id in r.tree.waiting_writes
+    assert store.writes.wait_blocked(1, 30)  # old's backup went at once (expedited)
+    store.writes.open()
+    assert r.controller.wait_storage_idle(30)
+    r.tree.check()  # room back: new's write is queued
+    _land_writes(r)
+    assert node.host_value is not None and not r.tree.waiting_writes
+    r.check_invariants()
+    r.tree.evict(64)  # new: host only; loaded back, its bytes are the ones computed
+    res = r.tree.match_prefix(new)
+    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    r.assert_device_kv(new, indices)
+    r.tree.set_serving(False)  # new's own backup waits for quiet like any other
+    assert r.controller.wait_storage_idle(30)
+    r.tree.check()
+    assert store.inner.batch_exists(r.tree.storage_keys(tuple(old))) == 4
+    assert store.inner.batch_exists(r.tree.storage_keys(tuple(new))) == 3
