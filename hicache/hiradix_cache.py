@@ -22,39 +22,18 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hicache.base_prefix_cache import HostReads, MatchResult
 from hicache.controller import HiCacheController
 from hicache.hiradix_storage import STORAGE_SETTLE_S, StorageMixin
-from hicache.radix_cache import MatchResult, RadixCache, TreeNode
+from hicache.radix_cache import RadixCache, TreeNode
+
+__all__ = ["WRITE_POLICIES", "HiRadixCache", "HostReads", "MatchResult"]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
-class HiMatchResult(MatchResult):
-    """MatchResult (same 4 positional fields) plus ``tier_tokens`` {"l1", "l2", "l3"} -> n."""
-
-    tier_tokens: dict[str, int]
-
-
-@dataclass
-class HostReads:
-    """Device slots whose KV is still loading, and the host slots that hold it meanwhile (a CPU
-    forward reads those in place: ``HiRadixCache.host_reads``)."""
-
-    device_indices: torch.Tensor  # [n] int64
-    host_indices: torch.Tensor  # [n] int64, pairwise with device_indices
-    layer_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # host K, V [size, H, D]
-
-
-def _result(device_indices: torch.Tensor, last_device: TreeNode, last_host: TreeNode,
-            host_len: int, tiers: dict[str, int]) -> HiMatchResult:
-    res = HiMatchResult(device_indices, last_device, last_host, host_len)
-    res.tier_tokens = tiers
-    return res
 
 
 class HiRadixCache(StorageMixin, RadixCache):
@@ -112,6 +91,21 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.check()  # acknowledged writes queue their L3 backups
         self.controller.shutdown()
         self.check()
+
+    def settle(self, timeout: float) -> None:
+        self.controller.wait_idle(timeout)
+        self.check()
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        self.controller.notify = wake
+
+    def release_host_memory(self) -> None:
+        """NOTE: L3 threads still copying from host slots keep the pool."""
+        if self.storage_io is None or self.storage_io.pending() == 0:
+            self.host_pool.release_memory()
+
+    def has_host_tier(self) -> bool:
+        return True
 
     def check(self) -> None:
         """Drain finished writes, loads, L3 backups and prefetches (scheduler thread); safe to
@@ -191,14 +185,14 @@ class HiRadixCache(StorageMixin, RadixCache):
 
     # ---- match / insert ----------------------------------------------------------------------
     def match_prefix(self, key: list[int] | tuple[int, ...],
-                     namespace: str | None = None, touch: bool = True) -> HiMatchResult:
+                     namespace: str | None = None, touch: bool = True) -> MatchResult:
         """L1 + L2 match (no L3 I/O: see ``start_prefetch``). ``touch`` counts a hit and, for
         ``write_through_selective``, backs up nodes that reached two hits."""
         self.check()
         key = self._align(self.key_of(key, namespace))
         tiers = {"l1": 0, "l2": 0, "l3": 0}
         if self.disable or not key:
-            return _result(self._empty(), self.root_node, self.root_node, 0, tiers)
+            return MatchResult(self._empty(), self.root_node, self.root_node, 0, tiers)
         _, last_node, matched = self._match_helper(key, hit=True if touch else None)
         path = self._path(last_node)
         device = [n for n in path if n.value is not None]
@@ -209,7 +203,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         values = [n.value for n in device]
         device_indices = torch.cat(values) if values else self._empty()
         last_device = device[-1] if device else self.root_node
-        return _result(device_indices, last_device, last_node, host_len, tiers)
+        return MatchResult(device_indices, last_device, last_node, host_len, tiers)
 
     def record_hit(self, node: TreeNode) -> None:
         """One admission used the prefix ending at ``node`` (see RadixCache.record_hit)."""
@@ -251,8 +245,8 @@ class HiRadixCache(StorageMixin, RadixCache):
         return device_prefix
 
     # ---- load back (l2 -> l1) ------------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, match_result: Any = None, wait: bool = True,
-                       hold: bool = False) -> tuple[torch.Tensor, TreeNode]:
+    def init_load_back(self, last_node: TreeNode, match_result: MatchResult | None = None,
+                       wait: bool = True, hold: bool = False) -> tuple[torch.Tensor, TreeNode]:
         """Promote the host part of the path ending at ``match_result.last_host_node`` (or
         ``last_node``) to device. Returns the device slots of the whole prefix and its new last
         device node (not locked: the caller locks it). ``wait=True`` waits until the bytes
@@ -262,7 +256,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         ``wait=False``): the copy waits for ``release_loads()``; the next forward reads the KV
         from host in place (``host_reads``) instead of waiting for it."""
         self.check()
-        target = getattr(match_result, "last_host_node", None) or last_node
+        target = match_result.last_host_node if match_result is not None else last_node
         path = self._path(target)
         device = [n for n in path if n.value is not None]
         host_nodes = path[len(device):]
@@ -384,7 +378,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.check()
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(self._priority(n), n.id, n) for n in self._collect_leaves()]
+        heap = [(self.eviction_priority(n), n.id, n) for n in self._collect_leaves()]
         heapq.heapify(heap)
         num_evicted = 0
         while num_evicted < num_tokens and heap:
@@ -405,7 +399,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             else:
                 num_evicted += self._delete_subtree(node)
             if self._is_device_leaf(parent):
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+                heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["evictions"] += num_evicted
         if num_evicted < num_tokens and self.ongoing_write:
             # NOTE: in-flight writes lock their nodes; let them land, then try again.
@@ -439,7 +433,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.check()
         if num_tokens <= 0:
             return 0
-        heap = [(self._priority(n), n.id, n) for n in self._all_nodes() if self._is_host_leaf(n)]
+        heap = [(self.eviction_priority(n), n.id, n) for n in self._all_nodes() if self._is_host_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -453,7 +447,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             freed += len(node.key)
             self._emit("removed", "l2", len(node.key), node)
             if self._is_host_leaf(parent):
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+                heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["host_evictions"] += freed
         return freed
 

@@ -27,10 +27,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from hicache.base_prefix_cache import MatchResult, PrefetchStart
 from hicache.radix_cache import TreeNode
 from hicache.storage_io import BackupJob, PrefetchOperation
 
@@ -49,11 +50,6 @@ FLUSH_SETTLE_S = 2.0  # a flush of L3 on the scheduler thread waits at most this
 
 class StorageBusyError(RuntimeError):
     """L3 cannot be attached / detached now (one is attached; work is still in flight)."""
-
-
-class PrefetchStart(NamedTuple):
-    tokens: int  # tokens the prefetch will add beyond the L1 + L2 match (0: none started)
-    in_l3: int  # tokens of the request's prefix L3 holds (whole objects from the root)
 
 
 @dataclass
@@ -215,7 +211,7 @@ class StorageMixin:
         return self.storage_keys(self._align(self.key_of(token_ids, namespace)))
 
     def start_prefetch(self, req_id: str, token_ids: list[int], namespace: str | None,
-                       match: Any, keys: list[str] | None = None) -> PrefetchStart:
+                       match: MatchResult, keys: list[str] | None = None) -> PrefetchStart:
         """A waiting request matched ``token_ids`` (``match``: its L1 + L2 match; ``keys``:
         ``prefetch_keys`` of them, computed once by the caller): start reading the L3 objects
         beyond the match. Returns the tokens that will add and L3's prefix of the request.
@@ -302,6 +298,9 @@ class StorageMixin:
             st.collected = True
             self.l3_counters["prefetch_cancelled"] += 1
         self._finish_prefetch(req_id)
+
+    def has_prefetch(self, req_id: str) -> bool:
+        return req_id in self.ongoing_prefetch
 
     def yield_prefetch(self, req_id: str) -> int:
         """``req_id``'s landed prefetch gives its L2 room to a request that goes first: its
@@ -474,6 +473,29 @@ class StorageMixin:
                     deferred)
         io.shutdown(timeout=0.0, warn=False)
         return running + deferred
+
+    def has_storage(self) -> bool:
+        return self.storage_io is not None
+
+    def can_attach_storage(self) -> bool:
+        return True
+
+    def backup_in_flight_tokens(self, namespaces: frozenset[str]) -> int:
+        return sum(len(job.host_indices) for job, _, _ in self.ongoing_backup.values()
+                   if job.namespace in namespaces)
+
+    def set_backup_gate(self, gate: Callable[[TreeNode], bool] | None) -> None:
+        self.backup_gate = gate
+
+    def storage_info(self) -> dict[str, Any]:
+        io = self.storage_io
+        if io is None:
+            return {"attached": False}
+        describe = getattr(io.storage, "describe", None)
+        info: dict[str, Any] = dict(describe()) if describe is not None else {}
+        info.setdefault("backend", type(io.storage).__name__)
+        info.update(attached=True, object_tokens=io.object_size, pending=io.pending())
+        return info
 
     def storage_busy(self) -> bool:
         """Are L3 backups or prefetches in flight (a flush of L3 would have to wait)?"""

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
+from hicache.base_prefix_cache import BasePrefixCache, MatchResult
 from hicache.req_to_token import ReqToTokenPool
 
 _node_ids = itertools.count()
@@ -60,15 +61,11 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-class MatchResult(NamedTuple):
-    device_indices: torch.Tensor  # [matched tokens] int64 slots on device
-    last_device_node: TreeNode  # deepest matched node whose KV is on device
-    last_host_node: TreeNode  # HiRadixCache: deepest matched node; == last_device_node here
-    host_hit_length: int = 0  # HiRadixCache: tokens after last_device_node held on host
+__all__ = ["MatchResult", "RadixCache", "TreeNode", "finished_kv_len"]
 
 
-class RadixCache:
-    """Prefix cache over ``token_to_kv_pool_allocator`` slots (BasePrefixCache protocol)."""
+class RadixCache(BasePrefixCache):
+    """Prefix cache over ``token_to_kv_pool_allocator`` slots."""
 
     def __init__(
         self,
@@ -86,8 +83,12 @@ class RadixCache:
         self.disable = disable
         self.eviction_policy = eviction_policy
         self.device = token_to_kv_pool_allocator.device
-        self.event_log: Any = None  # optional hicache.events.CacheEventLog
+        self.event_log = None
         self.evicted_tokens = 0  # cumulative L1 tokens freed by evict()
+        self.version = 0
+        # namespace <-> id (key_of). NOTE: reset() keeps them: a namespace's id never changes
+        self._ns_ids: dict[str, int] = {}
+        self._ns_names: dict[int, str] = {}
         self.reset()
 
     # ---- public API -------------------------------------------------------------------------
@@ -107,12 +108,10 @@ class RadixCache:
                ) -> tuple[int, ...]:
         if not namespace:
             return tuple(token_ids)
-        ns_ids = self.__dict__.setdefault("_ns_ids", {})
-        ns_names = self.__dict__.setdefault("_ns_names", {})
-        ns_id = ns_ids.get(namespace)
+        ns_id = self._ns_ids.get(namespace)
         if ns_id is None:
-            ns_id = ns_ids[namespace] = len(ns_ids) + 1
-            ns_names[ns_id] = namespace
+            ns_id = self._ns_ids[namespace] = len(self._ns_ids) + 1
+            self._ns_names[ns_id] = namespace
         off = ns_id << 32
         return tuple(t + off for t in token_ids)
 
@@ -127,7 +126,7 @@ class RadixCache:
         """(namespace, token ids) of a tree key."""
         if not key or key[0] < (1 << 32):
             return None, list(key)
-        ns = self.__dict__.get("_ns_names", {}).get(key[0] >> 32)
+        ns = self._ns_names.get(key[0] >> 32)
         return ns, [t & 0xFFFFFFFF for t in key]
 
     def match_prefix(self, key: list[int] | tuple[int, ...],
@@ -198,8 +197,8 @@ class RadixCache:
         old_prefix_len = len(req.prefix_indices)
         new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
         self._free_duplicates(kv_indices, old_prefix_len, new_prefix_len)
-        new_indices, new_last_node, _, _ = self.match_prefix(token_ids[:aligned_len],
-                                                             touch=False)
+        rematch = self.match_prefix(token_ids[:aligned_len], touch=False)
+        new_indices, new_last_node = rematch.device_indices, rematch.last_device_node
         if len(new_indices) != aligned_len:
             raise AssertionError(f"re-match found {len(new_indices)} of {aligned_len} tokens")
         start = min(old_prefix_len, aligned_len) // self.page_size * self.page_size
@@ -217,7 +216,7 @@ class RadixCache:
 
     def _bump(self) -> None:
         """The set of cached tokens or their tiers changed: cached matches are stale."""
-        self.version = getattr(self, "version", 0) + 1
+        self.version += 1
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock ``node`` and its ancestors; returns the change of evictable_size (<= 0)."""
@@ -240,16 +239,12 @@ class RadixCache:
         self._protected_size -= delta
         return delta
 
-    def set_serving(self, active: bool) -> None:
-        """Whether the engine runs requests now (the hierarchical cache defers background
-        copies then); nothing to do here."""
-
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least valuable first, until >= ``num_tokens`` are freed or
         nothing is evictable; returns the number of tokens freed."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(self._priority(n), n.id, n) for n in self._collect_leaves()]
+        heap = [(self.eviction_priority(n), n.id, n) for n in self._collect_leaves()]
         heapq.heapify(heap)
         num_evicted = 0
         self.token_to_kv_pool_allocator.free_group_begin()
@@ -260,7 +255,7 @@ class RadixCache:
             parent = node.parent
             num_evicted += self._evict_leaf(node)
             if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+                heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.token_to_kv_pool_allocator.free_group_end()
         return num_evicted
 
@@ -344,7 +339,8 @@ class RadixCache:
         if hit:
             node.hit_count += 1
 
-    def _priority(self, node: TreeNode) -> tuple[int, ...]:
+    def eviction_priority(self, node: TreeNode) -> tuple[int, ...]:
+        """LRU: oldest access first; LFU: fewest hits first, then oldest."""
         if self.eviction_policy == "lfu":
             return (node.hit_count, node.last_access_time)
         return (node.last_access_time,)

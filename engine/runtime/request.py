@@ -14,6 +14,7 @@ import torch
 
 from engine.detokenizer.text import TextStream
 from engine.runtime.sampling import SamplingParams
+from hicache.base_prefix_cache import MatchResult
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ class Req:
         self.cached_tokens = 0
         self.cached_tokens_per_tier: dict[str, int] = {"l1": 0, "l2": 0, "l3": 0}
         self.host_hit_length = 0  # tokens of the match on host (L2), loaded back at admission
-        self.match_result: Any = None  # the tree's last match for this request ...
+        # its hit was counted (admission); NOTE: a retracted request keeps it: counted once
+        self.hit_counted = False
+        self.match_result: MatchResult | None = None  # the tree's last match for it ...
         self.match_version: int | None = None  # ... valid while tree_cache.version is this
         self.l3_tokens = 0  # tokens this request's own L3 prefetch put in the tree
         self.l3_keys: list[str] | None = None  # its L3 object keys (hashed once)

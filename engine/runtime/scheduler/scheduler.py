@@ -33,6 +33,7 @@ from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
 from engine.runtime.scheduler.stats import CacheCounters
+from hicache.base_prefix_cache import BasePrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class SchedulerCall:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: Any, tree_cache: Any, max_context_len: int):
+    def __init__(self, args: ServerArgs, runner: Any, tree_cache: BasePrefixCache,
+                 max_context_len: int):
         self.args = args
         self.runner = runner
         self.tree_cache = tree_cache
@@ -79,7 +81,7 @@ class Scheduler:
         self.inbox: queue.Queue[tuple] = queue.Queue()
         self.counters = CacheCounters()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
-        self.event_log = getattr(tree_cache, "event_log", None)
+        self.event_log = tree_cache.event_log
         self.step_hooks: list[Callable[[Scheduler], None]] = []
         self.forward_ct = 0
         self._inflight: list[Req] = []  # the batch being launched or handled (failure cleanup)
@@ -106,9 +108,7 @@ class Scheduler:
         self._inbox_lock = threading.Lock()
         self._inbox_reqs = 0  # ("req", ...) items in the inbox
         self._inbox_aborts = 0  # ("abort", ...) items in the inbox
-        controller = getattr(tree_cache, "controller", None)
-        if controller is not None:
-            controller.notify = self.wake  # copy acks wake a sleeping loop
+        tree_cache.set_wake(self.wake)  # copy acks wake a sleeping loop
 
     # --- inbox -------------------------------------------------------------------------------
     def num_queued(self) -> int:
@@ -206,15 +206,13 @@ class Scheduler:
             self.tree_cache.set_serving(serving)
 
     def _sleep_time(self) -> float:
-        deadline = getattr(self.tree_cache, "prefetch_deadline", lambda: None)()
+        deadline = self.tree_cache.prefetch_deadline()
         if deadline is None:
             return IDLE_WAIT_S
         return min(IDLE_WAIT_S, max(0.001, deadline - time.monotonic()))
 
     def step(self) -> bool:
-        check = getattr(self.tree_cache, "check", None)
-        if check is not None:  # HiRadixCache: drain finished host writes/loads
-            check()
+        self.tree_cache.check()  # finished host writes / loads / L3 work
         for hook in self.step_hooks:
             hook(self)
         if self.launched and self.launched[-1].is_extend and (self.waiting or self.chunked_req):
@@ -329,13 +327,13 @@ class Scheduler:
     def _start_prefetch(self, req: Req) -> int:
         """Read what L3 holds beyond the request's match into L2 (its object keys are hashed
         once per request); returns the tokens the started prefetch will add."""
-        start = getattr(self.tree_cache, "start_prefetch", None)
-        if start is None or getattr(self.tree_cache, "storage_io", None) is None:
+        if not self.tree_cache.has_storage():
             return 0
         key = req.fill_ids[: len(req.fill_ids) - 1]
         if req.l3_keys is None:
             req.l3_keys = self.tree_cache.prefetch_keys(key, req.cache_namespace)
-        res = start(req.rid, key, req.cache_namespace, req.match_result, keys=req.l3_keys)
+        res = self.tree_cache.start_prefetch(req.rid, key, req.cache_namespace, req.match_result,
+                                             keys=req.l3_keys)
         req.l3_hit = res.in_l3
         return res.tokens
 
@@ -350,7 +348,7 @@ class Scheduler:
         res = self.tree_cache.match_prefix(key, namespace=req.cache_namespace, touch=False)
         req.prefix_indices = res.device_indices
         req.last_node = res.last_device_node
-        req.host_hit_length = getattr(res, "host_hit_length", 0)
+        req.host_hit_length = res.host_hit_length
         req.match_result = res
         req.match_version = self.tree_cache.version  # after the match: it may drain acks
         matched = len(res.device_indices) + req.host_hit_length
@@ -409,10 +407,7 @@ class Scheduler:
     def _prefetch_ready(self, req: Req, behind: list[Req]) -> bool:
         """HiRadixCache + L3: may ``req`` be admitted now (prefetch policy)? ``behind``: the
         waiting requests that go after it."""
-        poll = getattr(self.tree_cache, "poll_prefetch", None)
-        if poll is None:
-            return True
-        got = poll(req.rid)
+        got = self.tree_cache.poll_prefetch(req.rid)
         if got is None:
             return False
         if got == 0 and req.l3_hit > len(req.prefix_indices) + req.host_hit_length:
@@ -431,17 +426,16 @@ class Scheduler:
         prefetches of requests the cache order kept waiting, and the requests admitted
         recomputed what L3 held: 23 admissions, ~21,000 tokens in 150 s."""
         tc = self.tree_cache
-        yield_prefetch = getattr(tc, "yield_prefetch", None)
-        if yield_prefetch is None or req.rid in tc.ongoing_prefetch:
+        if tc.has_prefetch(req.rid):
             return 0
         need = req.l3_hit - len(req.prefix_indices) - req.host_hit_length
-        if need < getattr(tc, "prefetch_threshold", 0):
+        if need < tc.prefetch_threshold:
             return 0
         freed = 0
         for r in reversed(behind):
             if freed >= need:
                 break
-            n = yield_prefetch(r.rid)
+            n = tc.yield_prefetch(r.rid)
             # what landed stays in L2 until evicted: it still came from L3
             r.l3_tokens = max(r.l3_tokens, n)
             freed += n
@@ -451,35 +445,31 @@ class Scheduler:
         """HiRadixCache hook: bring the host-resident part of ``req``'s match to the device.
         NOTE: wait=False: the load overlaps the next forward layer by layer (run_extend sets
         fb.wait_layer); every path that skips that forward calls _wait_pending_loads."""
-        init = getattr(self.tree_cache, "init_load_back", None)
-        if init is None or not req.host_hit_length:
+        if not req.host_hit_length:
             return
         self._wait_forwards()  # the load writes device slots a running forward may use
-        indices, node = init(req.last_node, req.match_result, wait=False,
-                             hold=self.reads_host_kv)
+        indices, node = self.tree_cache.init_load_back(req.last_node, req.match_result,
+                                                       wait=False, hold=self.reads_host_kv)
         req.prefix_indices, req.last_node = indices, node
 
     def _pending_layer_wait(self) -> Callable[[int], None] | None:
         """HiRadixCache: per-layer wait on the in-flight load (None when nothing is loading)."""
-        return getattr(self.tree_cache, "pending_layer_wait", lambda: None)()
+        return self.tree_cache.pending_layer_wait()
 
     def _wait_pending_loads(self) -> None:
-        wait = getattr(self.tree_cache, "wait_pending_loads", None)
-        if wait is not None:
-            wait()
+        self.tree_cache.wait_pending_loads()
 
     def _count_hit(self, req: Req) -> None:
         """Admission: the hit counts once (tree access times / hit counts, and our tiers)."""
-        if getattr(req, "_counted", False):
+        if req.hit_counted:
             return  # a chunk of an admitted request, or a retracted one coming back
-        req._counted = True
-        finish = getattr(self.tree_cache, "finish_prefetch", None)
-        if finish is not None:
-            finish(req.rid)
+        req.hit_counted = True
+        self.tree_cache.finish_prefetch(req.rid)
         if req.last_node is not None:
             self.tree_cache.record_hit(req.last_node)
         res = req.match_result
-        tiers = dict(getattr(res, "tier_tokens", None) or {"l1": len(req.prefix_indices)})
+        per_tier = res.tier_tokens if res is not None else None
+        tiers = dict(per_tier or {"l1": len(req.prefix_indices)})
         # NOTE: a prefetch lands in L2, so the match sees those tokens as L2: they came from L3
         moved = min(req.l3_tokens, tiers.get("l2", 0))
         tiers["l2"] = tiers.get("l2", 0) - moved
@@ -639,9 +629,7 @@ class Scheduler:
 
     # --- aborts ------------------------------------------------------------------------------
     def _cancel_prefetch(self, req: Req) -> None:
-        cancel = getattr(self.tree_cache, "cancel_prefetch", None)
-        if cancel is not None:
-            cancel(req.rid)
+        self.tree_cache.cancel_prefetch(req.rid)
 
     def abort(self, rid: str) -> None:
         for req in self.waiting:
@@ -668,9 +656,8 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         # NOTE: the launched forwards end first; their KV counts as never written
         self._wait_forwards()
-        release = getattr(self.tree_cache, "release_loads", None)
-        if release is not None:  # no forward will read held loads from host: copy them now
-            release()
+        # no forward will read held loads from host: copy them now
+        self.tree_cache.release_loads()
         pending = [r for j in self.launched for r in j.reqs] + self._inflight
         self.launched.clear()
         self._inflight = []
@@ -722,9 +709,7 @@ class Scheduler:
     def check_kv_invariant(self) -> None:
         """NOTE: every KV page is exactly one of: free, in the tree, held by a request; and the
         tree itself is consistent (keys, locks, sizes, tiers: ``check_integrity``)."""
-        integrity = getattr(self.tree_cache, "check_integrity", None)
-        if integrity is not None:
-            integrity()
+        self.tree_cache.check_integrity()
         ps = self.page_size
         alloc = self.runner.allocator
         free = alloc.debug_free_pages().to(torch.int64).cpu()
