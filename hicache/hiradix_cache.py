@@ -29,14 +29,14 @@ import torch
 from hicache.base_prefix_cache import HostReads, MatchResult
 from hicache.controller import HiCacheController
 from hicache.hiradix_storage import STORAGE_SETTLE_S, StorageMixin
-from hicache.radix_cache import RadixCache, TreeNode
+from hicache.radix_cache import TreeNode
 
 __all__ = ["WRITE_POLICIES", "HiRadixCache", "HostReads", "MatchResult"]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
-class HiRadixCache(StorageMixin, RadixCache):
+class HiRadixCache(StorageMixin):
     def __init__(
         self,
         req_to_token_pool: Any,
@@ -152,13 +152,14 @@ class HiRadixCache(StorageMixin, RadixCache):
     # ---- locks and sizes (only device-resident nodes count) ------------------------------------
     def _add_lock(self, node: TreeNode, step: int) -> int:
         delta = 0
-        while node is not self.root_node:
-            if node.lock_ref + step < 0:
-                raise AssertionError(f"dec_lock_ref on unlocked {node!r}")
-            if node.lock_ref == (0 if step > 0 else 1) and node.value is not None:
-                delta -= step * len(node.key)
-            node.lock_ref += step
-            node = node.parent
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root_node:
+            if cur.lock_ref + step < 0:
+                raise AssertionError(f"dec_lock_ref on unlocked {cur!r}")
+            if cur.lock_ref == (0 if step > 0 else 1) and cur.value is not None:
+                delta -= step * len(cur.key)
+            cur.lock_ref += step
+            cur = cur.parent
         self._evictable_size += delta
         self._protected_size -= delta
         return delta
@@ -170,10 +171,6 @@ class HiRadixCache(StorageMixin, RadixCache):
             self._protected_size += len(value)
         else:
             self._evictable_size += len(value)
-
-    def _set_host(self, node: TreeNode, host_value: torch.Tensor | None) -> None:
-        self._bump()
-        node.host_value = host_value
 
     def _drop_value(self, node: TreeNode) -> None:
         self._bump()
@@ -200,7 +197,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             self._backup_hot(device)
         host_len = sum(len(n.key) for n in path[len(device):])
         tiers["l1"], tiers["l2"] = matched - host_len, host_len
-        values = [n.value for n in device]
+        values = [self._device_value(n) for n in device]
         device_indices = torch.cat(values) if values else self._empty()
         last_device = device[-1] if device else self.root_node
         return MatchResult(device_indices, last_device, last_node, host_len, tiers)
@@ -265,7 +262,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             return self._device_prefix(device)
         last = host_nodes[-1]
         self.inc_lock_ref(last)
-        host_indices = torch.cat([n.host_value for n in host_nodes])
+        host_indices = torch.cat([self._host_value(n) for n in host_nodes])
         device_indices = self.controller.load(host_indices, last.id)
         if device_indices is None:
             self.evict(host_len - self.token_to_kv_pool_allocator.available_size())
@@ -332,7 +329,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.controller.current_load.wait_finished()
 
     def _device_prefix(self, device: list[TreeNode]) -> tuple[torch.Tensor, TreeNode]:
-        values = [n.value for n in device]
+        values = [self._device_value(n) for n in device]
         return (torch.cat(values) if values else self._empty(),
                 device[-1] if device else self.root_node)
 
@@ -398,7 +395,7 @@ class HiRadixCache(StorageMixin, RadixCache):
                 continue  # deleting would drop a waiting request's prefetch anchor
             else:
                 num_evicted += self._delete_subtree(node)
-            if self._is_device_leaf(parent):
+            if parent is not None and self._is_device_leaf(parent):
                 heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["evictions"] += num_evicted
         if num_evicted < num_tokens and self.ongoing_write:
@@ -411,7 +408,7 @@ class HiRadixCache(StorageMixin, RadixCache):
 
     def _demote(self, node: TreeNode) -> int:
         num = len(node.key)
-        self.token_to_kv_pool_allocator.free(node.value)
+        self.token_to_kv_pool_allocator.free(self._device_value(node))
         self._drop_value(node)
         self.evicted_tokens += num
         self.counters["demotions"] += num
@@ -441,12 +438,12 @@ class HiRadixCache(StorageMixin, RadixCache):
             if not self._is_host_leaf(node):
                 continue
             parent = node.parent
-            self.host_pool.free(node.host_value)
+            self.host_pool.free(self._host_value(node))
             self._set_host(node, None)
             self._delete_leaf(node)
             freed += len(node.key)
             self._emit("removed", "l2", len(node.key), node)
-            if self._is_host_leaf(parent):
+            if parent is not None and self._is_host_leaf(parent):
                 heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["host_evictions"] += freed
         return freed
@@ -521,21 +518,6 @@ class HiRadixCache(StorageMixin, RadixCache):
         return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _path(self, node: TreeNode) -> list[TreeNode]:
-        """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree."""
-        path: list[TreeNode] = []
-        while node is not self.root_node and node is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        node, out = self.root_node, []
-        for n in path:
-            if node.children.get(self._page_key(n.key)) is not n:
-                break
-            out.append(n)
-            node = n
-        return out
-
     def _path_key(self, node: TreeNode) -> tuple[int, ...]:
         return tuple(t for n in self._path(node) for t in n.key)
 

@@ -161,11 +161,11 @@ class RadixCache(BasePrefixCache):
             slots:     |tree (locked)|  duplicates: free  | inserted: tree keeps  | tail: free |
         """
         kv_len = finished_kv_len(req)
-        row = req.req_pool_idx
-        kv_indices = self.req_to_token_pool.req_to_token[row, :kv_len].long()  # [kv_len] on device
+        row, rows = req.req_pool_idx, self._rows()
+        kv_indices = rows.req_to_token[row, :kv_len].long()  # [kv_len] on device
         if self.disable:
             self.token_to_kv_pool_allocator.free(kv_indices)
-            self.req_to_token_pool.free(row)
+            rows.free(row)
             return
         token_ids = self.key_of((list(req.origin_input_ids) + list(req.output_ids))[:kv_len],
                                 getattr(req, "cache_namespace", None))
@@ -176,7 +176,7 @@ class RadixCache(BasePrefixCache):
         new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
         self._free_duplicates(kv_indices, len(req.prefix_indices), new_prefix_len)
         allocator.free_group_end()
-        self.req_to_token_pool.free(row)
+        rows.free(row)
         self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: Any) -> None:
@@ -188,8 +188,8 @@ class RadixCache(BasePrefixCache):
         ``req.prefix_indices`` becomes tree slots + the kept tail; the lock moves to the new node.
         """
         token_ids = self.key_of(req.fill_ids, getattr(req, "cache_namespace", None))
-        kv_len, row = len(token_ids), req.req_pool_idx
-        kv_indices = self.req_to_token_pool.req_to_token[row, :kv_len].long()  # [kv_len] on device
+        kv_len, row, rows = len(token_ids), req.req_pool_idx, self._rows()
+        kv_indices = rows.req_to_token[row, :kv_len].long()  # [kv_len] on device
         if self.disable:
             req.prefix_indices = kv_indices
             return
@@ -202,7 +202,7 @@ class RadixCache(BasePrefixCache):
         if len(new_indices) != aligned_len:
             raise AssertionError(f"re-match found {len(new_indices)} of {aligned_len} tokens")
         start = min(old_prefix_len, aligned_len) // self.page_size * self.page_size
-        self.req_to_token_pool.write((row, slice(start, aligned_len)), new_indices[start:])
+        rows.write((row, slice(start, aligned_len)), new_indices[start:])
         self.inc_lock_ref(new_last_node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = torch.cat((new_indices, kv_indices[aligned_len:]))
@@ -210,9 +210,10 @@ class RadixCache(BasePrefixCache):
 
     def record_hit(self, node: TreeNode) -> None:
         """One admission used the prefix ending at ``node``: touch every node of its path."""
-        while node is not None and node is not self.root_node:
-            self._touch(node, hit=True)
-            node = node.parent
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root_node:
+            self._touch(cur, hit=True)
+            cur = cur.parent
 
     def _bump(self) -> None:
         """The set of cached tokens or their tiers changed: cached matches are stale."""
@@ -228,13 +229,14 @@ class RadixCache(BasePrefixCache):
 
     def _add_lock(self, node: TreeNode, step: int) -> int:
         delta = 0
-        while node is not self.root_node:
-            if node.lock_ref + step < 0:
-                raise AssertionError(f"dec_lock_ref on unlocked {node!r}")
-            if node.lock_ref == (0 if step > 0 else 1):  # evictable <-> protected
-                delta -= step * len(node.key)
-            node.lock_ref += step
-            node = node.parent
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root_node:
+            if cur.lock_ref + step < 0:
+                raise AssertionError(f"dec_lock_ref on unlocked {cur!r}")
+            if cur.lock_ref == (0 if step > 0 else 1):  # evictable <-> protected
+                delta -= step * len(cur.key)
+            cur.lock_ref += step
+            cur = cur.parent
         self._evictable_size += delta
         self._protected_size -= delta
         return delta
@@ -254,7 +256,8 @@ class RadixCache(BasePrefixCache):
                 continue
             parent = node.parent
             num_evicted += self._evict_leaf(node)
-            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+            if (parent is not None and parent is not self.root_node and not parent.children
+                    and parent.lock_ref == 0):
                 heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.token_to_kv_pool_allocator.free_group_end()
         return num_evicted
@@ -315,6 +318,34 @@ class RadixCache(BasePrefixCache):
             raise AssertionError("evictable + protected != total_size")
 
     # ---- helpers (override points for HiRadixCache) ---------------------------------------------
+    def _rows(self) -> ReqToTokenPool:
+        """The req_to_token pool; NOTE: a cache built without one (tests, admin) caches no
+        requests."""
+        if self.req_to_token_pool is None:
+            raise RuntimeError("this cache has no req_to_token pool")
+        return self.req_to_token_pool
+
+    @staticmethod
+    def _parent(node: TreeNode) -> TreeNode:
+        """The parent of a node in the tree (every node but the root has one)."""
+        if node.parent is None:
+            raise AssertionError(f"{node!r} has no parent")
+        return node.parent
+
+    @staticmethod
+    def _device_value(node: TreeNode) -> torch.Tensor:
+        """The device slots of a node known to be on device."""
+        if node.value is None:
+            raise AssertionError(f"{node!r} is not on device")
+        return node.value
+
+    @staticmethod
+    def _host_value(node: TreeNode) -> torch.Tensor:
+        """The host slots of a node known to have an L2 copy (HiRadixCache)."""
+        if node.host_value is None:
+            raise AssertionError(f"{node!r} has no host copy")
+        return node.host_value
+
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
@@ -361,7 +392,8 @@ class RadixCache(BasePrefixCache):
                 self._touch(child, hit)
             prefix_len = self._key_match(child.key, key[matched:])
             node = child if prefix_len == len(child.key) else self._split_node(child, prefix_len)
-            values.append(node.value)
+            if node.value is not None:  # NOTE: None only on HiRadixCache's host-only nodes
+                values.append(node.value)
             matched += prefix_len
             if node is not child:
                 break
@@ -382,7 +414,7 @@ class RadixCache(BasePrefixCache):
         child.value = None if child.value is None else child.value[split_len:]
         new_node.children = {self._page_key(child.key): child}
         child.parent = new_node
-        new_node.parent.children[self._page_key(new_node.key)] = new_node
+        self._parent(new_node).children[self._page_key(new_node.key)] = new_node
         return new_node
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor) -> TreeNode:
@@ -402,8 +434,9 @@ class RadixCache(BasePrefixCache):
 
     def _evict_leaf(self, node: TreeNode) -> int:
         """Free a leaf's slots and drop it; returns the tokens freed."""
-        self.token_to_kv_pool_allocator.free(node.value)
-        num_tokens = len(node.value)
+        value = self._device_value(node)
+        self.token_to_kv_pool_allocator.free(value)
+        num_tokens = len(value)
         self._delete_leaf(node)
         self.evicted_tokens += num_tokens
         self._emit("removed", "l1", num_tokens, node)
@@ -411,9 +444,30 @@ class RadixCache(BasePrefixCache):
 
     def _delete_leaf(self, node: TreeNode) -> None:
         self._bump()
-        del node.parent.children[self._page_key(node.key)]
+        del self._parent(node).children[self._page_key(node.key)]
         if node.value is not None:
             self._evictable_size -= len(node.key)
+
+    def _set_host(self, node: TreeNode, host_value: torch.Tensor | None) -> None:
+        """HiRadixCache: the node's L2 copy (None: none)."""
+        self._bump()
+        node.host_value = host_value
+
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree."""
+        path: list[TreeNode] = []
+        cur: TreeNode | None = node
+        while cur is not self.root_node and cur is not None:
+            path.append(cur)
+            cur = cur.parent
+        path.reverse()
+        at, out = self.root_node, []
+        for n in path:
+            if at.children.get(self._page_key(n.key)) is not n:
+                break
+            out.append(n)
+            at = n
+        return out
 
     def _all_nodes(self) -> list[TreeNode]:
         out, stack = [], [self.root_node]
