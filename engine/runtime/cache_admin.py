@@ -3,8 +3,9 @@
 tree inspection.
 
 Works with any BasePrefixCache: RadixCache (L1 only), ChunkCache (nothing cached, `disable`)
-and HiRadixCache (nodes with `host_value`, `evict_host`, L3). Pins live in a PinTable attached to the
-scheduler; `expire_pins(scheduler, now)` is meant to run every scheduler step (a step hook).
+and HiRadixCache (nodes with `host_value`, `evict_host`, L3). Pins live in the scheduler's
+PinTable (`scheduler.admin_pins`, made by its constructor); `expire_pins(scheduler, now)` is
+meant to run every scheduler step (a step hook).
 """
 
 from __future__ import annotations
@@ -90,11 +91,7 @@ class PinTable:
 
 
 def pin_table(scheduler: Any) -> PinTable:
-    table = getattr(scheduler, "admin_pins", None)
-    if table is None:
-        table = PinTable()
-        scheduler.admin_pins = table
-    return table
+    return scheduler.admin_pins
 
 
 def pin_summary(scheduler: Any) -> tuple[int, int]:
@@ -342,8 +339,8 @@ def unpin(
 
 def expire_pins(scheduler: Any, now: float | None = None) -> int:
     """Releases the pins whose TTL has passed; returns how many."""
-    table = getattr(scheduler, "admin_pins", None)
-    if table is None or not table.pins:
+    table = pin_table(scheduler)
+    if not table.pins:
         return 0
     now = time.monotonic() if now is None else now
     expired = [i for i, p in table.pins.items() if p.expires_at is not None and p.expires_at <= now]

@@ -157,7 +157,7 @@ def flush(
 def tenant_figures(scheduler: Any, tenants: Any) -> dict[str, dict[str, dict[str, int]]]:
     """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} for /metrics; `tenants` are
     objects with name, namespaces and quota(tier) (engine/server/tenants.py's Tenant)."""
-    enforcer = getattr(scheduler, "quota_enforcer", None)
+    enforcer = scheduler.quota_enforcer
     out = {}
     for t in tenants:
         use = usage(scheduler.tree_cache, frozenset(t.namespaces))
@@ -175,7 +175,7 @@ def tenant_view(
 ) -> tuple[dict[str, Any], list[Any], dict[str, int]]:
     """A tenant's usage per tier, its pins and its quota evictions (GetCacheStats)."""
     pins = [p for p in cache_admin.pin_table(scheduler).pins.values() if p.owner == tenant]
-    enforcer = getattr(scheduler, "quota_enforcer", None)
+    enforcer = scheduler.quota_enforcer
     q = enforcer.by_name.get(tenant) if enforcer is not None else None
     evicted = dict(q.evicted_tokens) if q is not None else {}
     return usage(scheduler.tree_cache, namespaces), pins, evicted

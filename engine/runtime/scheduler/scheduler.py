@@ -21,12 +21,12 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import ServerArgs
-from engine.runtime.cache_admin import settle
+from engine.runtime.cache_admin import PinTable, settle
 from engine.runtime.request import FinishReason, Req
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
 from engine.runtime.scheduler.overlap import ForwardWorker, Launched
@@ -34,6 +34,9 @@ from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
 from engine.runtime.scheduler.stats import CacheCounters
 from hicache.base_prefix_cache import BasePrefixCache
+
+if TYPE_CHECKING:
+    from engine.runtime.tenant_cache import QuotaEnforcer
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,8 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.event_log = tree_cache.event_log
         self.step_hooks: list[Callable[[Scheduler], None]] = []
+        self.admin_pins = PinTable()  # admin / tenant pins (cache_admin.pin)
+        self.quota_enforcer: QuotaEnforcer | None = None  # tenant quotas, when configured
         self.forward_ct = 0
         self._inflight: list[Req] = []  # the batch being launched or handled (failure cleanup)
         self.launched: deque[Launched] = deque()  # forwards whose results are not handled yet
