@@ -427,9 +427,8 @@ class Scheduler:
     def _prefetch_with_room_of(self, req: Req, behind: list[Req]) -> int:
         """L2 had no room for ``req``'s prefetch: the prefetches of requests that go after it
         give theirs, the last in the order first, and its prefetch starts.
-        NOTE: under pressure (tools/bench_pressure.py --mode load) L2 was full of the landed
-        prefetches of requests the cache order kept waiting, and the requests admitted
-        recomputed what L3 held: 23 admissions, ~21,000 tokens in 150 s."""
+        NOTE: otherwise L2 fills with the landed prefetches of requests the cache order keeps
+        waiting, and the requests admitted recompute what L3 holds (docs/benchmarks.md)."""
         tc = self.tree_cache
         if tc.has_prefetch(req.rid):
             return 0
