@@ -30,6 +30,7 @@ from hicache.base_prefix_cache import HostReads, MatchResult
 from hicache.controller import HiCacheController
 from hicache.hiradix_storage import STORAGE_SETTLE_S, StorageMixin
 from hicache.radix_cache import TreeNode
+from hicache.tier import TIERS
 
 __all__ = ["WRITE_POLICIES", "HiRadixCache", "HostReads", "MatchResult"]
 
@@ -474,7 +475,7 @@ class HiRadixCache(StorageMixin):
             return self.clear_storage()
         raise ValueError(f"tier {tier!r} is not enabled")
 
-    def clear(self, tiers: list[str] | tuple[str, ...] = ("l1", "l2", "l3")) -> int:
+    def clear(self, tiers: list[str] | tuple[str, ...] = TIERS) -> int:
         return sum(self.flush_tier(t) for t in tiers if t != "l3" or self.storage is not None)
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:

@@ -20,8 +20,7 @@ from typing import Any, NamedTuple
 from hicache.base_prefix_cache import BasePrefixCache
 from hicache.hiradix_storage import StorageBusyError
 from hicache.radix_cache import TreeNode
-
-TIERS = ("l1", "l2", "l3")
+from hicache.tier import MEMORY_TIERS, TIERS
 
 
 class NotIdleError(RuntimeError):
@@ -421,7 +420,7 @@ def inspect_tree(
         )
     out = []
     for node, depth, plen in order[offset : offset + limit]:
-        residency = [t for t in ("l1", "l2") if held(node, t)]
+        residency = [t for t in MEMORY_TIERS if held(node, t)]
         if tree.node_in_storage(node):
             residency.append("l3")
         parent = node.parent

@@ -24,6 +24,7 @@ from engine.runtime.tree_factory import build_tree_cache
 from engine.tokenizer import Prompt, TokenizerManager
 from hicache.events import CacheEventLog
 from hicache.hiradix_cache import HiRadixCache
+from hicache.tier import TIERS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -380,7 +381,7 @@ def _collect_stats(s: Scheduler) -> dict[str, Any]:
     }
     for tier, d in tree.tier_stats().items():
         stats.setdefault(tier, {}).update(d)
-    for tier in ("l1", "l2", "l3"):
+    for tier in TIERS:
         if tier in stats:
             stats[tier]["hit_tokens"] = c.hit_tokens.get(tier, 0)
     hits = sum(c.hit_tokens.values())

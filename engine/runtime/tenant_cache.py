@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from engine.runtime import cache_admin
 from hicache.base_prefix_cache import BasePrefixCache
 from hicache.radix_cache import TreeNode
+from hicache.tier import MEMORY_TIERS
 
 TIERS = cache_admin.TIERS
 RETRY_S = 0.25  # how often a tenant still over a quota (its nodes locked) is looked at again
@@ -105,7 +106,7 @@ class QuotaEnforcer:
         """Evicts what is over; True when the tenant is within its L1 / L2 quotas."""
         tree = scheduler.tree_cache
         within = True
-        for tier in ("l1", "l2"):
+        for tier in MEMORY_TIERS:
             quota = q.quota_tokens.get(tier, 0)
             if not quota or (tier == "l2" and not tree.has_host_tier()):
                 continue
@@ -148,7 +149,7 @@ def flush(
     if "l3" in wanted:  # before L1 / L2 drop the nodes that name the objects
         tree.delete_from_storage(
             [n for n in cache_admin.namespace_nodes(tree, namespaces) if n.in_storage])
-    for t in ("l1", "l2"):
+    for t in MEMORY_TIERS:
         if t in wanted:
             freed += cache_admin.evict(scheduler, t, namespaces=namespaces).evicted_tokens
     return cache_admin.FlushInfo(wanted, freed, unpinned)

@@ -90,3 +90,11 @@ def test_match_result_is_frozen_and_hierarchical_match_counts_tiers():
     assert rig.tree.has_host_tier() and rig.tree.can_attach_storage()
     assert not rig.tree.has_storage() and set(rig.tree.tier_stats()) == {"l2"}
     rig.tree.shutdown()
+
+
+def test_tiers_are_named_once():
+    from hicache import events
+    from hicache.tier import MEMORY_TIERS, TIERS, Tier
+
+    assert TIERS == ("l1", "l2", "l3") == tuple(Tier) and MEMORY_TIERS == TIERS[:2]
+    assert events.TIERS is TIERS and Tier.L2 == "l2"
