@@ -28,6 +28,7 @@ import torch
 from engine.config import ServerArgs
 from engine.runtime.cache_admin import PinTable, settle
 from engine.runtime.request import FinishReason, Req
+from engine.runtime.scheduler import invariants
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
 from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
@@ -696,36 +697,15 @@ class Scheduler:
             req.emit()
         self.waiting = []
 
-    # --- invariants --------------------------------------------------------------------------
+    # --- invariants (engine/runtime/scheduler/invariants.py) -------------------------------
     def held_slots(self) -> torch.Tensor:
         """Slots active requests hold that the tree does not ([n] int64 on CPU)."""
-        r2t = self.runner.req_to_token_pool.req_to_token
-        parts = [torch.empty(0, dtype=torch.int64)]
         active = self.running + ([self.chunked_req] if self.chunked_req else []) + self.deferred
         active += [r for j in self.launched for r in j.reqs]
-        for r in {id(r): r for r in active}.values():
-            if r.req_pool_idx is not None:  # launched steps' slots included (kv_alloc)
-                parts.append(r2t[r.req_pool_idx, : r.kv_alloc].to(torch.int64).cpu())
-        held = torch.cat(parts).unique()
-        tree = self.tree_cache.all_device_slots().to(torch.int64).cpu()
-        return held[~torch.isin(held, tree)]
+        return invariants.held_slots(self.runner.req_to_token_pool.req_to_token, active,
+                                     self.tree_cache)
 
     def check_kv_invariant(self) -> None:
-        """NOTE: every KV page is exactly one of: free, in the tree, held by a request; and the
-        tree itself is consistent (keys, locks, sizes, tiers: ``check_integrity``)."""
-        self.tree_cache.check_integrity()
-        ps = self.page_size
-        alloc = self.runner.allocator
-        free = alloc.debug_free_pages().to(torch.int64).cpu()
-        tree = (self.tree_cache.all_device_slots().to(torch.int64).cpu() // ps).unique()
-        held = (self.held_slots().cpu() // ps).unique()
-        total = alloc.size // ps
-        counts = torch.zeros(total + 1, dtype=torch.int64)
-        for group in (free, tree, held):
-            counts.index_add_(0, group, torch.ones_like(group))
-        bad = (counts[1:] != 1).nonzero().flatten() + 1
-        if len(bad):
-            raise AssertionError(
-                f"KV accounting broken for pages {bad[:10].tolist()}: free={len(free)} "
-                f"tree={len(tree)} held={len(held)} total={total}"
-            )
+        """Every KV page is free, in the tree or held by a request, exactly once."""
+        invariants.check_kv_invariant(self.runner.allocator, self.tree_cache, self.held_slots(),
+                                      self.page_size)
