@@ -5,7 +5,7 @@ The loop never spins: when a step does nothing it blocks on the inbox, which new
 aborts, admin calls and every cache-copy acknowledgement (``wake``) feed, with a timeout for
 prefetch deadlines. A waiting request's prefix match is computed on arrival and again only
 when the tree changed (``tree_cache.version``); its L3 prefetch starts on arrival, and again
-if its prefix was evicted while it waited (its object keys are hashed once).
+if its prefix was evicted while it waited (``l3_admission``).
 
 With overlap (``ServerArgs.overlap_enabled``), forwards run on a ``ForwardWorker`` thread: a step launches its
 batch, then handles the previous batch's results while that forward runs (``overlap``).
@@ -30,6 +30,7 @@ from engine.runtime.cache_admin import PinTable, settle
 from engine.runtime.request import FinishReason, Req
 from engine.runtime.scheduler import invariants
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
+from engine.runtime.scheduler.l3_admission import L3Admission
 from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
@@ -88,6 +89,7 @@ class Scheduler:
         self.event_log = tree_cache.event_log
         self.step_hooks: list[Callable[[Scheduler], None]] = []
         self.admin_pins = PinTable()  # admin / tenant pins (cache_admin.pin)
+        self.l3 = L3Admission(tree_cache, self._match)
         self.quota_enforcer: QuotaEnforcer | None = None  # tenant quotas, when configured
         self.forward_ct = 0
         self._inflight: list[Req] = []  # the batch being launched or handled (failure cleanup)
@@ -328,20 +330,7 @@ class Scheduler:
         """A new request: its match, its L3 prefetch."""
         self.waiting.append(req)
         self._match(req)
-        self._start_prefetch(req)
-
-    def _start_prefetch(self, req: Req) -> int:
-        """Read what L3 holds beyond the request's match into L2 (its object keys are hashed
-        once per request); returns the tokens the started prefetch will add."""
-        if not self.tree_cache.has_storage():
-            return 0
-        key = req.fill_ids[: len(req.fill_ids) - 1]
-        if req.l3_keys is None:
-            req.l3_keys = self.tree_cache.prefetch_keys(key, req.cache_namespace)
-        res = self.tree_cache.start_prefetch(req.rid, key, req.cache_namespace, req.match_result,
-                                             keys=req.l3_keys)
-        req.l3_hit = res.in_l3
-        return res.tokens
+        self.l3.start(req)
 
     def _match(self, req: Req) -> None:
         """The request's L1 + L2 prefix match, recomputed only when the tree changed. A match
@@ -360,7 +349,7 @@ class Scheduler:
         matched = len(res.device_indices) + req.host_hit_length
         if matched < req.matched_seen:
             # NOTE: its prefix was evicted while it waited: L3 may still hold it
-            self._start_prefetch(req)
+            self.l3.start(req)
         req.matched_seen = max(req.matched_seen, matched)
 
     def get_new_batch_prefill(self) -> list[Req] | None:
@@ -392,7 +381,7 @@ class Scheduler:
                     continue
                 if self._prefill_cap is not None and len(adder.can_run) >= self._prefill_cap:
                     break
-                if not self._prefetch_ready(req, self.waiting[i + 1:]):
+                if not self.l3.ready(req, self.waiting[i + 1:]):
                     continue  # its L3 prefetch policy says wait; later requests may go
                 self._match(req)  # an earlier admission or the prefetch may have changed it
                 res = adder.add_one_req(req, num_running=len(self.running),
@@ -409,42 +398,6 @@ class Scheduler:
         for req in adder.can_run:
             self._count_hit(req)
         return adder.can_run
-
-    def _prefetch_ready(self, req: Req, behind: list[Req]) -> bool:
-        """HiRadixCache + L3: may ``req`` be admitted now (prefetch policy)? ``behind``: the
-        waiting requests that go after it."""
-        got = self.tree_cache.poll_prefetch(req.rid)
-        if got is None:
-            return False
-        if got == 0 and req.l3_hit > len(req.prefix_indices) + req.host_hit_length:
-            # L3 holds more than the tree and nothing is being read (L2 was full when it
-            # last tried): try now; the policy then decides how long to wait for it
-            self._match(req)
-            if self._start_prefetch(req) or self._prefetch_with_room_of(req, behind):
-                return False
-        req.l3_tokens = got or req.l3_tokens
-        return True
-
-    def _prefetch_with_room_of(self, req: Req, behind: list[Req]) -> int:
-        """L2 had no room for ``req``'s prefetch: the prefetches of requests that go after it
-        give theirs, the last in the order first, and its prefetch starts.
-        NOTE: otherwise L2 fills with the landed prefetches of requests the cache order keeps
-        waiting, and the requests admitted recompute what L3 holds (docs/benchmarks.md)."""
-        tc = self.tree_cache
-        if tc.has_prefetch(req.rid):
-            return 0
-        need = req.l3_hit - len(req.prefix_indices) - req.host_hit_length
-        if need < tc.prefetch_threshold:
-            return 0
-        freed = 0
-        for r in reversed(behind):
-            if freed >= need:
-                break
-            n = tc.yield_prefetch(r.rid)
-            # what landed stays in L2 until evicted: it still came from L3
-            r.l3_tokens = max(r.l3_tokens, n)
-            freed += n
-        return self._start_prefetch(req) if freed else 0
 
     def _load_back(self, req: Req) -> None:
         """HiRadixCache hook: bring the host-resident part of ``req``'s match to the device.
@@ -469,7 +422,7 @@ class Scheduler:
         if req.hit_counted:
             return  # a chunk of an admitted request, or a retracted one coming back
         req.hit_counted = True
-        self.tree_cache.finish_prefetch(req.rid)
+        self.l3.admitted(req)
         if req.last_node is not None:
             self.tree_cache.record_hit(req.last_node)
         res = req.match_result
@@ -525,7 +478,7 @@ class Scheduler:
             return None
         req = reqs[0]
         self.waiting.remove(req)
-        self._cancel_prefetch(req)
+        self.l3.cancel(req)
         req.finished_reason = FinishReason(
             "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
         req.emit()
@@ -633,14 +586,11 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
     # --- aborts ------------------------------------------------------------------------------
-    def _cancel_prefetch(self, req: Req) -> None:
-        self.tree_cache.cancel_prefetch(req.rid)
-
     def abort(self, rid: str) -> None:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                self._cancel_prefetch(req)
+                self.l3.cancel(req)
                 req.finished_reason = FinishReason("abort", message="aborted by the client")
                 req.emit()
                 return
@@ -690,7 +640,7 @@ class Scheduler:
             if req.last_node is not None and req.req_pool_idx is None:
                 req.last_node = None  # matched but never locked
             try:
-                self._cancel_prefetch(req)
+                self.l3.cancel(req)
             except Exception:
                 log.exception("cancelling the prefetch of %s failed", req.rid)
             req.finished_reason = FinishReason("abort", message=message)
