@@ -14,7 +14,6 @@ batch, then handles the previous batch's results while that forward runs (``over
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -30,6 +29,7 @@ from engine.runtime.cache_admin import PinTable, settle
 from engine.runtime.request import FinishReason, Req
 from engine.runtime.scheduler import invariants
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
+from engine.runtime.scheduler.inbox import Abort, Arrival, Call, Inbox
 from engine.runtime.scheduler.l3_admission import L3Admission
 from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
@@ -83,7 +83,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
-        self.inbox: queue.Queue[tuple] = queue.Queue()
+        self.inbox = Inbox()
         self.counters = CacheCounters()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.event_log = tree_cache.event_log
@@ -112,10 +112,6 @@ class Scheduler:
         self._oom_streak = 0  # consecutive prefill batches that did not fit
         self._prefill_cap: int | None = None  # max requests per prefill while recovering
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
-        self._wake_pending = threading.Event()
-        self._inbox_lock = threading.Lock()
-        self._inbox_reqs = 0  # ("req", ...) items in the inbox
-        self._inbox_aborts = 0  # ("abort", ...) items in the inbox
         tree_cache.set_wake(self.wake)  # copy acks wake a sleeping loop
 
     # --- inbox -------------------------------------------------------------------------------
@@ -124,19 +120,15 @@ class Scheduler:
         admin calls)."""
         # NOTE: an abort still in the inbox frees its place already (the client is gone); for
         # a running request that undercounts by one until the abort is processed
-        return max(0, len(self.waiting) + self._inbox_reqs - self._inbox_aborts)
+        return max(0, len(self.waiting) + self.inbox.pending_arrivals())
 
     def request_abort(self, rid: str) -> None:
         """Any thread: abort ``rid`` (waiting or running) at the next loop pass."""
-        with self._inbox_lock:
-            self._inbox_aborts += 1
-        self.inbox.put(("abort", rid))
+        self.inbox.put_abort(rid)
 
     def submit(self, req: Req) -> None:
         """Any thread: hand a new request to the scheduler thread."""
-        with self._inbox_lock:
-            self._inbox_reqs += 1
-        self.inbox.put(("req", req))
+        self.inbox.put_request(req)
 
     def is_idle(self) -> bool:
         return (not self.waiting and not self.running and self.chunked_req is None
@@ -144,44 +136,25 @@ class Scheduler:
 
     def wake(self) -> None:
         """Any thread: make a sleeping loop run a step (coalesced)."""
-        if not self._wake_pending.is_set():
-            self._wake_pending.set()
-            self.inbox.put(("wake",))
+        self.inbox.wake()
 
     def process_inbox(self, block: bool, timeout: float = IDLE_WAIT_S) -> None:
-        try:
-            item = self.inbox.get(block=block, timeout=timeout if block else None)
-        except queue.Empty:
-            return
-        while True:
-            kind = item[0]
-            if kind == "wake":
-                self._wake_pending.clear()
-            elif kind == "req":
-                with self._inbox_lock:
-                    self._inbox_reqs -= 1
-                self._on_arrival(item[1])
-            elif kind == "abort":
-                with self._inbox_lock:
-                    self._inbox_aborts -= 1
-                self.abort(item[1])
-            elif kind == "call":
-                fn, fut = item[1], item[2]
+        for msg in self.inbox.take(block, timeout):
+            if isinstance(msg, Arrival):
+                self._on_arrival(msg.req)
+            elif isinstance(msg, Abort):
+                self.abort(msg.rid)
+            elif isinstance(msg, Call):
                 self._sync()  # admin calls see every launched step's results
-                if fut.set_running_or_notify_cancel():
+                if msg.future.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(self))
+                        msg.future.set_result(msg.fn(self))
                     except BaseException as e:  # noqa: BLE001 - delivered to the caller's thread
-                        fut.set_exception(e)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
+                        msg.future.set_exception(e)
 
     def call(self, fn: Callable[[Scheduler], Any]) -> Future:
-        fut: Future = Future()
-        self.inbox.put(("call", fn, fut))
-        return fut
+        """Any thread: run ``fn(scheduler)`` on the scheduler thread between two steps."""
+        return self.inbox.put_call(fn)
 
     # --- main loop ---------------------------------------------------------------------------
     def run_loop(self, stop: threading.Event) -> None:
