@@ -31,6 +31,7 @@ from engine.runtime.scheduler import invariants
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
 from engine.runtime.scheduler.inbox import Abort, Arrival, Call, Inbox
 from engine.runtime.scheduler.l3_admission import L3Admission
+from engine.runtime.scheduler.oom import OomAction, OomRecovery
 from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
@@ -109,8 +110,7 @@ class Scheduler:
             and getattr(runner.attn_backend, "reads_host_kv", False)
         )
         self._serving = False  # what the cache was last told (_note_serving)
-        self._oom_streak = 0  # consecutive prefill batches that did not fit
-        self._prefill_cap: int | None = None  # max requests per prefill while recovering
+        self.oom = OomRecovery()
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
         tree_cache.set_wake(self.wake)  # copy acks wake a sleeping loop
 
@@ -352,7 +352,7 @@ class Scheduler:
                     break
                 if req.rid in deprioritized:
                     continue
-                if self._prefill_cap is not None and len(adder.can_run) >= self._prefill_cap:
+                if self.oom.prefill_cap is not None and len(adder.can_run) >= self.oom.prefill_cap:
                     break
                 if not self.l3.ready(req, self.waiting[i + 1:]):
                     continue  # its L3 prefetch policy says wait; later requests may go
@@ -426,7 +426,7 @@ class Scheduler:
             self._requeue(reqs)
             self._inflight = []
             return self._on_prefill_oom(reqs, str(e))
-        self._oom_streak, self._prefill_cap = 0, None
+        self.oom.fitted()
         chunked = self.chunked_req if any(r is self.chunked_req for r in reqs) else None
         job = self._launch(fb, reqs, [r.extend_len for r in reqs], True, chunked)
         for req in reqs:
@@ -439,23 +439,18 @@ class Scheduler:
     def _on_prefill_oom(self, reqs: list[Req], why: str) -> Launched | None:
         """Never spin on a batch that cannot fit: decode if anything runs; otherwise let
         in-flight tier copies land (their nodes become evictable), then admit one request at a
-        time, and fail a lone request that still cannot fit."""
-        self._oom_streak += 1
-        if self.running:
+        time, and fail a lone request that still cannot fit (``scheduler/oom.py``)."""
+        action = self.oom.on_oom(len(reqs), bool(self.running))
+        if action is OomAction.DECODE:
             return self.run_decode()
         settle(self.tree_cache)
-        if self._oom_streak < 2:
-            return None
-        if len(reqs) > 1:
-            self._prefill_cap = 1
-            return None
-        req = reqs[0]
-        self.waiting.remove(req)
-        self.l3.cancel(req)
-        req.finished_reason = FinishReason(
-            "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
-        req.emit()
-        self._oom_streak = 0
+        if action is OomAction.FAIL:
+            req = reqs[0]
+            self.waiting.remove(req)
+            self.l3.cancel(req)
+            req.finished_reason = FinishReason(
+                "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
+            req.emit()
         return None
 
     def _requeue(self, reqs: list[Req]) -> None:
