@@ -389,7 +389,7 @@ def flush(scheduler: Any, tiers: list[str] | None = None) -> FlushInfo:
     freed = 0
     for t in wanted:
         freed += tree.flush_tier(t)
-        log = getattr(scheduler, "event_log", None)
+        log = scheduler.event_log
         if log is not None:
             log.emit("cleared", t, 0)
     return FlushInfo(wanted, freed, unpinned)

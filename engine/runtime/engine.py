@@ -347,7 +347,7 @@ def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Sc
 
 
 def _ensure_event_log(scheduler: Scheduler) -> CacheEventLog:
-    if getattr(scheduler, "event_log", None) is None:
+    if scheduler.event_log is None:
         scheduler.event_log = CacheEventLog()
         if scheduler.tree_cache.event_log is None:
             scheduler.tree_cache.event_log = scheduler.event_log
