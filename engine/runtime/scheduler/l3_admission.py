@@ -26,11 +26,11 @@ class L3Admission:
         if not self.tree_cache.has_storage():
             return 0
         key = req.fill_ids[: len(req.fill_ids) - 1]
-        if req.l3_keys is None:
-            req.l3_keys = self.tree_cache.prefetch_keys(key, req.cache_namespace)
+        if req.l3.keys is None:
+            req.l3.keys = self.tree_cache.prefetch_keys(key, req.cache_namespace)
         res = self.tree_cache.start_prefetch(req.rid, key, req.cache_namespace, req.match_result,
-                                             keys=req.l3_keys)
-        req.l3_hit = res.in_l3
+                                             keys=req.l3.keys)
+        req.l3.hit = res.in_l3
         return res.tokens
 
     def ready(self, req: Req, behind: list[Req]) -> bool:
@@ -39,13 +39,13 @@ class L3Admission:
         got = self.tree_cache.poll_prefetch(req.rid)
         if got is None:
             return False
-        if got == 0 and req.l3_hit > len(req.prefix_indices) + req.host_hit_length:
+        if got == 0 and req.l3.hit > len(req.prefix_indices) + req.host_hit_length:
             # L3 holds more than the tree and nothing is being read (L2 was full when it
             # last tried): try now; the policy then decides how long to wait for it
             self.match(req)
             if self.start(req) or self._take_room_of(req, behind):
                 return False
-        req.l3_tokens = got or req.l3_tokens
+        req.l3.tokens = got or req.l3.tokens
         return True
 
     def admitted(self, req: Req) -> None:
@@ -64,7 +64,7 @@ class L3Admission:
         tc = self.tree_cache
         if tc.has_prefetch(req.rid):
             return 0
-        need = req.l3_hit - len(req.prefix_indices) - req.host_hit_length
+        need = req.l3.hit - len(req.prefix_indices) - req.host_hit_length
         if need < tc.prefetch_threshold:
             return 0
         freed = 0
@@ -73,6 +73,6 @@ class L3Admission:
                 break
             n = tc.yield_prefetch(r.rid)
             # what landed stays in L2 until evicted: it still came from L3
-            r.l3_tokens = max(r.l3_tokens, n)
+            r.l3.tokens = max(r.l3.tokens, n)
             freed += n
         return self.start(req) if freed else 0

@@ -320,10 +320,10 @@ class Scheduler:
         req.match_result = res
         req.match_version = self.tree_cache.version  # after the match: it may drain acks
         matched = len(res.device_indices) + req.host_hit_length
-        if matched < req.matched_seen:
+        if matched < req.l3.matched_seen:
             # NOTE: its prefix was evicted while it waited: L3 may still hold it
             self.l3.start(req)
-        req.matched_seen = max(req.matched_seen, matched)
+        req.l3.matched_seen = max(req.l3.matched_seen, matched)
 
     def get_new_batch_prefill(self) -> list[Req] | None:
         if not self.waiting and self.chunked_req is None:
@@ -402,7 +402,7 @@ class Scheduler:
         per_tier = res.tier_tokens if res is not None else None
         tiers = dict(per_tier or {"l1": len(req.prefix_indices)})
         # NOTE: a prefetch lands in L2, so the match sees those tokens as L2: they came from L3
-        moved = min(req.l3_tokens, tiers.get("l2", 0))
+        moved = min(req.l3.tokens, tiers.get("l2", 0))
         tiers["l2"] = tiers.get("l2", 0) - moved
         tiers["l3"] = tiers.get("l3", 0) + moved
         for tier, n in tiers.items():
