@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test bench setup clean
+.PHONY: run demo test lint bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x tests -p no:cacheprovider
+
+LINT_STAMP := $(VENV)/.lint-installed
+$(LINT_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[lint]"
+	touch $(LINT_STAMP)
+
+# ruff over the code, mypy over the packages named in pyproject.toml [tool.mypy]
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check engine hicache tests tools
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
-from hicache.radix_cache import MatchResult, TreeNode, finished_kv_len
+from hicache.base_prefix_cache import BasePrefixCache, MatchResult
+from hicache.radix_cache import TreeNode, finished_kv_len
 from hicache.req_to_token import ReqToTokenPool
 
 
-class ChunkCache:
+class ChunkCache(BasePrefixCache):
     """No-op prefix cache: requests own their slots from allocation to finish."""
 
     def __init__(
@@ -70,10 +71,6 @@ class ChunkCache:
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(
             torch.int64
         )
-
-    def set_serving(self, active: bool) -> None:
-        """Whether the engine runs requests now (the hierarchical cache defers background
-        copies then); nothing to do here."""
 
     def evict(self, num_tokens: int) -> int:
         return 0

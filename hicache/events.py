@@ -11,8 +11,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from hicache.tier import TIERS
+
 EVENT_KINDS = ("stored", "removed", "demoted", "promoted", "cleared")
-TIERS = ("l1", "l2", "l3")
 
 
 @dataclass(frozen=True)

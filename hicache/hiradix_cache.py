@@ -22,42 +22,22 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hicache.base_prefix_cache import HostReads, MatchResult
 from hicache.controller import HiCacheController
 from hicache.hiradix_storage import STORAGE_SETTLE_S, StorageMixin
-from hicache.radix_cache import MatchResult, RadixCache, TreeNode
+from hicache.radix_cache import TreeNode
+from hicache.tier import TIERS
+
+__all__ = ["WRITE_POLICIES", "HiRadixCache", "HostReads", "MatchResult"]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
-class HiMatchResult(MatchResult):
-    """MatchResult (same 4 positional fields) plus ``tier_tokens`` {"l1", "l2", "l3"} -> n."""
-
-    tier_tokens: dict[str, int]
-
-
-@dataclass
-class HostReads:
-    """Device slots whose KV is still loading, and the host slots that hold it meanwhile (a CPU
-    forward reads those in place: ``HiRadixCache.host_reads``)."""
-
-    device_indices: torch.Tensor  # [n] int64
-    host_indices: torch.Tensor  # [n] int64, pairwise with device_indices
-    layer_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # host K, V [size, H, D]
-
-
-def _result(device_indices: torch.Tensor, last_device: TreeNode, last_host: TreeNode,
-            host_len: int, tiers: dict[str, int]) -> HiMatchResult:
-    res = HiMatchResult(device_indices, last_device, last_host, host_len)
-    res.tier_tokens = tiers
-    return res
-
-
-class HiRadixCache(StorageMixin, RadixCache):
+class HiRadixCache(StorageMixin):
     def __init__(
         self,
         req_to_token_pool: Any,
@@ -117,6 +97,21 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.controller.shutdown()
         self.check()
 
+    def settle(self, timeout: float) -> None:
+        self.controller.wait_idle(timeout)
+        self.check()
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        self.controller.notify = wake
+
+    def release_host_memory(self) -> None:
+        """NOTE: L3 threads still copying from host slots keep the pool."""
+        if self.storage_io is None or self.storage_io.pending() == 0:
+            self.host_pool.release_memory()
+
+    def has_host_tier(self) -> bool:
+        return True
+
     def check(self) -> None:
         """Drain finished writes, loads, L3 backups and prefetches (scheduler thread); safe to
         call every step."""
@@ -163,13 +158,14 @@ class HiRadixCache(StorageMixin, RadixCache):
     # ---- locks and sizes (only device-resident nodes count) ------------------------------------
     def _add_lock(self, node: TreeNode, step: int) -> int:
         delta = 0
-        while node is not self.root_node:
-            if node.lock_ref + step < 0:
-                raise AssertionError(f"dec_lock_ref on unlocked {node!r}")
-            if node.lock_ref == (0 if step > 0 else 1) and node.value is not None:
-                delta -= step * len(node.key)
-            node.lock_ref += step
-            node = node.parent
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root_node:
+            if cur.lock_ref + step < 0:
+                raise AssertionError(f"dec_lock_ref on unlocked {cur!r}")
+            if cur.lock_ref == (0 if step > 0 else 1) and cur.value is not None:
+                delta -= step * len(cur.key)
+            cur.lock_ref += step
+            cur = cur.parent
         self._evictable_size += delta
         self._protected_size -= delta
         return delta
@@ -182,10 +178,6 @@ class HiRadixCache(StorageMixin, RadixCache):
         else:
             self._evictable_size += len(value)
 
-    def _set_host(self, node: TreeNode, host_value: torch.Tensor | None) -> None:
-        self._bump()
-        node.host_value = host_value
-
     def _drop_value(self, node: TreeNode) -> None:
         self._bump()
         if node.lock_ref > 0:
@@ -196,14 +188,14 @@ class HiRadixCache(StorageMixin, RadixCache):
 
     # ---- match / insert ----------------------------------------------------------------------
     def match_prefix(self, key: list[int] | tuple[int, ...],
-                     namespace: str | None = None, touch: bool = True) -> HiMatchResult:
+                     namespace: str | None = None, touch: bool = True) -> MatchResult:
         """L1 + L2 match (no L3 I/O: see ``start_prefetch``). ``touch`` counts a hit and, for
         ``write_through_selective``, backs up nodes that reached two hits."""
         self.check()
         key = self._align(self.key_of(key, namespace))
         tiers = {"l1": 0, "l2": 0, "l3": 0}
         if self.disable or not key:
-            return _result(self._empty(), self.root_node, self.root_node, 0, tiers)
+            return MatchResult(self._empty(), self.root_node, self.root_node, 0, tiers)
         _, last_node, matched = self._match_helper(key, hit=True if touch else None)
         path = self._path(last_node)
         device = [n for n in path if n.value is not None]
@@ -211,10 +203,10 @@ class HiRadixCache(StorageMixin, RadixCache):
             self._backup_hot(device)
         host_len = sum(len(n.key) for n in path[len(device):])
         tiers["l1"], tiers["l2"] = matched - host_len, host_len
-        values = [n.value for n in device]
+        values = [self._device_value(n) for n in device]
         device_indices = torch.cat(values) if values else self._empty()
         last_device = device[-1] if device else self.root_node
-        return _result(device_indices, last_device, last_node, host_len, tiers)
+        return MatchResult(device_indices, last_device, last_node, host_len, tiers)
 
     def record_hit(self, node: TreeNode) -> None:
         """One admission used the prefix ending at ``node`` (see RadixCache.record_hit)."""
@@ -256,8 +248,8 @@ class HiRadixCache(StorageMixin, RadixCache):
         return device_prefix
 
     # ---- load back (l2 -> l1) ------------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, match_result: Any = None, wait: bool = True,
-                       hold: bool = False) -> tuple[torch.Tensor, TreeNode]:
+    def init_load_back(self, last_node: TreeNode, match_result: MatchResult | None = None,
+                       wait: bool = True, hold: bool = False) -> tuple[torch.Tensor, TreeNode]:
         """Promote the host part of the path ending at ``match_result.last_host_node`` (or
         ``last_node``) to device. Returns the device slots of the whole prefix and its new last
         device node (not locked: the caller locks it). ``wait=True`` waits until the bytes
@@ -267,7 +259,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         ``wait=False``): the copy waits for ``release_loads()``; the next forward reads the KV
         from host in place (``host_reads``) instead of waiting for it."""
         self.check()
-        target = getattr(match_result, "last_host_node", None) or last_node
+        target = match_result.last_host_node if match_result is not None else last_node
         path = self._path(target)
         device = [n for n in path if n.value is not None]
         host_nodes = path[len(device):]
@@ -276,7 +268,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             return self._device_prefix(device)
         last = host_nodes[-1]
         self.inc_lock_ref(last)
-        host_indices = torch.cat([n.host_value for n in host_nodes])
+        host_indices = torch.cat([self._host_value(n) for n in host_nodes])
         device_indices = self.controller.load(host_indices, last.id)
         if device_indices is None:
             self.evict(host_len - self.token_to_kv_pool_allocator.available_size())
@@ -343,7 +335,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.controller.current_load.wait_finished()
 
     def _device_prefix(self, device: list[TreeNode]) -> tuple[torch.Tensor, TreeNode]:
-        values = [n.value for n in device]
+        values = [self._device_value(n) for n in device]
         return (torch.cat(values) if values else self._empty(),
                 device[-1] if device else self.root_node)
 
@@ -402,7 +394,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.check()
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(self._priority(n), n.id, n) for n in self._collect_leaves()]
+        heap = [(self.eviction_priority(n), n.id, n) for n in self._collect_leaves()]
         heapq.heapify(heap)
         num_evicted = 0
         while num_evicted < num_tokens and heap:
@@ -422,8 +414,8 @@ class HiRadixCache(StorageMixin, RadixCache):
                 continue  # deleting would drop a waiting request's prefetch anchor
             else:
                 num_evicted += self._delete_subtree(node)
-            if self._is_device_leaf(parent):
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+            if parent is not None and self._is_device_leaf(parent):
+                heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["evictions"] += num_evicted
         if num_evicted < num_tokens and self.ongoing_write:
             # NOTE: in-flight writes lock their nodes; let them land, then try again.
@@ -435,7 +427,7 @@ class HiRadixCache(StorageMixin, RadixCache):
 
     def _demote(self, node: TreeNode) -> int:
         num = len(node.key)
-        self.token_to_kv_pool_allocator.free(node.value)
+        self.token_to_kv_pool_allocator.free(self._device_value(node))
         self._drop_value(node)
         self.evicted_tokens += num
         self.counters["demotions"] += num
@@ -457,7 +449,7 @@ class HiRadixCache(StorageMixin, RadixCache):
         self.check()
         if num_tokens <= 0:
             return 0
-        heap = [(self._priority(n), n.id, n) for n in self._all_nodes() if self._is_host_leaf(n)]
+        heap = [(self.eviction_priority(n), n.id, n) for n in self._all_nodes() if self._is_host_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -465,13 +457,13 @@ class HiRadixCache(StorageMixin, RadixCache):
             if not self._is_host_leaf(node):
                 continue
             parent = node.parent
-            self.host_pool.free(node.host_value)
+            self.host_pool.free(self._host_value(node))
             self._set_host(node, None)
             self._delete_leaf(node)
             freed += len(node.key)
             self._emit("removed", "l2", len(node.key), node)
-            if self._is_host_leaf(parent):
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+            if parent is not None and self._is_host_leaf(parent):
+                heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["host_evictions"] += freed
         if freed:
             self._host_room_needed()
@@ -503,7 +495,7 @@ class HiRadixCache(StorageMixin, RadixCache):
             return self.clear_storage()
         raise ValueError(f"tier {tier!r} is not enabled")
 
-    def clear(self, tiers: list[str] | tuple[str, ...] = ("l1", "l2", "l3")) -> int:
+    def clear(self, tiers: list[str] | tuple[str, ...] = TIERS) -> int:
         return sum(self.flush_tier(t) for t in tiers if t != "l3" or self.storage is not None)
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
@@ -547,21 +539,6 @@ class HiRadixCache(StorageMixin, RadixCache):
         return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _path(self, node: TreeNode) -> list[TreeNode]:
-        """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree."""
-        path: list[TreeNode] = []
-        while node is not self.root_node and node is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        node, out = self.root_node, []
-        for n in path:
-            if node.children.get(self._page_key(n.key)) is not n:
-                break
-            out.append(n)
-            node = n
-        return out
-
     def _path_key(self, node: TreeNode) -> tuple[int, ...]:
         return tuple(t for n in self._path(node) for t in n.key)
 

@@ -27,12 +27,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from hicache.radix_cache import TreeNode
-from hicache.storage_io import BackupJob, PrefetchOperation
+from hicache.base_prefix_cache import MatchResult, PrefetchStart
+from hicache.controller import HiCacheController
+from hicache.host_pool import MHATokenToKVPoolHost
+from hicache.radix_cache import RadixCache, TreeNode
+from hicache.storage_io import BackupJob, PrefetchOperation, StorageIO
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +54,6 @@ class StorageBusyError(RuntimeError):
     """L3 cannot be attached / detached now (one is attached; work is still in flight)."""
 
 
-class PrefetchStart(NamedTuple):
-    tokens: int  # tokens the prefetch will add beyond the L1 + L2 match (0: none started)
-    in_l3: int  # tokens of the request's prefix L3 holds (whole objects from the root)
-
-
 @dataclass
 class PrefetchState:
     op: PrefetchOperation
@@ -66,8 +64,12 @@ class PrefetchState:
     collected: bool = False
 
 
-class StorageMixin:
-    """L3 bookkeeping for HiRadixCache (expects its tree, host pool and controller)."""
+class StorageMixin(RadixCache):
+    """The L3 half of HiRadixCache: a RadixCache with a host pool and a controller (set by
+    HiRadixCache) whose host copies are backed up to and prefetched from L3."""
+
+    controller: HiCacheController
+    host_pool: MHATokenToKVPoolHost
 
     def _init_storage(self, policy: str, timeout_base: float, timeout_per_ki_token: float,
                       threshold: int) -> None:
@@ -94,6 +96,13 @@ class StorageMixin:
                             "backup_dropped_nodes": 0, "repaired_objects": 0,
                             "backup_gated_nodes": 0, "prefetch_yielded": 0}
 
+    @property
+    def _io(self) -> StorageIO:
+        """The attached L3's I/O; NOTE: only called while L3 is attached."""
+        if self.storage_io is None:
+            raise RuntimeError("no L3 backend is attached")
+        return self.storage_io
+
     # ---- keys --------------------------------------------------------------------------------
     def storage_keys(self, key: tuple[int, ...]) -> list[str]:
         """Object keys of a (namespaced, aligned) tree key; [] without L3."""
@@ -110,7 +119,7 @@ class StorageMixin:
             return self.storage.batch_exists(keys)
         except Exception:
             log.exception("L3 exists failed")
-            self.storage_io.stats["prefetch_errors"] += 1
+            self._io.stats["prefetch_errors"] += 1
             return 0
 
     def storage_prefix_len(self, key: list[int], namespace: str | None = None) -> int:
@@ -182,7 +191,7 @@ class StorageMixin:
         self.ongoing_backup[id(job)] = (job, nodes, repair_key)
         if repair_key is not None:
             self._repairing.add(repair_key)
-        self.storage_io.backup(job)
+        self._io.backup(job)
         return True
 
     @staticmethod
@@ -215,7 +224,7 @@ class StorageMixin:
         return self.storage_keys(self._align(self.key_of(token_ids, namespace)))
 
     def start_prefetch(self, req_id: str, token_ids: list[int], namespace: str | None,
-                       match: Any, keys: list[str] | None = None) -> PrefetchStart:
+                       match: MatchResult, keys: list[str] | None = None) -> PrefetchStart:
         """A waiting request matched ``token_ids`` (``match``: its L1 + L2 match; ``keys``:
         ``prefetch_keys`` of them, computed once by the caller): start reading the L3 objects
         beyond the match. Returns the tokens that will add and L3's prefix of the request.
@@ -303,6 +312,9 @@ class StorageMixin:
             self.l3_counters["prefetch_cancelled"] += 1
         self._finish_prefetch(req_id)
 
+    def has_prefetch(self, req_id: str) -> bool:
+        return req_id in self.ongoing_prefetch
+
     def yield_prefetch(self, req_id: str) -> int:
         """``req_id``'s landed prefetch gives its L2 room to a request that goes first: its
         objects stay in the tree, no longer protected (evictable); the request prefetches again
@@ -328,7 +340,7 @@ class StorageMixin:
                             self.match_prefix(key, namespace=namespace, touch=False))
         if req_id not in self.ongoing_prefetch:
             return 0
-        self.storage_io.wait_idle(timeout)
+        self._io.wait_idle(timeout)
         self.storage_check()
         got = self.ongoing_prefetch[req_id].inserted
         self.finish_prefetch(req_id)
@@ -428,9 +440,10 @@ class StorageMixin:
     # ---- acks (scheduler thread) ---------------------------------------------------------------
     def storage_check(self) -> None:
         """Drain L3 acks: release backup host slots, collect finished prefetches."""
-        if getattr(self, "storage_io", None) is None:
+        io = self.storage_io
+        if io is None:
             return
-        for job in self.storage_io.drain_backup_acks():
+        for job in io.drain_backup_acks():
             _, nodes, repair_key = self.ongoing_backup.pop(id(job))
             self._repairing.discard(repair_key)
             self.host_pool.release(job.host_indices)
@@ -439,7 +452,7 @@ class StorageMixin:
                 for n in nodes:
                     n.in_storage = True
         self._submit_deferred()
-        for op in self.storage_io.drain_prefetch_acks():
+        for op in self._io.drain_prefetch_acks():
             self.host_pool.release(op.host_indices)
             st = self._prefetch_by_op.pop(id(op), None)
             if st is not None and not st.collected:
@@ -451,7 +464,7 @@ class StorageMixin:
         """At shutdown (the scheduler stopped): every L3 backup queued or deferred (waiting for
         room) lands within ``timeout`` seconds; otherwise logs how many objects are not stored
         and stops the backup threads. Returns the objects not stored."""
-        io, deadline = self.storage_io, time.monotonic() + timeout
+        io, deadline = self._io, time.monotonic() + timeout
         self.set_serving(False)  # nothing is served any more: backups need not wait for quiet
         self.cancel_all_prefetches()
         self.controller.start_writing()  # device->host writes whose acks queue backups
@@ -471,7 +484,7 @@ class StorageMixin:
         running, S = io.pending_objects(), self.object_size
         deferred = 0
         for node in self.deferred_backups.values():
-            end, n = 0, node
+            end, n = 0, node  # type: int, TreeNode | None
             while n is not None:  # its position (whether or not it is still in the tree)
                 end, n = end + len(n.key), n.parent
             deferred += end // S - (end - len(node.key)) // S
@@ -480,6 +493,29 @@ class StorageMixin:
                     deferred)
         io.shutdown(timeout=0.0, warn=False)
         return running + deferred
+
+    def has_storage(self) -> bool:
+        return self.storage_io is not None
+
+    def can_attach_storage(self) -> bool:
+        return True
+
+    def backup_in_flight_tokens(self, namespaces: frozenset[str]) -> int:
+        return sum(len(job.host_indices) for job, _, _ in self.ongoing_backup.values()
+                   if job.namespace in namespaces)
+
+    def set_backup_gate(self, gate: Callable[[TreeNode], bool] | None) -> None:
+        self.backup_gate = gate
+
+    def storage_info(self) -> dict[str, Any]:
+        io = self.storage_io
+        if io is None:
+            return {"attached": False}
+        describe = getattr(io.storage, "describe", None)
+        info: dict[str, Any] = dict(describe()) if describe is not None else {}
+        info.setdefault("backend", type(io.storage).__name__)
+        info.update(attached=True, object_tokens=io.object_size, pending=io.pending())
+        return info
 
     def storage_busy(self) -> bool:
         """Are L3 backups or prefetches in flight (a flush of L3 would have to wait)?"""
@@ -490,7 +526,7 @@ class StorageMixin:
         StorageBusyError (changing nothing on L3) when a stalled store keeps it."""
         if not self.controller.wait_storage_idle(timeout):
             raise StorageBusyError(
-                f"L3 still has {self.storage_io.pending()} backups / prefetches in flight after "
+                f"L3 still has {self._io.pending()} backups / prefetches in flight after "
                 f"{timeout:g} s; L3 was not changed")
         self.storage_check()
 
@@ -594,7 +630,7 @@ class StorageMixin:
         describe = getattr(self.storage, "describe", None)
         if describe is not None:
             l3.update(describe())  # backend, address (strings)
-        S, io = self.object_size, self.storage_io
+        S, io = self.object_size, self._io
         object_bytes = S * self.controller.bytes_per_token
         if "objects" in l3:
             l3["used_tokens"] = l3["objects"] * S

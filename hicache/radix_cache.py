@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
+from hicache.base_prefix_cache import BasePrefixCache, MatchResult
 from hicache.req_to_token import ReqToTokenPool
 
 _node_ids = itertools.count()
@@ -60,15 +61,11 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-class MatchResult(NamedTuple):
-    device_indices: torch.Tensor  # [matched tokens] int64 slots on device
-    last_device_node: TreeNode  # deepest matched node whose KV is on device
-    last_host_node: TreeNode  # HiRadixCache: deepest matched node; == last_device_node here
-    host_hit_length: int = 0  # HiRadixCache: tokens after last_device_node held on host
+__all__ = ["MatchResult", "RadixCache", "TreeNode", "finished_kv_len"]
 
 
-class RadixCache:
-    """Prefix cache over ``token_to_kv_pool_allocator`` slots (BasePrefixCache protocol)."""
+class RadixCache(BasePrefixCache):
+    """Prefix cache over ``token_to_kv_pool_allocator`` slots."""
 
     def __init__(
         self,
@@ -86,8 +83,12 @@ class RadixCache:
         self.disable = disable
         self.eviction_policy = eviction_policy
         self.device = token_to_kv_pool_allocator.device
-        self.event_log: Any = None  # optional hicache.events.CacheEventLog
+        self.event_log = None
         self.evicted_tokens = 0  # cumulative L1 tokens freed by evict()
+        self.version = 0
+        # namespace <-> id (key_of). NOTE: reset() keeps them: a namespace's id never changes
+        self._ns_ids: dict[str, int] = {}
+        self._ns_names: dict[int, str] = {}
         self.reset()
 
     # ---- public API -------------------------------------------------------------------------
@@ -107,12 +108,10 @@ class RadixCache:
                ) -> tuple[int, ...]:
         if not namespace:
             return tuple(token_ids)
-        ns_ids = self.__dict__.setdefault("_ns_ids", {})
-        ns_names = self.__dict__.setdefault("_ns_names", {})
-        ns_id = ns_ids.get(namespace)
+        ns_id = self._ns_ids.get(namespace)
         if ns_id is None:
-            ns_id = ns_ids[namespace] = len(ns_ids) + 1
-            ns_names[ns_id] = namespace
+            ns_id = self._ns_ids[namespace] = len(self._ns_ids) + 1
+            self._ns_names[ns_id] = namespace
         off = ns_id << 32
         return tuple(t + off for t in token_ids)
 
@@ -127,7 +126,7 @@ class RadixCache:
         """(namespace, token ids) of a tree key."""
         if not key or key[0] < (1 << 32):
             return None, list(key)
-        ns = self.__dict__.get("_ns_names", {}).get(key[0] >> 32)
+        ns = self._ns_names.get(key[0] >> 32)
         return ns, [t & 0xFFFFFFFF for t in key]
 
     def match_prefix(self, key: list[int] | tuple[int, ...],
@@ -162,11 +161,11 @@ class RadixCache:
             slots:     |tree (locked)|  duplicates: free  | inserted: tree keeps  | tail: free |
         """
         kv_len = finished_kv_len(req)
-        row = req.req_pool_idx
-        kv_indices = self.req_to_token_pool.req_to_token[row, :kv_len].long()  # [kv_len] on device
+        row, rows = req.req_pool_idx, self._rows()
+        kv_indices = rows.req_to_token[row, :kv_len].long()  # [kv_len] on device
         if self.disable:
             self.token_to_kv_pool_allocator.free(kv_indices)
-            self.req_to_token_pool.free(row)
+            rows.free(row)
             return
         token_ids = self.key_of((list(req.origin_input_ids) + list(req.output_ids))[:kv_len],
                                 getattr(req, "cache_namespace", None))
@@ -177,7 +176,7 @@ class RadixCache:
         new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
         self._free_duplicates(kv_indices, len(req.prefix_indices), new_prefix_len)
         allocator.free_group_end()
-        self.req_to_token_pool.free(row)
+        rows.free(row)
         self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: Any) -> None:
@@ -189,8 +188,8 @@ class RadixCache:
         ``req.prefix_indices`` becomes tree slots + the kept tail; the lock moves to the new node.
         """
         token_ids = self.key_of(req.fill_ids, getattr(req, "cache_namespace", None))
-        kv_len, row = len(token_ids), req.req_pool_idx
-        kv_indices = self.req_to_token_pool.req_to_token[row, :kv_len].long()  # [kv_len] on device
+        kv_len, row, rows = len(token_ids), req.req_pool_idx, self._rows()
+        kv_indices = rows.req_to_token[row, :kv_len].long()  # [kv_len] on device
         if self.disable:
             req.prefix_indices = kv_indices
             return
@@ -198,12 +197,12 @@ class RadixCache:
         old_prefix_len = len(req.prefix_indices)
         new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
         self._free_duplicates(kv_indices, old_prefix_len, new_prefix_len)
-        new_indices, new_last_node, _, _ = self.match_prefix(token_ids[:aligned_len],
-                                                             touch=False)
+        rematch = self.match_prefix(token_ids[:aligned_len], touch=False)
+        new_indices, new_last_node = rematch.device_indices, rematch.last_device_node
         if len(new_indices) != aligned_len:
             raise AssertionError(f"re-match found {len(new_indices)} of {aligned_len} tokens")
         start = min(old_prefix_len, aligned_len) // self.page_size * self.page_size
-        self.req_to_token_pool.write((row, slice(start, aligned_len)), new_indices[start:])
+        rows.write((row, slice(start, aligned_len)), new_indices[start:])
         self.inc_lock_ref(new_last_node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = torch.cat((new_indices, kv_indices[aligned_len:]))
@@ -211,13 +210,14 @@ class RadixCache:
 
     def record_hit(self, node: TreeNode) -> None:
         """One admission used the prefix ending at ``node``: touch every node of its path."""
-        while node is not None and node is not self.root_node:
-            self._touch(node, hit=True)
-            node = node.parent
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root_node:
+            self._touch(cur, hit=True)
+            cur = cur.parent
 
     def _bump(self) -> None:
         """The set of cached tokens or their tiers changed: cached matches are stale."""
-        self.version = getattr(self, "version", 0) + 1
+        self.version += 1
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock ``node`` and its ancestors; returns the change of evictable_size (<= 0)."""
@@ -229,27 +229,24 @@ class RadixCache:
 
     def _add_lock(self, node: TreeNode, step: int) -> int:
         delta = 0
-        while node is not self.root_node:
-            if node.lock_ref + step < 0:
-                raise AssertionError(f"dec_lock_ref on unlocked {node!r}")
-            if node.lock_ref == (0 if step > 0 else 1):  # evictable <-> protected
-                delta -= step * len(node.key)
-            node.lock_ref += step
-            node = node.parent
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root_node:
+            if cur.lock_ref + step < 0:
+                raise AssertionError(f"dec_lock_ref on unlocked {cur!r}")
+            if cur.lock_ref == (0 if step > 0 else 1):  # evictable <-> protected
+                delta -= step * len(cur.key)
+            cur.lock_ref += step
+            cur = cur.parent
         self._evictable_size += delta
         self._protected_size -= delta
         return delta
-
-    def set_serving(self, active: bool) -> None:
-        """Whether the engine runs requests now (the hierarchical cache defers background
-        copies then); nothing to do here."""
 
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least valuable first, until >= ``num_tokens`` are freed or
         nothing is evictable; returns the number of tokens freed."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(self._priority(n), n.id, n) for n in self._collect_leaves()]
+        heap = [(self.eviction_priority(n), n.id, n) for n in self._collect_leaves()]
         heapq.heapify(heap)
         num_evicted = 0
         self.token_to_kv_pool_allocator.free_group_begin()
@@ -259,8 +256,9 @@ class RadixCache:
                 continue
             parent = node.parent
             num_evicted += self._evict_leaf(node)
-            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+            if (parent is not None and parent is not self.root_node and not parent.children
+                    and parent.lock_ref == 0):
+                heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.token_to_kv_pool_allocator.free_group_end()
         return num_evicted
 
@@ -320,6 +318,34 @@ class RadixCache:
             raise AssertionError("evictable + protected != total_size")
 
     # ---- helpers (override points for HiRadixCache) ---------------------------------------------
+    def _rows(self) -> ReqToTokenPool:
+        """The req_to_token pool; NOTE: a cache built without one (tests, admin) caches no
+        requests."""
+        if self.req_to_token_pool is None:
+            raise RuntimeError("this cache has no req_to_token pool")
+        return self.req_to_token_pool
+
+    @staticmethod
+    def _parent(node: TreeNode) -> TreeNode:
+        """The parent of a node in the tree (every node but the root has one)."""
+        if node.parent is None:
+            raise AssertionError(f"{node!r} has no parent")
+        return node.parent
+
+    @staticmethod
+    def _device_value(node: TreeNode) -> torch.Tensor:
+        """The device slots of a node known to be on device."""
+        if node.value is None:
+            raise AssertionError(f"{node!r} is not on device")
+        return node.value
+
+    @staticmethod
+    def _host_value(node: TreeNode) -> torch.Tensor:
+        """The host slots of a node known to have an L2 copy (HiRadixCache)."""
+        if node.host_value is None:
+            raise AssertionError(f"{node!r} has no host copy")
+        return node.host_value
+
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
@@ -344,7 +370,8 @@ class RadixCache:
         if hit:
             node.hit_count += 1
 
-    def _priority(self, node: TreeNode) -> tuple[int, ...]:
+    def eviction_priority(self, node: TreeNode) -> tuple[int, ...]:
+        """LRU: oldest access first; LFU: fewest hits first, then oldest."""
         if self.eviction_policy == "lfu":
             return (node.hit_count, node.last_access_time)
         return (node.last_access_time,)
@@ -365,7 +392,8 @@ class RadixCache:
                 self._touch(child, hit)
             prefix_len = self._key_match(child.key, key[matched:])
             node = child if prefix_len == len(child.key) else self._split_node(child, prefix_len)
-            values.append(node.value)
+            if node.value is not None:  # NOTE: None only on HiRadixCache's host-only nodes
+                values.append(node.value)
             matched += prefix_len
             if node is not child:
                 break
@@ -386,7 +414,7 @@ class RadixCache:
         child.value = None if child.value is None else child.value[split_len:]
         new_node.children = {self._page_key(child.key): child}
         child.parent = new_node
-        new_node.parent.children[self._page_key(new_node.key)] = new_node
+        self._parent(new_node).children[self._page_key(new_node.key)] = new_node
         return new_node
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor) -> TreeNode:
@@ -406,8 +434,9 @@ class RadixCache:
 
     def _evict_leaf(self, node: TreeNode) -> int:
         """Free a leaf's slots and drop it; returns the tokens freed."""
-        self.token_to_kv_pool_allocator.free(node.value)
-        num_tokens = len(node.value)
+        value = self._device_value(node)
+        self.token_to_kv_pool_allocator.free(value)
+        num_tokens = len(value)
         self._delete_leaf(node)
         self.evicted_tokens += num_tokens
         self._emit("removed", "l1", num_tokens, node)
@@ -415,9 +444,30 @@ class RadixCache:
 
     def _delete_leaf(self, node: TreeNode) -> None:
         self._bump()
-        del node.parent.children[self._page_key(node.key)]
+        del self._parent(node).children[self._page_key(node.key)]
         if node.value is not None:
             self._evictable_size -= len(node.key)
+
+    def _set_host(self, node: TreeNode, host_value: torch.Tensor | None) -> None:
+        """HiRadixCache: the node's L2 copy (None: none)."""
+        self._bump()
+        node.host_value = host_value
+
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree."""
+        path: list[TreeNode] = []
+        cur: TreeNode | None = node
+        while cur is not self.root_node and cur is not None:
+            path.append(cur)
+            cur = cur.parent
+        path.reverse()
+        at, out = self.root_node, []
+        for n in path:
+            if at.children.get(self._page_key(n.key)) is not n:
+                break
+            out.append(n)
+            at = n
+        return out
 
     def _all_nodes(self) -> list[TreeNode]:
         out, stack = [], [self.root_node]

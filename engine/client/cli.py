@@ -143,7 +143,10 @@ def _stats(ns: argparse.Namespace) -> int:
                 return
             if tty and ns.interval:
                 sys.stdout.write("\x1b[2J\x1b[H")
-            stats_report(resp, tty)
+            elif ns.interval:
+                sys.stdout.write("\n")  # piped: reports one after another
+            stats_report(resp)
+            sys.stdout.flush()
 
         return _repeat(ns, once)
 
@@ -223,9 +226,7 @@ def _prefetch(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _unary(
-    ns: argparse.Namespace, call: Callable[[Any], Any], more: Callable[[Any], None] | None = None
-) -> int:
+def _unary(ns: argparse.Namespace, call: Callable[[Any], Any]) -> int:
     from engine.client.cli_output import print_json, to_dict
 
     with _client(ns) as c:
@@ -235,19 +236,25 @@ def _unary(
     else:
         for k, v in to_dict(r).items():
             print(f"{k}:{','.join(map(str, v)) if isinstance(v, list) else v}")
-        if more is not None:
-            more(r)
     return EXIT_OK
 
 
-def _print_tiers(info: Any) -> None:
-    """`tiers:` for `hicache info`, once the engine options are known (the model is loaded)."""
+def _info(ns: argparse.Namespace) -> int:
     import json
 
+    from engine.client.cli_output import print_json, server_info_report
     from engine.server.settings import describe_tiers
 
-    if "enable_hierarchical_cache" in info.config:
-        print(f"tiers:{describe_tiers({k: json.loads(v) for k, v in info.config.items()})}")
+    with _client(ns) as c:
+        info = c.server_info()
+    if ns.json:
+        print_json(info)
+        return EXIT_OK
+    tiers = None
+    if "enable_hierarchical_cache" in info.config:  # the engine options are known
+        tiers = describe_tiers({k: json.loads(v) for k, v in info.config.items()})
+    server_info_report(info, tiers)
+    return EXIT_OK
 
 
 def _events(ns: argparse.Namespace) -> int:
@@ -324,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
             "unpin": lambda ns: _unary(ns, lambda c: c.unpin(None if ns.all else ns.pin_id)),
             "flush": lambda ns: _unary(ns, lambda c: c.flush(ns.tier or None, ns.wait)),
             "storage": lambda ns: _unary(ns, lambda c: _storage_call(c, ns)),
-            "info": lambda ns: _unary(ns, lambda c: c.server_info(), _print_tiers),
+            "info": _info,
             "model": lambda ns: _unary(ns, lambda c: c.model_info()),
             "health": _health,
         },

@@ -1,10 +1,11 @@
-"""Output helpers for the `hicache` CLI: JSON (stable field names), aligned tables on a TTY,
-redis-style `field:value` lines when piped."""
+"""Output helpers for the `hicache` CLI: JSON for machines (stable field names, `--json`), aligned
+tables and `key: value` lines for people."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from google.protobuf import json_format
@@ -76,52 +77,81 @@ def fields(
     out.writelines(f"{k}:{v}\n" for k, v in pairs)
 
 
-def stats_report(resp: Message, tty: bool, out: TextIO = sys.stdout) -> None:
-    cols = [
-        "capacity_tokens",
-        "used_tokens",
-        "evictable_tokens",
-        "pinned_tokens",
-        "hit_tokens",
-        "evicted_tokens",
-        "promoted_tokens",
-        "demoted_tokens",
-    ]
-    if tty:
-        rows = []
-        for t in resp.tiers:
-            name = enum_short(Tier.Name(t.tier))
-            if not t.enabled:
-                rows.append([name, "disabled"] + [""] * (len(cols) - 1))
-                continue
-            used = (
-                f"{t.used_tokens} ({100 * t.used_tokens / t.capacity_tokens:.0f}%)"
-                if t.capacity_tokens
-                else str(t.used_tokens)
-            )
-            rows.append([name, t.capacity_tokens, used] + [getattr(t, c) for c in cols[2:]])
-        table(rows, ["tier"] + [c.replace("_tokens", "") for c in cols], out)
-        out.write(
-            f"\nmiss tokens: {resp.miss_tokens}   pins: {resp.num_pins} "
-            f"({resp.admin_pinned_tokens} tokens)\n"
-        )
-        for t in resp.tiers:
-            if t.info.get("backend"):
-                out.write(f"{enum_short(Tier.Name(t.tier))}: {t.info['backend']} "
-                          f"{t.info.get('address', '')}\n")
-        return
-    for t in resp.tiers:
-        name = enum_short(Tier.Name(t.tier))
-        pairs = [("enabled", int(t.enabled))] + [(c, getattr(t, c)) for c in cols]
-        pairs += [("bytes_in", t.bytes_in), ("bytes_out", t.bytes_out)]
-        pairs += sorted(t.extra.items()) + sorted(t.info.items())
-        fields(pairs, f"Tier {name}", out)
-    fields(
-        [
-            ("miss_tokens", resp.miss_tokens),
-            ("num_pins", resp.num_pins),
-            ("admin_pinned_tokens", resp.admin_pinned_tokens),
-        ],
-        "Totals",
-        out,
+def number(v: float) -> str:
+    """An integral value as an integer (``3``, not ``3.0``); others with 3 significant digits."""
+    return str(int(v)) if float(v).is_integer() else f"{v:.3g}"
+
+
+# TierStats fields as table rows, in order: (row name, field, format)
+_STAT_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
+    ("capacity_tokens", "capacity_tokens", number),
+    ("used_tokens", "used_tokens", number),
+    ("evictable_tokens", "evictable_tokens", number),
+    ("pinned_tokens", "pinned_tokens", number),
+    ("hit_tokens", "hit_tokens", number),
+    ("evicted_tokens", "evicted_tokens", number),
+    ("promoted_tokens", "promoted_tokens", number),
+    ("demoted_tokens", "demoted_tokens", number),
+    ("bytes_in", "bytes_in", human_bytes),
+    ("bytes_out", "bytes_out", human_bytes),
+    ("bandwidth", "bandwidth_bytes_per_s", lambda v: human_bytes(v) + "/s"),
+]
+
+
+def stats_report(resp: Message, out: TextIO = sys.stdout) -> None:
+    """GetCacheStatsResponse as one table: a row per figure, a column per tier (l1, l2, l3).
+    The engine's other counters (``extra``) and facts (``info``) follow, one row each; a tier
+    without the figure shows ``-``, a disabled tier ``off``."""
+    tiers = list(resp.tiers)
+    names = [enum_short(Tier.Name(t.tier)) for t in tiers]
+
+    def row(label: str, cell: Callable[[Any], str]) -> list[str]:
+        return [label] + [cell(t) if t.enabled else "" for t in tiers]
+
+    rows = [["enabled"] + ["yes" if t.enabled else "off" for t in tiers]]
+    for label, fld, fmt in _STAT_ROWS:
+        rows.append(row(label, lambda t, fld=fld, fmt=fmt: fmt(getattr(t, fld))))
+    for key in sorted({k for t in tiers for k in t.extra}):
+        rows.append(row(key, lambda t, key=key: number(t.extra[key]) if key in t.extra else "-"))
+    for key in sorted({k for t in tiers for k in t.info}):
+        rows.append(row(key, lambda t, key=key: t.info.get(key, "-")))
+    table(rows, ["stat", *names], out)
+    out.write(
+        f"\nmiss_tokens: {resp.miss_tokens}\n"
+        f"pins: {resp.num_pins} ({resp.admin_pinned_tokens} tokens)\n"
     )
+
+
+def server_info_report(info: Message, tiers: str | None, out: TextIO = sys.stdout) -> None:
+    """GetServerInfoResponse as ``key: value`` lines; ``config`` (JSON-encoded values) as an
+    indented block with its values decoded."""
+    out.write(f"version: {info.version}\n")
+    out.write(f"features: {', '.join(info.features)}\n")
+    out.write(f"uptime_s: {info.uptime_s:.1f}\n")
+    out.write(f"active_requests: {info.active_requests}\n")
+    out.write(f"draining: {'yes' if info.draining else 'no'}\n")
+    if tiers is not None:
+        out.write(f"tiers: {tiers}\n")
+    if info.config:
+        out.write("config:\n")
+        out.writelines(f"  {k}: {_config_value(info.config[k])}\n" for k in sorted(info.config))
+
+
+def _config_value(raw: str) -> str:
+    """A config value (JSON) for people: strings bare, null as ``none``, lists and objects as
+    compact JSON."""
+    try:
+        v = json.loads(raw)
+    except ValueError:
+        return raw
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float):
+        return number(v)
+    if isinstance(v, int):
+        return str(v)
+    return json.dumps(v, separators=(", ", ": "))

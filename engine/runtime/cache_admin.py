@@ -2,9 +2,10 @@
 `engine.call_in_scheduler(fn)`): side-effect-free match, evict, pin / unpin with TTL, flush,
 tree inspection.
 
-Works with RadixCache (L1 only), ChunkCache (nothing cached) and HiRadixCache (nodes with
-`host_value`, `evict_host`) through getattr checks. Pins live in a PinTable attached to the
-scheduler; `expire_pins(scheduler, now)` is meant to run every scheduler step (a step hook).
+Works with any BasePrefixCache: RadixCache (L1 only), ChunkCache (nothing cached, `disable`)
+and HiRadixCache (nodes with `host_value`, `evict_host`, L3). Pins live in the scheduler's
+PinTable (`scheduler.admin_pins`, made by its constructor); `expire_pins(scheduler, now)` is
+meant to run every scheduler step (a step hook).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from hicache.base_prefix_cache import BasePrefixCache
 from hicache.hiradix_storage import StorageBusyError
-
-TIERS = ("l1", "l2", "l3")
+from hicache.radix_cache import TreeNode
+from hicache.tier import MEMORY_TIERS, TIERS
 
 
 class NotIdleError(RuntimeError):
@@ -87,11 +90,7 @@ class PinTable:
 
 
 def pin_table(scheduler: Any) -> PinTable:
-    table = getattr(scheduler, "admin_pins", None)
-    if table is None:
-        table = PinTable()
-        scheduler.admin_pins = table
-    return table
+    return scheduler.admin_pins
 
 
 def pin_summary(scheduler: Any) -> tuple[int, int]:
@@ -104,32 +103,28 @@ def pin_summary(scheduler: Any) -> tuple[int, int]:
 def _ns_key(scheduler: Any, key: list[int], namespace: str | None) -> tuple[list[int], int]:
     """The key as the tree stores it for this namespace, and how many tokens the namespace
     prepends. The scheduler's (or the tree's) `namespace_key(key, namespace)` defines it."""
-    fn = getattr(scheduler, "namespace_key", None) or getattr(
-        scheduler.tree_cache, "namespace_key", None
-    )
-    if fn is None:
-        return list(key), 0
+    fn = getattr(scheduler, "namespace_key", None) or scheduler.tree_cache.key_of
     full = list(fn(list(key), namespace))
     return full, len(full) - len(key)
 
 
 
 
-def _node_tier(node: Any) -> str | None:
-    if getattr(node, "value", None) is not None:
+def _node_tier(node: TreeNode) -> str | None:
+    if node.value is not None:
         return "l1"
-    if getattr(node, "host_value", None) is not None:
+    if node.host_value is not None:
         return "l2"
     return None
 
 
-def _walk(tree: Any, key: list[int]) -> tuple[list[tuple[Any, int]], int]:
+def _walk(tree: BasePrefixCache, key: list[int]) -> tuple[list[tuple[TreeNode, int]], int]:
     """The matched path of a tree key (namespace already folded in) as (node, matched tokens of
     it); the last node may match partially. Reads children and keys only: no split, no
     access-time update."""
     page = tree.page_size
     key = key[: len(key) // page * page]
-    path: list[tuple[Any, int]] = []
+    path: list[tuple[TreeNode, int]] = []
     node, pos = tree.root_node, 0
     while pos < len(key):
         child = node.children.get(tuple(key[pos : pos + page]))
@@ -153,7 +148,7 @@ def _walk(tree: Any, key: list[int]) -> tuple[list[tuple[Any, int]], int]:
 def match_prefix(scheduler: Any, key: list[int], namespace: str | None = None) -> MatchInfo:
     tree = scheduler.tree_cache
     per_tier = dict.fromkeys(TIERS, 0)
-    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+    if tree.disable:
         return MatchInfo(0, per_tier, scheduler.page_size)
     full, skip = _ns_key(scheduler, key, namespace)
     path, _ = _walk(tree, full)
@@ -161,34 +156,29 @@ def match_prefix(scheduler: Any, key: list[int], namespace: str | None = None) -
         drop = min(skip, n)  # the namespace's own tokens are not part of the prompt
         skip -= drop
         per_tier[_node_tier(node)] += n - drop
-    in_storage = getattr(tree, "storage_prefix_len", None)
-    if in_storage is not None:
-        # L3 holds whole objects from the root; count what it adds beyond L1 + L2
-        matched = per_tier["l1"] + per_tier["l2"]
-        per_tier["l3"] = max(0, in_storage(list(key), namespace) - matched)
+    # L3 holds whole objects from the root; count what it adds beyond L1 + L2
+    matched = per_tier["l1"] + per_tier["l2"]
+    per_tier["l3"] = max(0, tree.storage_prefix_len(list(key), namespace) - matched)
     return MatchInfo(sum(per_tier.values()), per_tier, tree.page_size)
 
 
-def namespace_roots(tree: Any, namespaces: frozenset[str] | None) -> list[Any]:
+def namespace_roots(tree: BasePrefixCache, namespaces: frozenset[str] | None) -> list[TreeNode]:
     """The root's children whose keys are in one of `namespaces` (None: all of them). A
     namespace is folded into every token of a key, so each subtree belongs to one namespace."""
     children = list(tree.root_node.children.values())
     if namespaces is None:
         return children
-    split_key = getattr(tree, "split_key", None)
-    if split_key is None:
-        return []
-    return [c for c in children if split_key(tuple(c.key[:1]))[0] in namespaces]
+    return [c for c in children if tree.split_key(tuple(c.key[:1]))[0] in namespaces]
 
 
-def namespace_nodes(tree: Any, namespaces: frozenset[str] | None) -> list[Any]:
+def namespace_nodes(tree: BasePrefixCache, namespaces: frozenset[str] | None) -> list[TreeNode]:
     """Every node of `namespaces` (None: the whole tree, root included)."""
     if namespaces is None:
         return _subtree(tree.root_node)
     return [n for c in namespace_roots(tree, namespaces) for n in _subtree(c)]
 
 
-def _subtree(node: Any) -> list[Any]:
+def _subtree(node: TreeNode) -> list[TreeNode]:
     out, stack = [], [node]
     while stack:
         n = stack.pop()
@@ -198,34 +188,33 @@ def _subtree(node: Any) -> list[Any]:
 
 
 # --- eviction --------------------------------------------------------------------------------
-def _evict_fn(tree: Any, tier: str) -> Any:
+def _evict_fn(tree: BasePrefixCache, tier: str) -> Callable[[int], int]:
     if tier == "l1":
         return tree.evict
-    fn = getattr(tree, "evict_host", None) if tier == "l2" else None
-    if fn is None:
-        raise TierUnavailableError(f"tier {tier} is not enabled in this engine")
-    return fn
+    if tier == "l2" and tree.has_host_tier():
+        return tree.evict_host
+    raise TierUnavailableError(f"tier {tier} is not enabled in this engine")
 
 
-def held(node: Any, tier: str) -> bool:
+def held(node: TreeNode, tier: str) -> bool:
     """Does the node hold its KV in this tier (l1: device, l2: host)?"""
-    return getattr(node, "value" if tier == "l1" else "host_value", None) is not None
+    return (node.value if tier == "l1" else node.host_value) is not None
 
 
 def _simulate_evict(
-    tree: Any, tier: str, num_tokens: int, nodes: list[Any]
-) -> tuple[EvictInfo, list[Any]]:
+    tree: BasePrefixCache, tier: str, num_tokens: int, nodes: list[TreeNode]
+) -> tuple[EvictInfo, list[TreeNode]]:
     """What evict(num_tokens) would free among `nodes`, leaves first, in the tree's order; and
     the nodes it would free."""
     cand = {
         n.id: n for n in nodes if n is not tree.root_node and n.lock_ref == 0 and held(n, tier)
     }
     kids = {i: sum(1 for c in n.children.values() if c.id in cand) for i, n in cand.items()}
-    prio = getattr(tree, "_priority", lambda n: (n.last_access_time,))
+    prio = tree.eviction_priority
     heap = [(prio(n), n.id, n) for i, n in cand.items() if kids[i] == 0]
     heapq.heapify(heap)
     tokens = 0
-    chosen: list[Any] = []
+    chosen: list[TreeNode] = []
     while heap and tokens < num_tokens:
         _, _, n = heapq.heappop(heap)
         tokens += len(n.key)
@@ -257,7 +246,7 @@ def evict(
         raise TierUnavailableError("eviction from l3 is not supported; use Flush")
     if settle_first:
         settle(tree)
-    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+    if tree.disable:
         return EvictInfo(0, 0)
     evict_fn = _evict_fn(tree, tier)
     if prefix is not None:
@@ -288,15 +277,10 @@ def evict(
     return EvictInfo(freed, plan.evicted_nodes)
 
 
-def settle(tree: Any, timeout: float = 30.0) -> None:
+def settle(tree: BasePrefixCache, timeout: float = 30.0) -> None:
     """Lets in-flight tier copies finish and be acknowledged, so nodes locked only by a
     backup become evictable (HiRadixCache); a no-op for L1-only trees."""
-    controller = getattr(tree, "controller", None)
-    if controller is not None:
-        controller.wait_idle(timeout)
-    check = getattr(tree, "check", None)
-    if check is not None:
-        check()
+    tree.settle(timeout)
 
 
 # --- pins ------------------------------------------------------------------------------------
@@ -310,7 +294,7 @@ def pin(
 ) -> Pin | None:
     """Locks the cached (L1) prefix of key; None when nothing of it is cached on L1."""
     tree = scheduler.tree_cache
-    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+    if tree.disable:
         return None
     full, skip = _ns_key(scheduler, key, namespace)
     path, _ = _walk(tree, full)
@@ -354,8 +338,8 @@ def unpin(
 
 def expire_pins(scheduler: Any, now: float | None = None) -> int:
     """Releases the pins whose TTL has passed; returns how many."""
-    table = getattr(scheduler, "admin_pins", None)
-    if table is None or not table.pins:
+    table = pin_table(scheduler)
+    if not table.pins:
         return 0
     now = time.monotonic() if now is None else now
     expired = [i for i, p in table.pins.items() if p.expires_at is not None and p.expires_at <= now]
@@ -365,32 +349,23 @@ def expire_pins(scheduler: Any, now: float | None = None) -> int:
 
 
 # --- flush -----------------------------------------------------------------------------------
-def tier_enabled(tree: Any, tier: str) -> bool:
+def tier_enabled(tree: BasePrefixCache, tier: str) -> bool:
     if tier == "l1":
         return True
     if tier == "l2":
-        return hasattr(tree, "evict_host")
-    return _storage(tree) is not None
+        return tree.has_host_tier()
+    return tree.has_storage()
 
 
-def _storage(tree: Any) -> Any:
-    for name in ("storage_backend", "storage"):
-        backend = getattr(tree, name, None)
-        if backend is not None:
-            return backend
-    return None
-
-
-def check_storage_idle(tree: Any, tiers: list[str]) -> None:
+def check_storage_idle(tree: BasePrefixCache, tiers: list[str]) -> None:
     """Raises StorageBusyError, before anything changes, when a flush of L3 would have to wait
     for L3 work in flight (a stalled store must not hold the scheduler thread; the caller
     retries until its own deadline)."""
-    busy = getattr(tree, "storage_busy", None)
-    if "l3" in tiers and busy is not None and busy():
+    if "l3" in tiers and tree.storage_busy():
         raise StorageBusyError("L3 backups / prefetches are in flight; nothing was flushed")
 
 
-def flush_tiers(tree: Any, tiers: list[str] | None) -> list[str]:
+def flush_tiers(tree: BasePrefixCache, tiers: list[str] | None) -> list[str]:
     """The tiers a flush empties (None = every enabled one); TierUnavailableError for one that
     is not enabled."""
     wanted = [t for t in TIERS if tier_enabled(tree, t)] if not tiers else list(tiers)
@@ -407,20 +382,14 @@ def flush(scheduler: Any, tiers: list[str] | None = None) -> FlushInfo:
         raise NotIdleError("requests are running or waiting")
     tree = scheduler.tree_cache
     wanted = flush_tiers(tree, tiers)
-    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+    if tree.disable:
         return FlushInfo(wanted, 0, 0)
     check_storage_idle(tree, wanted)
     unpinned, _ = unpin(scheduler)
     freed = 0
-    custom = getattr(tree, "flush_tier", None)
     for t in wanted:
-        if custom is not None:
-            freed += int(custom(t) or 0)
-        elif t in ("l1", "l2"):
-            freed += _evict_fn(tree, t)(1 << 62)
-        else:
-            _storage(tree).clear()
-        log = getattr(scheduler, "event_log", None)
+        freed += tree.flush_tier(t)
+        log = scheduler.event_log
         if log is not None:
             log.emit("cleared", t, 0)
     return FlushInfo(wanted, freed, unpinned)
@@ -437,13 +406,11 @@ def inspect_tree(
     """One page of the tree in depth-first order (parents first); returns (nodes, total).
     `namespaces` shows only those namespaces' nodes (a tenant's view)."""
     tree = scheduler.tree_cache
-    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+    if tree.disable:
         return [], 0
     pinned = pin_table(scheduler).pinned_node_ids()
-    storage_has = getattr(tree, "node_in_storage", None)
     # NOTE: a namespaced key folds the namespace into every token id; the preview shows tokens.
-    split_key = getattr(tree, "split_key", lambda key: (None, list(key)))
-    order: list[tuple[Any, int, int]] = []  # (node, depth, prefix_len)
+    order: list[tuple[TreeNode, int, int]] = []  # (node, depth, prefix_len)
     stack = [(c, 1, 0) for c in reversed(namespace_roots(tree, namespaces))]
     while stack:
         node, depth, start = stack.pop()
@@ -453,12 +420,8 @@ def inspect_tree(
         )
     out = []
     for node, depth, plen in order[offset : offset + limit]:
-        residency = [
-            t
-            for t, attr in (("l1", "value"), ("l2", "host_value"))
-            if getattr(node, attr, None) is not None
-        ]
-        if storage_has is not None and storage_has(node):
+        residency = [t for t in MEMORY_TIERS if held(node, t)]
+        if tree.node_in_storage(node):
             residency.append("l3")
         parent = node.parent
         out.append(
@@ -468,12 +431,12 @@ def inspect_tree(
                 depth,
                 len(node.key),
                 plen,
-                split_key(tuple(node.key[:preview_tokens]))[1],
+                tree.split_key(tuple(node.key[:preview_tokens]))[1],
                 residency,
                 node.lock_ref,
                 node.id in pinned,
-                getattr(node, "hit_count", 0),
-                float(getattr(node, "last_access_time", 0)),
+                node.hit_count,
+                float(node.last_access_time),
                 len(node.children),
             )
         )

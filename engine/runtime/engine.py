@@ -23,6 +23,8 @@ from engine.runtime.scheduler import Scheduler
 from engine.runtime.tree_factory import build_tree_cache
 from engine.tokenizer import Prompt, TokenizerManager
 from hicache.events import CacheEventLog
+from hicache.hiradix_cache import HiRadixCache
+from hicache.tier import TIERS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -262,7 +264,7 @@ class Engine(EngineFront):
     # --- L3 at run time -----------------------------------------------------------------------
     def storage_info(self) -> dict[str, Any]:
         """The attached L3 backend: {"attached", "backend", "address", ...} (see storage_info)."""
-        return self.call_in_scheduler(lambda s: hicache_setup.storage_info(s.tree_cache))
+        return self.call_in_scheduler(lambda s: s.tree_cache.storage_info())
 
     def attach_storage(self, backend: str, url: str | None = None,
                        directory: str | None = None) -> dict[str, Any]:
@@ -271,7 +273,7 @@ class Engine(EngineFront):
         The backend is built here (a directory scan may take a while), attached on the
         scheduler thread between steps."""
         tree = self.scheduler.tree_cache
-        if not hasattr(tree, "attach_storage"):
+        if not isinstance(tree, HiRadixCache):
             raise TierUnavailableError("L3 needs the hierarchical cache "
                                        "(enable_hierarchical_cache)")
         storage = hicache_setup.build_storage(
@@ -294,13 +296,12 @@ class Engine(EngineFront):
     def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
         """Stop using L3 (pending backups and prefetches finish first; see
         HiRadixCache.detach_storage). Returns what was attached (storage_info before)."""
-        tree = self.scheduler.tree_cache
-        if not hasattr(tree, "detach_storage"):
+        if not self.scheduler.tree_cache.can_attach_storage():
             raise TierUnavailableError("L3 needs the hierarchical cache "
                                        "(enable_hierarchical_cache)")
 
         def detach(s: Scheduler) -> dict[str, Any]:
-            before = hicache_setup.storage_info(s.tree_cache)
+            before = s.tree_cache.storage_info()
             hicache_setup.close_storage(s.tree_cache.detach_storage(timeout))
             return before
 
@@ -325,10 +326,7 @@ class Engine(EngineFront):
         # a new one held both sets at once (measured: 7.6 GB each, OOM-killed at the third).
         self.runner.kv_pool.release_memory()
         self.runner.model = None
-        io = getattr(tree, "storage_io", None)
-        host = getattr(tree, "host_pool", None)
-        if host is not None and (io is None or io.pending() == 0):
-            host.release_memory()
+        tree.release_host_memory()
 
     def __enter__(self) -> Engine:  # noqa: PYI034
         return self
@@ -343,17 +341,15 @@ def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Sc
     scheduler.wake()
     thread.join(timeout=SCHEDULER_JOIN_S)
     tree = scheduler.tree_cache
-    if not thread.is_alive() and getattr(tree, "storage_io", None) is not None:
+    if not thread.is_alive() and tree.has_storage():
         tree.drain_storage(L3_DRAIN_S)  # the tree is ours now
-    close = getattr(tree, "shutdown", None)
-    if close is not None:
-        close()
+    tree.shutdown()
 
 
 def _ensure_event_log(scheduler: Scheduler) -> CacheEventLog:
-    if getattr(scheduler, "event_log", None) is None:
+    if scheduler.event_log is None:
         scheduler.event_log = CacheEventLog()
-        if getattr(scheduler.tree_cache, "event_log", None) is None:
+        if scheduler.tree_cache.event_log is None:
             scheduler.tree_cache.event_log = scheduler.event_log
     return scheduler.event_log
 
@@ -370,7 +366,7 @@ def _collect_stats(s: Scheduler) -> dict[str, Any]:
         "evictable_tokens": tree.evictable_size(),
         "protected_tokens": tree.protected_size(),
         "held_by_requests_tokens": held,
-        "evicted_tokens": getattr(tree, "evicted_tokens", 0),
+        "evicted_tokens": tree.evicted_tokens,
     }
     stats: dict[str, Any] = {
         "l1": l1,
@@ -383,11 +379,9 @@ def _collect_stats(s: Scheduler) -> dict[str, Any]:
         "waiting_requests": len(s.waiting),
         "page_size": s.page_size,
     }
-    tier_stats = getattr(tree, "tier_stats", None)
-    if tier_stats is not None:
-        for tier, d in tier_stats().items():
-            stats.setdefault(tier, {}).update(d)
-    for tier in ("l1", "l2", "l3"):
+    for tier, d in tree.tier_stats().items():
+        stats.setdefault(tier, {}).update(d)
+    for tier in TIERS:
         if tier in stats:
             stats[tier]["hit_tokens"] = c.hit_tokens.get(tier, 0)
     hits = sum(c.hit_tokens.values())

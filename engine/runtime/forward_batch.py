@@ -21,7 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.runtime.layers.attention import AttentionBackend
-    from hicache.hiradix_cache import HostReads
+    from hicache.base_prefix_cache import HostReads
     from hicache.kv_pool import MHATokenToKVPool
     from hicache.req_to_token import ReqToTokenPool
 

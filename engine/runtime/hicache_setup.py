@@ -90,19 +90,6 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
                         prefetch_timeout_per_ki_token=args.hicache_prefetch_timeout_per_ki_token)
 
 
-def storage_info(tree: Any) -> dict[str, Any]:
-    """What L3 the tree uses: {"attached": False} or the backend's describe() plus
-    "attached", "object_tokens", "pending" (backups + prefetches in flight)."""
-    io = getattr(tree, "storage_io", None)
-    if io is None:
-        return {"attached": False}
-    describe = getattr(io.storage, "describe", None)
-    info: dict[str, Any] = dict(describe()) if describe is not None else {}
-    info.setdefault("backend", type(io.storage).__name__)
-    info.update(attached=True, object_tokens=io.object_size, pending=io.pending())
-    return info
-
-
 def close_storage(storage: Any) -> None:
     """Release a detached backend's connections (backends without close() hold none)."""
     close = getattr(storage, "close", None)

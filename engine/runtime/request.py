@@ -14,6 +14,7 @@ import torch
 
 from engine.detokenizer.text import TextStream
 from engine.runtime.sampling import SamplingParams
+from hicache.base_prefix_cache import MatchResult
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,16 @@ class StreamChunk:
     cached_tokens: int = 0
     cached_tokens_per_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+
+
+@dataclass
+class L3Progress:
+    """What the scheduler knows of a waiting request's L3 prefetch."""
+
+    keys: list[str] | None = None  # its L3 object keys (hashed once)
+    hit: int = 0  # tokens of its prefix L3 held when last asked
+    tokens: int = 0  # tokens its own L3 prefetch put in the tree
+    matched_seen: int = 0  # longest L1 + L2 match seen while waiting
 
 
 class Req:
@@ -85,12 +96,11 @@ class Req:
         self.cached_tokens = 0
         self.cached_tokens_per_tier: dict[str, int] = {"l1": 0, "l2": 0, "l3": 0}
         self.host_hit_length = 0  # tokens of the match on host (L2), loaded back at admission
-        self.match_result: Any = None  # the tree's last match for this request ...
+        # its hit was counted (admission); NOTE: a retracted request keeps it: counted once
+        self.hit_counted = False
+        self.match_result: MatchResult | None = None  # the tree's last match for it ...
         self.match_version: int | None = None  # ... valid while tree_cache.version is this
-        self.l3_tokens = 0  # tokens this request's own L3 prefetch put in the tree
-        self.l3_keys: list[str] | None = None  # its L3 object keys (hashed once)
-        self.matched_seen = 0  # longest L1 + L2 match seen while waiting
-        self.l3_hit = 0  # tokens of its prefix L3 held when last asked
+        self.l3 = L3Progress()  # its L3 prefetch while it waits (scheduler/l3_admission.py)
         self.bypassed = 0  # later arrivals admitted before it (aging)
         self.finished_reason: FinishReason | None = None
         self.to_abort = False

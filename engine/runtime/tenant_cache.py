@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from engine.runtime import cache_admin
+from hicache.base_prefix_cache import BasePrefixCache
+from hicache.radix_cache import TreeNode
+from hicache.tier import MEMORY_TIERS
 
 TIERS = cache_admin.TIERS
 RETRY_S = 0.25  # how often a tenant still over a quota (its nodes locked) is looked at again
@@ -33,12 +36,12 @@ class TenantQuota:
     evicted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
 
-def usage(tree: Any, namespaces: frozenset[str]) -> dict[str, TierUsage]:
+def usage(tree: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUsage]:
     """Tokens the nodes of `namespaces` hold in each tier. L3: the whole objects ending inside
     nodes this tree knows are stored (objects of `tree.object_size` tokens)."""
-    per_object = int(getattr(tree, "object_size", 0) or 0)
+    per_object = tree.object_size
     totals = {tier: [0, 0, 0] for tier in TIERS}  # used, evictable, pinned
-    roots = cache_admin.namespace_roots(tree, namespaces) if hasattr(tree, "root_node") else []
+    roots = cache_admin.namespace_roots(tree, namespaces)
     stack = [(c, 0) for c in roots]  # (node, tokens before it)
     while stack:
         n, start = stack.pop()
@@ -47,7 +50,7 @@ def usage(tree: Any, namespaces: frozenset[str]) -> dict[str, TierUsage]:
         for tier in TIERS:
             if tier == "l3":
                 held = (end // per_object - start // per_object) * per_object if (
-                    per_object and getattr(n, "in_storage", False)) else 0
+                    per_object and n.in_storage) else 0
             else:
                 held = len(n.key) if cache_admin.held(n, tier) else 0
             if held:
@@ -71,7 +74,7 @@ class QuotaEnforcer:
         self._seen_finished = -1
         self._over: set[str] = set()  # tenants still over a quota (locked nodes): retried
         self._next_retry = 0.0
-        self.tree: Any = None
+        self.tree: BasePrefixCache | None = None
 
     def install(self, scheduler: Any) -> None:
         hooks = scheduler.step_hooks
@@ -79,8 +82,8 @@ class QuotaEnforcer:
         hooks.append(self)
         scheduler.quota_enforcer = self
         tree = self.tree = scheduler.tree_cache
-        if hasattr(tree, "backup_gate") and any(q.quota_tokens.get("l3") for q in self.quotas):
-            tree.backup_gate = self.allow_backup
+        if any(q.quota_tokens.get("l3") for q in self.quotas):
+            tree.set_backup_gate(self.allow_backup)
 
     def __call__(self, scheduler: Any) -> None:
         finished = scheduler.counters.finished
@@ -103,9 +106,9 @@ class QuotaEnforcer:
         """Evicts what is over; True when the tenant is within its L1 / L2 quotas."""
         tree = scheduler.tree_cache
         within = True
-        for tier in ("l1", "l2"):
+        for tier in MEMORY_TIERS:
             quota = q.quota_tokens.get(tier, 0)
-            if not quota or (tier == "l2" and not hasattr(tree, "evict_host")):
+            if not quota or (tier == "l2" and not tree.has_host_tier()):
                 continue
             over = usage(tree, q.namespaces)[tier].used_tokens - quota
             if over > 0:
@@ -117,7 +120,7 @@ class QuotaEnforcer:
                 within = within and info.evicted_tokens >= over
         return within
 
-    def allow_backup(self, node: Any) -> bool:
+    def allow_backup(self, node: TreeNode) -> bool:
         """The tree's backup gate: False while the node's tenant is at its L3 quota, counting
         what the tree knows is stored and the backups in flight."""
         tree = self.tree
@@ -126,11 +129,7 @@ class QuotaEnforcer:
         quota = q.quota_tokens.get("l3", 0) if q is not None else 0
         if not quota:
             return True
-        in_flight = sum(
-            len(job.host_indices)
-            for job, _, _ in getattr(tree, "ongoing_backup", {}).values()
-            if job.namespace in q.namespaces
-        )
+        in_flight = tree.backup_in_flight_tokens(q.namespaces) if tree is not None else 0
         return usage(tree, q.namespaces)["l3"].used_tokens + in_flight < quota
 
 
@@ -142,17 +141,15 @@ def flush(
     knows deleted. Other namespaces' requests may keep running."""
     tree = scheduler.tree_cache
     wanted = cache_admin.flush_tiers(tree, tiers)
-    if getattr(tree, "disable", False) or not hasattr(tree, "root_node"):
+    if tree.disable:
         return cache_admin.FlushInfo(wanted, 0, 0)
     cache_admin.check_storage_idle(tree, wanted)
     unpinned, _ = cache_admin.unpin(scheduler, None, owner)
     freed = 0
     if "l3" in wanted:  # before L1 / L2 drop the nodes that name the objects
-        delete = getattr(tree, "delete_from_storage", None)
-        nodes = [n for n in cache_admin.namespace_nodes(tree, namespaces) if n.in_storage]
-        if delete is not None:
-            delete(nodes)
-    for t in ("l1", "l2"):
+        tree.delete_from_storage(
+            [n for n in cache_admin.namespace_nodes(tree, namespaces) if n.in_storage])
+    for t in MEMORY_TIERS:
         if t in wanted:
             freed += cache_admin.evict(scheduler, t, namespaces=namespaces).evicted_tokens
     return cache_admin.FlushInfo(wanted, freed, unpinned)
@@ -161,7 +158,7 @@ def flush(
 def tenant_figures(scheduler: Any, tenants: Any) -> dict[str, dict[str, dict[str, int]]]:
     """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} for /metrics; `tenants` are
     objects with name, namespaces and quota(tier) (engine/server/tenants.py's Tenant)."""
-    enforcer = getattr(scheduler, "quota_enforcer", None)
+    enforcer = scheduler.quota_enforcer
     out = {}
     for t in tenants:
         use = usage(scheduler.tree_cache, frozenset(t.namespaces))
@@ -179,7 +176,7 @@ def tenant_view(
 ) -> tuple[dict[str, Any], list[Any], dict[str, int]]:
     """A tenant's usage per tier, its pins and its quota evictions (GetCacheStats)."""
     pins = [p for p in cache_admin.pin_table(scheduler).pins.values() if p.owner == tenant]
-    enforcer = getattr(scheduler, "quota_enforcer", None)
+    enforcer = scheduler.quota_enforcer
     q = enforcer.by_name.get(tenant) if enforcer is not None else None
     evicted = dict(q.evicted_tokens) if q is not None else {}
     return usage(scheduler.tree_cache, namespaces), pins, evicted

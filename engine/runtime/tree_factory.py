@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import ServerArgs
+from hicache.base_prefix_cache import BasePrefixCache
 
 
-def build_tree_cache(args: ServerArgs, runner: Any) -> Any:
+def build_tree_cache(args: ServerArgs, runner: Any) -> BasePrefixCache:
     if args.disable_radix_cache:
         from hicache.chunk_cache import ChunkCache
 

@@ -237,12 +237,12 @@ def transfer_all_layer(
         return
     token_bytes = device_k[0].shape[1] * device_k[0].shape[2] * device_k[0].element_size()
     plan = _plan_host_device(device_indices, host_indices, layout, page_size, token_bytes)
-    buf = None
+    staging: torch.Tensor | None = None  # one scratch buffer for every layer's copy
     for kv, bufs in ((0, device_k), (1, device_v)):
         for layer_id, dev in enumerate(bufs):
             src = _device_rows(dev, layout, page_size)
-            buf = buf if buf is not None else scratch(plan, src)
-            copy_rows(src, _host_rows(host_kv, kv, layer_id, layout, page_size), plan, buf)
+            staging = staging if staging is not None else scratch(plan, src)
+            copy_rows(src, _host_rows(host_kv, kv, layer_id, layout, page_size), plan, staging)
 
 
 # ---- host <-> flat (L3) --------------------------------------------------------------------

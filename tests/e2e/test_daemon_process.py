@@ -71,8 +71,10 @@ def test_cli_commands(server):
     stats = json.loads(cli("stats", "--json", addr=a).stdout)
     assert [t["tier"] for t in stats["tiers"]] == ["TIER_L1", "TIER_L2", "TIER_L3"]
     assert all(t["enabled"] for t in stats["tiers"])  # the daemon's defaults: every tier on
-    plain = cli("stats", addr=a).stdout  # piped: redis-style sections
-    assert "# Tier l1" in plain and "capacity_tokens:4096" in plain
+    plain = cli("stats", addr=a).stdout  # for people: one table, a column per tier
+    header, _, *rows = plain.split("\n\n")[0].splitlines()
+    assert header.split() == ["stat", "l1", "l2", "l3"]
+    assert next(r.split() for r in rows if r.startswith("capacity_tokens "))[1] == "4096"
     r = cli("prefetch", "The quick brown fox jumps", "--pin", "--ttl", "60", addr=a)
     assert r.returncode == 0 and "done:" in r.stdout and "pin_id=pin-" in r.stdout
     match = cli("match", "The quick brown fox jumps", "--json", addr=a)
@@ -98,7 +100,7 @@ def test_default_tiers_and_l3_dir(server):
     assert "hierarchical_cache" in r.stdout and "l3_storage" in r.stdout
     tiers = next(ln for ln in r.stdout.splitlines() if ln.startswith("tiers:"))
     d = ServerArgs()  # the defaults the daemon does not override
-    assert tiers == (f"tiers:l1 device + l2 host ({d.hicache_ratio:g}x l1) + l3 file {l3} "
+    assert tiers == (f"tiers: l1 device + l2 host ({d.hicache_ratio:g}x l1) + l3 file {l3} "
                      f"(cap {d.hicache_storage_size_gb:g} GB)")
 
 

@@ -17,6 +17,7 @@ class FakeScheduler:
         self.alloc = TokenToKVPoolAllocator(256, page_size, "cpu")
         self.tree_cache = RadixCache(None, self.alloc, page_size)
         self.event_log = CacheEventLog()
+        self.admin_pins = cache_admin.PinTable()
         self.idle = idle
 
     def is_idle(self) -> bool:

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.runtime.request import L3Progress
 from engine.runtime.scheduler.policy import SchedulePolicy
 
 
@@ -19,7 +20,7 @@ def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0,
     return SimpleNamespace(rid=rid, prefix_indices=torch.zeros(cached, dtype=torch.int64),
                            host_hit_length=host, fill_ids=list(range(1000, 1000 + cached + 50)),
                            cache_namespace=rid, created=created, last_node=None,
-                           max_new_tokens=8, bypassed=bypassed, l3_hit=l3)
+                           max_new_tokens=8, bypassed=bypassed, l3=L3Progress(hit=l3))
 
 
 def order(policy: SchedulePolicy, waiting: list) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.request import Req
+from hicache.base_prefix_cache import BasePrefixCache
 
 
 class OutOfKVError(RuntimeError):
@@ -37,7 +38,7 @@ class BatchBuilder:
         req_to_token_pool: Any,
         allocator: Any,
         kv_pool: Any,
-        tree_cache: Any,
+        tree_cache: BasePrefixCache,
         attn_backend: Any,
         page_size: int,
         device: torch.device,

@@ -4,13 +4,10 @@ Aging (``lpm``, ``dfs-weight``): cache-aware orders serve well-cached requests f
 wins on the median but, without aging, lets follow-up turns overtake a first turn forever. A
 request that ``max_bypass`` later arrivals have overtaken (``req.bypassed``, counted at
 admission) is *aged*: it goes ahead of the cache-ordered rest, in arrival order.
-NOTE: measured under pressure (tools/bench_pressure.py --mode load, docs/benchmarks.md), aging
-that lets old requests go first too early makes the waiting follow-ups lose their cached
-prefixes and the median collapses to fcfs's: a time limit below the queue's drain time, a
-deadline of 1.25x the estimated fcfs wait, or max_bypass 8 did. Later bypasses cost the tail:
-when many cold requests arrive together, none goes before ``max_bypass`` warm ones did, and
-then they go one after another as fcfs would serve them. 16 / 20 / 24 / 32 gave TTFT p50
-0.51 / 0.24 / 0.14 / 0.04x and max 1.29 / 1.26 / 1.44 / 1.52x fcfs's: 20 is the default.
+NOTE: aging that lets old requests go first too early makes the waiting follow-ups lose their
+cached prefixes (the median falls to fcfs's); aging late costs the tail, since cold requests that
+arrive together wait for ``max_bypass`` warm ones each. The default (20) and the alternatives
+measured under pressure are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ class SchedulePolicy:
             # recompute: a request whose prefix was evicted while it waited keeps its place)
             waiting.sort(key=lambda r: (0, r.created, 0) if aged(r) else (
                 1, r.rid in deprioritized,
-                -max(len(r.prefix_indices) + r.host_hit_length, r.l3_hit)))
+                -max(len(r.prefix_indices) + r.host_hit_length, r.l3.hit)))
         elif policy == "dfs-weight":
             self._sort_dfs_weight(waiting)
             # stable: keeps DFS order among the young

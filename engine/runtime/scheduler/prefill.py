@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.runtime.request import Req
+from hicache.base_prefix_cache import BasePrefixCache
 
 # Reserve at most this many future decode tokens per request when budgeting (as SGLang does).
 CLIP_MAX_NEW_TOKENS = 4096
@@ -25,7 +26,7 @@ def _ceil(x: int, page: int) -> int:
 class PrefillAdder:
     def __init__(
         self,
-        tree_cache: Any,
+        tree_cache: BasePrefixCache,
         allocator: Any,
         running: list[Req],
         new_token_ratio: float,

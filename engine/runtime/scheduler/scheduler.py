@@ -5,7 +5,7 @@ The loop never spins: when a step does nothing it blocks on the inbox, which new
 aborts, admin calls and every cache-copy acknowledgement (``wake``) feed, with a timeout for
 prefetch deadlines. A waiting request's prefix match is computed on arrival and again only
 when the tree changed (``tree_cache.version``); its L3 prefetch starts on arrival, and again
-if its prefix was evicted while it waited (its object keys are hashed once).
+if its prefix was evicted while it waited (``l3_admission``).
 
 With overlap (``ServerArgs.overlap_enabled``), forwards run on a ``ForwardWorker`` thread: a step launches its
 batch, then handles the previous batch's results while that forward runs (``overlap``).
@@ -14,25 +14,32 @@ batch, then handles the previous batch's results while that forward runs (``over
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import ServerArgs
-from engine.runtime.cache_admin import settle
+from engine.runtime.cache_admin import PinTable, settle
 from engine.runtime.request import FinishReason, Req
+from engine.runtime.scheduler import invariants
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
+from engine.runtime.scheduler.inbox import Abort, Arrival, Call, Inbox
+from engine.runtime.scheduler.l3_admission import L3Admission
+from engine.runtime.scheduler.oom import OomAction, OomRecovery
 from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
 from engine.runtime.scheduler.stats import CacheCounters
+from hicache.base_prefix_cache import BasePrefixCache
+
+if TYPE_CHECKING:
+    from engine.runtime.tenant_cache import QuotaEnforcer
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +63,8 @@ class SchedulerCall:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: Any, tree_cache: Any, max_context_len: int):
+    def __init__(self, args: ServerArgs, runner: Any, tree_cache: BasePrefixCache,
+                 max_context_len: int):
         self.args = args
         self.runner = runner
         self.tree_cache = tree_cache
@@ -76,11 +84,14 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
-        self.inbox: queue.Queue[tuple] = queue.Queue()
+        self.inbox = Inbox()
         self.counters = CacheCounters()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
-        self.event_log = getattr(tree_cache, "event_log", None)
+        self.event_log = tree_cache.event_log
         self.step_hooks: list[Callable[[Scheduler], None]] = []
+        self.admin_pins = PinTable()  # admin / tenant pins (cache_admin.pin)
+        self.l3 = L3Admission(tree_cache, self._match)
+        self.quota_enforcer: QuotaEnforcer | None = None  # tenant quotas, when configured
         self.forward_ct = 0
         self._inflight: list[Req] = []  # the batch being launched or handled (failure cleanup)
         self.launched: deque[Launched] = deque()  # forwards whose results are not handled yet
@@ -99,16 +110,9 @@ class Scheduler:
             and getattr(runner.attn_backend, "reads_host_kv", False)
         )
         self._serving = False  # what the cache was last told (_note_serving)
-        self._oom_streak = 0  # consecutive prefill batches that did not fit
-        self._prefill_cap: int | None = None  # max requests per prefill while recovering
+        self.oom = OomRecovery()
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
-        self._wake_pending = threading.Event()
-        self._inbox_lock = threading.Lock()
-        self._inbox_reqs = 0  # ("req", ...) items in the inbox
-        self._inbox_aborts = 0  # ("abort", ...) items in the inbox
-        controller = getattr(tree_cache, "controller", None)
-        if controller is not None:
-            controller.notify = self.wake  # copy acks wake a sleeping loop
+        tree_cache.set_wake(self.wake)  # copy acks wake a sleeping loop
 
     # --- inbox -------------------------------------------------------------------------------
     def num_queued(self) -> int:
@@ -116,19 +120,15 @@ class Scheduler:
         admin calls)."""
         # NOTE: an abort still in the inbox frees its place already (the client is gone); for
         # a running request that undercounts by one until the abort is processed
-        return max(0, len(self.waiting) + self._inbox_reqs - self._inbox_aborts)
+        return max(0, len(self.waiting) + self.inbox.pending_arrivals())
 
     def request_abort(self, rid: str) -> None:
         """Any thread: abort ``rid`` (waiting or running) at the next loop pass."""
-        with self._inbox_lock:
-            self._inbox_aborts += 1
-        self.inbox.put(("abort", rid))
+        self.inbox.put_abort(rid)
 
     def submit(self, req: Req) -> None:
         """Any thread: hand a new request to the scheduler thread."""
-        with self._inbox_lock:
-            self._inbox_reqs += 1
-        self.inbox.put(("req", req))
+        self.inbox.put_request(req)
 
     def is_idle(self) -> bool:
         return (not self.waiting and not self.running and self.chunked_req is None
@@ -136,44 +136,25 @@ class Scheduler:
 
     def wake(self) -> None:
         """Any thread: make a sleeping loop run a step (coalesced)."""
-        if not self._wake_pending.is_set():
-            self._wake_pending.set()
-            self.inbox.put(("wake",))
+        self.inbox.wake()
 
     def process_inbox(self, block: bool, timeout: float = IDLE_WAIT_S) -> None:
-        try:
-            item = self.inbox.get(block=block, timeout=timeout if block else None)
-        except queue.Empty:
-            return
-        while True:
-            kind = item[0]
-            if kind == "wake":
-                self._wake_pending.clear()
-            elif kind == "req":
-                with self._inbox_lock:
-                    self._inbox_reqs -= 1
-                self._on_arrival(item[1])
-            elif kind == "abort":
-                with self._inbox_lock:
-                    self._inbox_aborts -= 1
-                self.abort(item[1])
-            elif kind == "call":
-                fn, fut = item[1], item[2]
+        for msg in self.inbox.take(block, timeout):
+            if isinstance(msg, Arrival):
+                self._on_arrival(msg.req)
+            elif isinstance(msg, Abort):
+                self.abort(msg.rid)
+            elif isinstance(msg, Call):
                 self._sync()  # admin calls see every launched step's results
-                if fut.set_running_or_notify_cancel():
+                if msg.future.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(self))
+                        msg.future.set_result(msg.fn(self))
                     except BaseException as e:  # noqa: BLE001 - delivered to the caller's thread
-                        fut.set_exception(e)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
+                        msg.future.set_exception(e)
 
     def call(self, fn: Callable[[Scheduler], Any]) -> Future:
-        fut: Future = Future()
-        self.inbox.put(("call", fn, fut))
-        return fut
+        """Any thread: run ``fn(scheduler)`` on the scheduler thread between two steps."""
+        return self.inbox.put_call(fn)
 
     # --- main loop ---------------------------------------------------------------------------
     def run_loop(self, stop: threading.Event) -> None:
@@ -206,15 +187,13 @@ class Scheduler:
             self.tree_cache.set_serving(serving)
 
     def _sleep_time(self) -> float:
-        deadline = getattr(self.tree_cache, "prefetch_deadline", lambda: None)()
+        deadline = self.tree_cache.prefetch_deadline()
         if deadline is None:
             return IDLE_WAIT_S
         return min(IDLE_WAIT_S, max(0.001, deadline - time.monotonic()))
 
     def step(self) -> bool:
-        check = getattr(self.tree_cache, "check", None)
-        if check is not None:  # HiRadixCache: drain finished host writes/loads
-            check()
+        self.tree_cache.check()  # finished host writes / loads / L3 work
         for hook in self.step_hooks:
             hook(self)
         if self.launched and self.launched[-1].is_extend and (self.waiting or self.chunked_req):
@@ -324,20 +303,7 @@ class Scheduler:
         """A new request: its match, its L3 prefetch."""
         self.waiting.append(req)
         self._match(req)
-        self._start_prefetch(req)
-
-    def _start_prefetch(self, req: Req) -> int:
-        """Read what L3 holds beyond the request's match into L2 (its object keys are hashed
-        once per request); returns the tokens the started prefetch will add."""
-        start = getattr(self.tree_cache, "start_prefetch", None)
-        if start is None or getattr(self.tree_cache, "storage_io", None) is None:
-            return 0
-        key = req.fill_ids[: len(req.fill_ids) - 1]
-        if req.l3_keys is None:
-            req.l3_keys = self.tree_cache.prefetch_keys(key, req.cache_namespace)
-        res = start(req.rid, key, req.cache_namespace, req.match_result, keys=req.l3_keys)
-        req.l3_hit = res.in_l3
-        return res.tokens
+        self.l3.start(req)
 
     def _match(self, req: Req) -> None:
         """The request's L1 + L2 prefix match, recomputed only when the tree changed. A match
@@ -350,14 +316,14 @@ class Scheduler:
         res = self.tree_cache.match_prefix(key, namespace=req.cache_namespace, touch=False)
         req.prefix_indices = res.device_indices
         req.last_node = res.last_device_node
-        req.host_hit_length = getattr(res, "host_hit_length", 0)
+        req.host_hit_length = res.host_hit_length
         req.match_result = res
         req.match_version = self.tree_cache.version  # after the match: it may drain acks
         matched = len(res.device_indices) + req.host_hit_length
-        if matched < req.matched_seen:
+        if matched < req.l3.matched_seen:
             # NOTE: its prefix was evicted while it waited: L3 may still hold it
-            self._start_prefetch(req)
-        req.matched_seen = max(req.matched_seen, matched)
+            self.l3.start(req)
+        req.l3.matched_seen = max(req.l3.matched_seen, matched)
 
     def get_new_batch_prefill(self) -> list[Req] | None:
         if not self.waiting and self.chunked_req is None:
@@ -386,9 +352,9 @@ class Scheduler:
                     break
                 if req.rid in deprioritized:
                     continue
-                if self._prefill_cap is not None and len(adder.can_run) >= self._prefill_cap:
+                if self.oom.prefill_cap is not None and len(adder.can_run) >= self.oom.prefill_cap:
                     break
-                if not self._prefetch_ready(req, self.waiting[i + 1:]):
+                if not self.l3.ready(req, self.waiting[i + 1:]):
                     continue  # its L3 prefetch policy says wait; later requests may go
                 self._match(req)  # an earlier admission or the prefetch may have changed it
                 res = adder.add_one_req(req, num_running=len(self.running),
@@ -406,82 +372,37 @@ class Scheduler:
             self._count_hit(req)
         return adder.can_run
 
-    def _prefetch_ready(self, req: Req, behind: list[Req]) -> bool:
-        """HiRadixCache + L3: may ``req`` be admitted now (prefetch policy)? ``behind``: the
-        waiting requests that go after it."""
-        poll = getattr(self.tree_cache, "poll_prefetch", None)
-        if poll is None:
-            return True
-        got = poll(req.rid)
-        if got is None:
-            return False
-        if got == 0 and req.l3_hit > len(req.prefix_indices) + req.host_hit_length:
-            # L3 holds more than the tree and nothing is being read (L2 was full when it
-            # last tried): try now; the policy then decides how long to wait for it
-            self._match(req)
-            if self._start_prefetch(req) or self._prefetch_with_room_of(req, behind):
-                return False
-        req.l3_tokens = got or req.l3_tokens
-        return True
-
-    def _prefetch_with_room_of(self, req: Req, behind: list[Req]) -> int:
-        """L2 had no room for ``req``'s prefetch: the prefetches of requests that go after it
-        give theirs, the last in the order first, and its prefetch starts.
-        NOTE: under pressure (tools/bench_pressure.py --mode load) L2 was full of the landed
-        prefetches of requests the cache order kept waiting, and the requests admitted
-        recomputed what L3 held: 23 admissions, ~21,000 tokens in 150 s."""
-        tc = self.tree_cache
-        yield_prefetch = getattr(tc, "yield_prefetch", None)
-        if yield_prefetch is None or req.rid in tc.ongoing_prefetch:
-            return 0
-        need = req.l3_hit - len(req.prefix_indices) - req.host_hit_length
-        if need < getattr(tc, "prefetch_threshold", 0):
-            return 0
-        freed = 0
-        for r in reversed(behind):
-            if freed >= need:
-                break
-            n = yield_prefetch(r.rid)
-            # what landed stays in L2 until evicted: it still came from L3
-            r.l3_tokens = max(r.l3_tokens, n)
-            freed += n
-        return self._start_prefetch(req) if freed else 0
-
     def _load_back(self, req: Req) -> None:
         """HiRadixCache hook: bring the host-resident part of ``req``'s match to the device.
         NOTE: wait=False: the load overlaps the next forward layer by layer (run_extend sets
         fb.wait_layer); every path that skips that forward calls _wait_pending_loads."""
-        init = getattr(self.tree_cache, "init_load_back", None)
-        if init is None or not req.host_hit_length:
+        if not req.host_hit_length:
             return
         self._wait_forwards()  # the load writes device slots a running forward may use
-        indices, node = init(req.last_node, req.match_result, wait=False,
-                             hold=self.reads_host_kv)
+        indices, node = self.tree_cache.init_load_back(req.last_node, req.match_result,
+                                                       wait=False, hold=self.reads_host_kv)
         req.prefix_indices, req.last_node = indices, node
 
     def _pending_layer_wait(self) -> Callable[[int], None] | None:
         """HiRadixCache: per-layer wait on the in-flight load (None when nothing is loading)."""
-        return getattr(self.tree_cache, "pending_layer_wait", lambda: None)()
+        return self.tree_cache.pending_layer_wait()
 
     def _wait_pending_loads(self) -> None:
-        wait = getattr(self.tree_cache, "wait_pending_loads", None)
-        if wait is not None:
-            wait()
+        self.tree_cache.wait_pending_loads()
 
     def _count_hit(self, req: Req) -> None:
         """Admission: the hit counts once (tree access times / hit counts, and our tiers)."""
-        if getattr(req, "_counted", False):
+        if req.hit_counted:
             return  # a chunk of an admitted request, or a retracted one coming back
-        req._counted = True
-        finish = getattr(self.tree_cache, "finish_prefetch", None)
-        if finish is not None:
-            finish(req.rid)
+        req.hit_counted = True
+        self.l3.admitted(req)
         if req.last_node is not None:
             self.tree_cache.record_hit(req.last_node)
         res = req.match_result
-        tiers = dict(getattr(res, "tier_tokens", None) or {"l1": len(req.prefix_indices)})
+        per_tier = res.tier_tokens if res is not None else None
+        tiers = dict(per_tier or {"l1": len(req.prefix_indices)})
         # NOTE: a prefetch lands in L2, so the match sees those tokens as L2: they came from L3
-        moved = min(req.l3_tokens, tiers.get("l2", 0))
+        moved = min(req.l3.tokens, tiers.get("l2", 0))
         tiers["l2"] = tiers.get("l2", 0) - moved
         tiers["l3"] = tiers.get("l3", 0) + moved
         for tier, n in tiers.items():
@@ -505,7 +426,7 @@ class Scheduler:
             self._requeue(reqs)
             self._inflight = []
             return self._on_prefill_oom(reqs, str(e))
-        self._oom_streak, self._prefill_cap = 0, None
+        self.oom.fitted()
         chunked = self.chunked_req if any(r is self.chunked_req for r in reqs) else None
         job = self._launch(fb, reqs, [r.extend_len for r in reqs], True, chunked)
         for req in reqs:
@@ -518,23 +439,18 @@ class Scheduler:
     def _on_prefill_oom(self, reqs: list[Req], why: str) -> Launched | None:
         """Never spin on a batch that cannot fit: decode if anything runs; otherwise let
         in-flight tier copies land (their nodes become evictable), then admit one request at a
-        time, and fail a lone request that still cannot fit."""
-        self._oom_streak += 1
-        if self.running:
+        time, and fail a lone request that still cannot fit (``scheduler/oom.py``)."""
+        action = self.oom.on_oom(len(reqs), bool(self.running))
+        if action is OomAction.DECODE:
             return self.run_decode()
         settle(self.tree_cache)
-        if self._oom_streak < 2:
-            return None
-        if len(reqs) > 1:
-            self._prefill_cap = 1
-            return None
-        req = reqs[0]
-        self.waiting.remove(req)
-        self._cancel_prefetch(req)
-        req.finished_reason = FinishReason(
-            "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
-        req.emit()
-        self._oom_streak = 0
+        if action is OomAction.FAIL:
+            req = reqs[0]
+            self.waiting.remove(req)
+            self.l3.cancel(req)
+            req.finished_reason = FinishReason(
+                "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
+            req.emit()
         return None
 
     def _requeue(self, reqs: list[Req]) -> None:
@@ -638,16 +554,11 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
     # --- aborts ------------------------------------------------------------------------------
-    def _cancel_prefetch(self, req: Req) -> None:
-        cancel = getattr(self.tree_cache, "cancel_prefetch", None)
-        if cancel is not None:
-            cancel(req.rid)
-
     def abort(self, rid: str) -> None:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                self._cancel_prefetch(req)
+                self.l3.cancel(req)
                 req.finished_reason = FinishReason("abort", message="aborted by the client")
                 req.emit()
                 return
@@ -668,9 +579,8 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         # NOTE: the launched forwards end first; their KV counts as never written
         self._wait_forwards()
-        release = getattr(self.tree_cache, "release_loads", None)
-        if release is not None:  # no forward will read held loads from host: copy them now
-            release()
+        # no forward will read held loads from host: copy them now
+        self.tree_cache.release_loads()
         pending = [r for j in self.launched for r in j.reqs] + self._inflight
         self.launched.clear()
         self._inflight = []
@@ -698,45 +608,22 @@ class Scheduler:
             if req.last_node is not None and req.req_pool_idx is None:
                 req.last_node = None  # matched but never locked
             try:
-                self._cancel_prefetch(req)
+                self.l3.cancel(req)
             except Exception:
                 log.exception("cancelling the prefetch of %s failed", req.rid)
             req.finished_reason = FinishReason("abort", message=message)
             req.emit()
         self.waiting = []
 
-    # --- invariants --------------------------------------------------------------------------
+    # --- invariants (engine/runtime/scheduler/invariants.py) -------------------------------
     def held_slots(self) -> torch.Tensor:
         """Slots active requests hold that the tree does not ([n] int64 on CPU)."""
-        r2t = self.runner.req_to_token_pool.req_to_token
-        parts = [torch.empty(0, dtype=torch.int64)]
         active = self.running + ([self.chunked_req] if self.chunked_req else []) + self.deferred
         active += [r for j in self.launched for r in j.reqs]
-        for r in {id(r): r for r in active}.values():
-            if r.req_pool_idx is not None:  # launched steps' slots included (kv_alloc)
-                parts.append(r2t[r.req_pool_idx, : r.kv_alloc].to(torch.int64).cpu())
-        held = torch.cat(parts).unique()
-        tree = self.tree_cache.all_device_slots().to(torch.int64).cpu()
-        return held[~torch.isin(held, tree)]
+        return invariants.held_slots(self.runner.req_to_token_pool.req_to_token, active,
+                                     self.tree_cache)
 
     def check_kv_invariant(self) -> None:
-        """NOTE: every KV page is exactly one of: free, in the tree, held by a request; and the
-        tree itself is consistent (keys, locks, sizes, tiers: ``check_integrity``)."""
-        integrity = getattr(self.tree_cache, "check_integrity", None)
-        if integrity is not None:
-            integrity()
-        ps = self.page_size
-        alloc = self.runner.allocator
-        free = alloc.debug_free_pages().to(torch.int64).cpu()
-        tree = (self.tree_cache.all_device_slots().to(torch.int64).cpu() // ps).unique()
-        held = (self.held_slots().cpu() // ps).unique()
-        total = alloc.size // ps
-        counts = torch.zeros(total + 1, dtype=torch.int64)
-        for group in (free, tree, held):
-            counts.index_add_(0, group, torch.ones_like(group))
-        bad = (counts[1:] != 1).nonzero().flatten() + 1
-        if len(bad):
-            raise AssertionError(
-                f"KV accounting broken for pages {bad[:10].tolist()}: free={len(free)} "
-                f"tree={len(tree)} held={len(held)} total={total}"
-            )
+        """Every KV page is free, in the tree or held by a request, exactly once."""
+        invariants.check_kv_invariant(self.runner.allocator, self.tree_cache, self.held_slots(),
+                                      self.page_size)

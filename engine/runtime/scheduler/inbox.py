@@ -1,0 +1,101 @@
+"""Inbox: the one way other threads reach the scheduler thread, as typed messages.
+
+Any thread puts: a new request (``Arrival``), an abort (``Abort``), a function to run between
+steps (``Call``), a wake-up (``Wake``; coalesced: at most one is queued). Only the scheduler
+thread takes (``take``). The inbox also counts the arrivals and aborts not taken yet, for the
+queue-length limit (``Scheduler.num_queued``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.runtime.request import Req
+    from engine.runtime.scheduler.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class Arrival:
+    req: Req
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: Callable[[Scheduler], Any]
+    future: Future
+
+
+@dataclass(frozen=True)
+class Wake:
+    pass
+
+
+Message = Arrival | Abort | Call | Wake
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Message] = queue.Queue()
+        self._lock = threading.Lock()
+        self._arrivals = 0  # Arrival messages not taken yet
+        self._aborts = 0  # Abort messages not taken yet
+        self._wake_pending = threading.Event()
+
+    # ---- any thread ----------------------------------------------------------------------------
+    def put_request(self, req: Req) -> None:
+        with self._lock:
+            self._arrivals += 1
+        self._queue.put(Arrival(req))
+
+    def put_abort(self, rid: str) -> None:
+        with self._lock:
+            self._aborts += 1
+        self._queue.put(Abort(rid))
+
+    def put_call(self, fn: Callable[[Scheduler], Any]) -> Future:
+        fut: Future = Future()
+        self._queue.put(Call(fn, fut))
+        return fut
+
+    def wake(self) -> None:
+        """Make a sleeping scheduler run a step (coalesced)."""
+        if not self._wake_pending.is_set():
+            self._wake_pending.set()
+            self._queue.put(Wake())
+
+    def pending_arrivals(self) -> int:
+        """Arrivals not taken yet, less the aborts not taken yet."""
+        return self._arrivals - self._aborts
+
+    # ---- the scheduler thread ------------------------------------------------------------------
+    def take(self, block: bool, timeout: float) -> Iterator[Message]:
+        """Every queued message (waiting at most ``timeout`` s for the first when ``block``)."""
+        try:
+            msg = self._queue.get(block=block, timeout=timeout if block else None)
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(msg, Wake):
+                self._wake_pending.clear()
+            elif isinstance(msg, Arrival):
+                with self._lock:
+                    self._arrivals -= 1
+            elif isinstance(msg, Abort):
+                with self._lock:
+                    self._aborts -= 1
+            yield msg
+            try:
+                msg = self._queue.get_nowait()
+            except queue.Empty:
+                return
