@@ -143,11 +143,12 @@ class Daemon:
         if self.port == 0:
             raise OSError(f"cannot bind {addr}")
         await self.server.start()
+        # NOTE: the HTTP port answers /metrics too, so the figures are kept with either port
+        self.state.metrics = (
+            Metrics(self._stats_for_metrics) if s.metrics_port or s.http_port else None
+        )
         if s.metrics_port:
-            self.state.metrics = Metrics(self._stats_for_metrics)
             self.metrics_port = self.state.metrics.serve(s.metrics_port, s.metrics_host)
-        elif s.metrics_port == 0:
-            self.state.metrics = None
         if s.http_port:
             self.http = HttpApi(self.state, s)
             self.http_port = await self.http.start()

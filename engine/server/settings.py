@@ -61,6 +61,8 @@ class DaemonSettings:
     metrics_host: str = "127.0.0.1"
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off
     http_host: str = "127.0.0.1"
+    # the model's id in /v1/models and gateways (default: the model directory's name)
+    served_model_name: str | None = None
     # "split": scheduler and detokenizer in their own processes (seed 002); "single": one process
     processes: str = "split"
     grace_period_s: float = 10.0

@@ -87,10 +87,11 @@ def _held_tokens(daemon: DaemonThread) -> int:
         return int(c.cache_stats().tiers[0].extra["held_by_requests_tokens"])
 
 
-def test_models_list_and_retrieve(client):
+def test_models_list_and_retrieve(client, daemon):
     models = client.models.list().data
-    assert [m.id for m in models] == ["m"]  # the model directory's name
-    assert client.models.retrieve("default").id == "m"
+    # the model directory's name first (a gateway routes by it), then every other accepted name
+    assert [m.id for m in models] == ["m", "default", daemon.daemon.server_args.model_path]
+    assert client.models.retrieve("default").id == "default"  # an alias is a listed model
     assert client.models.retrieve("m").owned_by == "hicache"
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
@@ -331,6 +332,50 @@ def test_metrics_count_http_requests(daemon, client):
     assert re.search(
         r"^hicache_active_streams 0\.0$", httpx2.get(url, timeout=30).text, re.MULTILINE
     )
+
+
+def test_loads_for_gateways(url, client):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx2.get(f"{url}/v1/loads", params={"include": "core,disagg,queues,memory"},
+                   headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert report["dp_rank_count"] == 1 and len(report["loads"]) == 1
+    load = report["loads"][0]
+    assert load["max_total_num_tokens"] == 8192 and load["max_running_requests"] == 8
+    assert load["queues"] == {"waiting": load["num_waiting_reqs"]}
+    assert load["disaggregation"] == {"mode": "null"}
+    assert report["aggregate"]["total_tokens"] == load["num_used_tokens"]
+    # a stream held open is counted as running, with its KV in use
+    stream = _chat(client, max_tokens=400, extra_body=NO_EOS, stream=True, **GREEDY)
+    try:
+        next(iter(stream))
+
+        def running() -> bool:
+            body = httpx2.get(f"{url}/loads", params={"model": "m"}, headers=auth,
+                              timeout=30).json()
+            return body["loads"][0]["num_running_reqs"] == 1 and body["loads"][0][
+                "num_used_tokens"] > 0
+
+        _wait(running, "the open stream in /loads")
+    finally:
+        stream.close()
+    tiers = httpx2.get(f"{url}/v1/loads?include=tiers", headers=auth, timeout=30).json()["tiers"]
+    assert tiers["l1"]["capacity_tokens"] == 8192
+    for query, status in (("include=bogus", 400), ("model=gpt-4", 404)):
+        r = httpx2.get(f"{url}/v1/loads?{query}", headers=auth, timeout=30)
+        assert r.status_code == status, r.text
+    assert httpx2.get(f"{url}/v1/loads", timeout=30).status_code == 401
+
+
+def test_metrics_on_the_http_port(url, daemon, client):
+    r = httpx2.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "hicache_num_used_tokens" in r.text and "hicache_requests_total" in r.text
+    assert httpx2.get(f"{url}/metrics", timeout=30).status_code == 401
+    # a tenant's key is refused: the figures name every tenant
+    r = httpx2.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ACME}"}, timeout=30)
+    assert r.status_code == 403
 
 
 def _spy_aborts(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
