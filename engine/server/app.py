@@ -29,15 +29,23 @@ from engine.runtime.tenant_cache import TIERS, QuotaEnforcer, TenantQuota
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
+from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sglang_grpc
 from engine.server.generation import GenerationServicer
 from engine.server.metrics import Metrics
 from engine.server.openai_api import ABORT_ANSWER_S, HttpApi
-from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
+from engine.server.pb import (
+    CACHE_ADMIN_SERVICE,
+    GENERATION_SERVICE,
+    SGLANG_SERVICE,
+    admin_grpc,
+    gen_grpc,
+)
 from engine.server.settings import DaemonSettings, describe_tiers
+from engine.server.sglang_worker import SglangWorkerServicer
 from engine.server.state import DaemonState
 
 log = logging.getLogger(__name__)
-SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE)
+SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE, SGLANG_SERVICE)
 FAILURE_LINGER_S = 2.0  # NOT_SERVING before exiting when a child process died
 
 
@@ -117,11 +125,16 @@ class Daemon:
         admin_grpc.add_CacheAdminServiceServicer_to_server(
             CacheAdminServicer(self.state), self.server
         )
+        # SMG's gRPC worker mode (`smg launch --worker-urls grpc://...`) on the same port
+        sglang_grpc.add_SglangSchedulerServicer_to_server(
+            SglangWorkerServicer(self.state, s.served_model_name), self.server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (
                 GENERATION_SERVICE,
                 CACHE_ADMIN_SERVICE,
+                SGLANG_SERVICE,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx2
 import openai
 import pytest
@@ -376,6 +377,33 @@ def test_metrics_on_the_http_port(url, daemon, client):
     # a tenant's key is refused: the figures name every tenant
     r = httpx2.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ACME}"}, timeout=30)
     assert r.status_code == 403
+
+
+def test_sglang_worker_auth_and_tenants(daemon):
+    """SMG's worker protocol on the gRPC port follows the daemon's auth and tenant rules."""
+    from engine.server.gen.smg import sglang_scheduler_pb2 as sg
+    from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
+
+    ids = [7, 8, 9, 10, 11, 12, 13, 14]
+    req = sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
+                             sampling_params=sg.SamplingParams(max_new_tokens=1))
+    with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+        stub = sg_grpc.SglangSchedulerStub(ch)
+        assert stub.HealthCheck(sg.HealthCheckRequest(), timeout=30).healthy  # needs no key
+        for key, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                          ("wrong", grpc.StatusCode.UNAUTHENTICATED)):
+            meta = None if key is None else [("authorization", f"Bearer {key}")]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.GetModelInfo(sg.GetModelInfoRequest(), metadata=meta, timeout=30)
+            assert e.value.code() == code
+        acme = [("authorization", f"Bearer {ACME}")]
+        out = list(stub.Generate(req, metadata=acme, timeout=60))
+        assert out[-1].complete.prompt_tokens == len(ids)
+    # the tenant's prompt went to its own namespace: the shared user does not see it
+    with HicacheClient(f"127.0.0.1:{daemon.port}", token=ACME, timeout=30) as c:
+        assert c.match_prefix(ids).matched_tokens >= len(ids) - 1
+    with HicacheClient(f"127.0.0.1:{daemon.port}", token=TOKEN, timeout=30) as c:
+        assert c.match_prefix(ids).matched_tokens == 0
 
 
 def _spy_aborts(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
