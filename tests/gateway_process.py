@@ -40,6 +40,7 @@ class Proc:
     log: Path
     url: str = ""  # its HTTP base URL
     port: int = 0  # its gRPC port (daemons)
+    metrics_url: str = ""  # the gateway's Prometheus endpoint
 
     @classmethod
     def spawn(cls, argv: list[str], log: Path, **kw: object) -> Proc:
@@ -109,6 +110,7 @@ def start_smg(worker_urls: list[str], log: Path, *extra: str) -> Proc:
          "--port", str(port), "--prometheus-port", str(prom), "--log-level", "warn", *extra],
         log)
     proc.url = f"http://127.0.0.1:{port}"
+    proc.metrics_url = f"http://127.0.0.1:{prom}/metrics"
     return proc
 
 

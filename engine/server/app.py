@@ -31,6 +31,7 @@ from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
 from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sglang_grpc
 from engine.server.generation import GenerationServicer
+from engine.server.kv_events import KvEventPublisher
 from engine.server.metrics import Metrics
 from engine.server.openai_api import ABORT_ANSWER_S, HttpApi
 from engine.server.pb import (
@@ -93,6 +94,8 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
+        # KV events for routers: starts with its first subscriber
+        self.kv_events = KvEventPublisher(self.state, settings.kv_events_block_size)
         self.http: HttpApi | None = None  # the OpenAI-compatible API (--http-port)
         self.http_port = 0
         self.load_error: BaseException | None = None
@@ -127,7 +130,7 @@ class Daemon:
         )
         # SMG's gRPC worker mode (`smg launch --worker-urls grpc://...`) on the same port
         sglang_grpc.add_SglangSchedulerServicer_to_server(
-            SglangWorkerServicer(self.state, s.served_model_name), self.server
+            SglangWorkerServicer(self.state, self.kv_events, s.served_model_name), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -263,6 +266,7 @@ class Daemon:
             while st.active and time.monotonic() < answer_by:
                 await asyncio.sleep(0.02)
             deadline = max(deadline, time.monotonic())
+        await self.kv_events.stop()
         if self.server is not None:
             await self.server.stop(max(0.0, deadline - time.monotonic()))
         if self.http is not None:

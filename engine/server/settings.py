@@ -63,6 +63,7 @@ class DaemonSettings:
     http_host: str = "127.0.0.1"
     # the model's id in /v1/models and gateways (default: the model directory's name)
     served_model_name: str | None = None
+    kv_events_block_size: int = 16  # tokens per block in the KV events routers subscribe to
     # "split": scheduler and detokenizer in their own processes (seed 002); "single": one process
     processes: str = "split"
     grace_period_s: float = 10.0
@@ -83,6 +84,8 @@ class DaemonSettings:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s must be >= 0")
+        if self.kv_events_block_size < 1:
+            raise ValueError("kv_events_block_size must be >= 1")
 
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for GetServerInfo)."""

@@ -6,10 +6,13 @@ template itself, with the tokenizer it fetched through GetTokenizer, sends token
 Generate, detokenizes the ids streamed back and polls GetLoads. The same auth interceptor and
 tenant rules as hicache.v1 apply: a tenant's key confines Generate to its own cache namespace.
 
+SubscribeKvEvents streams the cache's blocks per tier (engine/server/kv_events.py) to a
+cache-aware gateway; it needs the user or admin token, never a tenant's (the blocks carry every
+namespace's token ids).
+
 What the daemon cannot do is refused with INVALID_ARGUMENT naming the field (logprobs,
 multimodal input, constraints, penalties, n > 1, LoRA); Embed, profiling and LoRA loading are
-UNIMPLEMENTED (the generated base class), and so is SubscribeKvEvents for now, which tells the
-gateway to route without this worker's events.
+UNIMPLEMENTED (the generated base class).
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ from engine.server.admin import CacheAdminServicer
 from engine.server.gen.smg import common_pb2 as smg_common
 from engine.server.gen.smg import sglang_scheduler_pb2 as pb
 from engine.server.gen.smg import sglang_scheduler_pb2_grpc as pb_grpc
+from engine.server.kv_events import (
+    Cleared,
+    EventBatch,
+    KvEventPublisher,
+    OutOfRangeError,
+    Removed,
+    Stored,
+)
 from engine.server.loads import daemon_version, loads_report, parse_include
 from engine.server.openai_api import model_ids
 from engine.server.pb import admin_pb2
@@ -40,6 +51,43 @@ from engine.server.validate import ValidationError
 
 TOKENIZER_CHUNK_BYTES = 1 << 20
 VERSION = daemon_version()
+# our tiers as SMG's (and, for `medium`, vLLM's words for the device and host tiers)
+KV_TIER = {"l1": smg_common.KV_CACHE_TIER_DEVICE, "l2": smg_common.KV_CACHE_TIER_HOST}
+KV_MEDIUM = {"l1": "GPU", "l2": "CPU"}
+KV_LEVEL = {"l1": 0, "l2": 1}
+
+
+def kv_batch(batch: EventBatch, block_size: int) -> smg_common.KvEventBatch:
+    """A publisher batch as SMG's KvEventBatch (a snapshot: one chunk, synthesized events with
+    event_id 0)."""
+    out = smg_common.KvEventBatch(sequence_number=batch.seq, timestamp=batch.timestamp,
+                                  dp_rank=0)
+    local = smg_common.KV_CACHE_LOCALITY_LOCAL
+    for i, ev in enumerate(batch.events):
+        event_id = 0 if batch.snapshot_blocks is not None else (batch.seq << 16) + i + 1
+        msg = out.events.add(event_id=event_id)
+        if isinstance(ev, Stored):
+            stored = msg.stored
+            stored.tier, stored.medium, stored.locality = (
+                KV_TIER[ev.tier], KV_MEDIUM[ev.tier], local)
+            if ev.parent_hash is not None:
+                stored.parent_block_hash = ev.parent_hash
+            if ev.blocks[0].salt:
+                stored.cache_salt = ev.blocks[0].salt
+            for b in ev.blocks:
+                stored.blocks.add(block_hash=b.block_hash, token_ids=b.token_ids,
+                                  block_size=block_size, cache_level=KV_LEVEL[ev.tier])
+        elif isinstance(ev, Removed):
+            msg.removed.block_hashes.extend(ev.block_hashes)
+            msg.removed.tier, msg.removed.medium = KV_TIER[ev.tier], KV_MEDIUM[ev.tier]
+            msg.removed.cache_level, msg.removed.locality = KV_LEVEL[ev.tier], local
+        else:
+            assert isinstance(ev, Cleared)
+            msg.cleared.SetInParent()
+    if batch.snapshot_blocks is not None:
+        out.snapshot.CopyFrom(smg_common.KvSnapshotChunk(
+            index=0, count=1, blocks=batch.snapshot_blocks, unknown_before=0))
+    return out
 
 
 def sampling(sp: pb.SamplingParams, vocab_size: int) -> dict[str, Any]:
@@ -141,8 +189,10 @@ def tokenizer_zip(tokenizer: Any) -> bytes:
 
 
 class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, state: DaemonState, served_model_name: str | None = None):
+    def __init__(self, state: DaemonState, kv_events: KvEventPublisher,
+                 served_model_name: str | None = None):
         self.state = state
+        self.kv_events = kv_events
         self.served_model_name = served_model_name
         self.admin = CacheAdminServicer(state)  # FlushCache is hicache.v1's Flush of every tier
         self._tokenizer_zip: tuple[Any, bytes] | None = None  # (engine, zip)
@@ -289,6 +339,23 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
             end = start + TOKENIZER_CHUNK_BYTES
             yield smg_common.GetTokenizerChunk(data=data[start:end],
                                                sha256=digest if end >= len(data) else "")
+
+    @rpc
+    async def SubscribeKvEvents(
+        self, request: smg_common.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[smg_common.KvEventBatch]:
+        st = self.state
+        await st.require_engine(context)
+        if st.principal(context).tenant is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "KV events need the user or admin token (they carry every "
+                                "namespace's token ids)")
+        try:
+            async for batch in self.kv_events.subscribe(request.start_sequence_number):
+                yield kv_batch(batch, self.kv_events.block_size)
+        except OutOfRangeError as e:
+            # SMG then drops what it knows of this worker and subscribes again from 0
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
 
     @rpc
     async def ListLoadedLoRAAdapters(

@@ -1,11 +1,14 @@
 """hicache behind the real SMG gateway (PyPI `smg`): two `hicache serve` daemons (one pair for
 the module) and `smg launch` in front of them, as HTTP workers and as gRPC workers (SMG's
 SglangScheduler protocol on the daemon's gRPC port); chat and completions, whole and streamed,
-with the daemon's served name and a gateway alias, equal the daemons' own answers."""
+with the daemon's served name and a gateway alias, equal the daemons' own answers. With the
+daemons' KV events, a conversation's next turn lands on the daemon holding its prefix, also
+after the gateway restarts."""
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,6 +21,7 @@ import pytest
 from engine.server.gen.smg import common_pb2 as smg_common
 from engine.server.gen.smg import sglang_scheduler_pb2 as sg
 from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
+from hicache.kv_blocks import block_hash
 from tests.gateway_process import (
     Proc,
     smg_binary,
@@ -193,3 +197,118 @@ def test_sglang_worker_rpcs(daemons):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
             assert field in e.value.details()
         assert not stub.Abort(sg.AbortRequest(request_id="nothing-runs"), timeout=30).success
+
+
+TOPICS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A hierarchical KV cache keeps prefixes in device memory, host memory and on disk.",
+    "Radix trees share common prefixes between requests; eviction frees the least recently used.",
+    "Prefill computes the prompt; decode produces one token at a time.",
+]
+BLOCK = 16  # the daemons' default --kv-events-block-size
+
+
+def _conversation(i: int) -> list[dict[str, str]]:
+    """A long system prompt, different from its first block on (the number leads)."""
+    system = f"Conversation {i}. " + " ".join(TOPICS[(i + k) % 4] for k in range(6))
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"Tell me about number {i}."}]
+
+
+def _device_blocks(daemon: Proc) -> tuple[int, set[int]]:
+    """(sequence number, L1 block hashes) of a snapshot of the daemon's KV events."""
+    with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+        stream = sg_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(
+            smg_common.SubscribeKvEventsRequest(start_sequence_number=0), timeout=30)
+        first = next(iter(stream))
+        stream.cancel()
+    assert first.HasField("snapshot") and first.events[0].HasField("cleared")
+    device = {b.block_hash for e in first.events if e.HasField("stored")
+              and e.stored.tier == smg_common.KV_CACHE_TIER_DEVICE for b in e.stored.blocks}
+    return first.sequence_number, device
+
+
+def _gateway_metric(gw: Proc, name: str, worker: str, label: str) -> float:
+    text = httpx2.get(gw.metrics_url, timeout=30).text
+    pattern = rf'^{name}\{{worker="{re.escape(worker)}",disposition="{label}"\}} (\S+)$'
+    m = re.search(pattern, text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def _wait(cond: Any, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.2)
+
+
+def _landed(daemons: list[Proc], gw: Proc, msgs: list[dict[str, str]]) -> int:
+    """The daemon a chat through the gateway ran on (requests run one at a time here)."""
+    before = [_requests_total(d) for d in daemons]
+    with _client(gw.url) as c:
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0.0)
+    grew = [_requests_total(d) - b for d, b in zip(daemons, before, strict=True)]
+    assert sorted(grew) == [0.0, 1.0], grew
+    return grew.index(1.0)
+
+
+def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
+                                                          tiny_llama_dir, tmp_path_factory):
+    """Conversations seeded on the daemons directly (the gateway never saw them): only the
+    daemons' KV events can tell the gateway where each prefix is. The seeded prompts' blocks,
+    hashed here from the token ids, are in the daemons' published L1 state."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    seeded: dict[int, tuple[int, str]] = {}
+    want: list[set[int]] = [set(), set()]
+    for i in range(6):
+        home = i % 2
+        msgs = _conversation(i)
+        with _client(daemons[home].url) as c:
+            r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3,
+                                          temperature=0.0)
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        assert len(ids) == r.usage.prompt_tokens and len(ids) >= 4 * BLOCK
+        parent = None
+        for k in range(len(ids) // BLOCK):
+            parent = block_hash(parent, None, tuple(ids[k * BLOCK:(k + 1) * BLOCK]))
+            want[home].add(parent)
+        seeded[i] = (home, r.choices[0].message.content or "")
+    # every seeded block is published as stored in L1 by the daemon that computed it, and no
+    # other daemon claims it
+    seqs = [0, 0]
+    for d in (0, 1):
+        def published(d: int = d) -> bool:
+            seqs[d], device = _device_blocks(daemons[d])
+            return want[d] <= device and not want[1 - d] & device
+
+        _wait(published, f"daemon {d} to publish its seeded blocks")
+    workers = [f"grpc://127.0.0.1:{d.port}" for d in daemons]
+    # the gateway subscribed first (its snapshot is batch 1): it has applied up to seqs[d]
+    for d in (0, 1):
+        _wait(lambda d=d: 1 + _gateway_metric(grpc_gateway, "smg_kv_event_batches_total",
+                                              workers[d], "applied") >= seqs[d],
+              f"the gateway to apply daemon {d}'s batches up to {seqs[d]}")
+
+    def next_turn(i: int, n: int) -> list[dict[str, str]]:
+        _, reply = seeded[i]
+        return [*_conversation(i), {"role": "assistant", "content": reply},
+                {"role": "user", "content": f"And then? ({n})"}]
+
+    assert [_landed(daemons, grpc_gateway, next_turn(i, 1)) for i in seeded] == [
+        home for home, _ in seeded.values()]
+    # a new gateway knows nothing of its own: the daemons' snapshots tell it
+    grpc_gateway.stop()
+    log = tmp_path_factory.mktemp("smg_grpc_again") / "smg.log"
+    again = start_smg(workers, log, "--policy", "cache_aware")
+    try:
+        wait_gateway_model(again, MODEL)
+        for w in workers:
+            _wait(lambda w=w: _gateway_metric(again, "smg_kv_event_batches_total", w,
+                                              "snapshot") >= 1, f"a snapshot from {w}")
+        assert [_landed(daemons, again, next_turn(i, 2)) for i in seeded] == [
+            home for home, _ in seeded.values()]
+    finally:
+        again.stop()
