@@ -406,6 +406,70 @@ def test_sglang_worker_auth_and_tenants(daemon):
         assert c.match_prefix(ids).matched_tokens == 0
 
 
+def _kv_batches(port: int, key: str, start: int, until: Any) -> list[Any]:
+    """SubscribeKvEvents from `start`: the batches until until(batches) holds (the RPC's
+    deadline bounds the wait)."""
+    from engine.server.gen.smg import common_pb2 as smg_common
+    from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
+
+    got: list[Any] = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stream = sg_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(
+            smg_common.SubscribeKvEventsRequest(start_sequence_number=start),
+            metadata=[("authorization", f"Bearer {key}")], timeout=60)
+        for batch in stream:
+            got.append(batch)
+            if until(got):
+                stream.cancel()
+                break
+    return got
+
+
+def test_kv_events_tiers_tenants_replay(daemon):
+    """SMG's SubscribeKvEvents: a snapshot first, then the blocks a request stores; a tenant's
+    identical prompt is other blocks (salted, its name nowhere); replay from a sequence number
+    repeats the same batches; out-of-range starts and tenants' keys are refused."""
+    from engine.server.gen.smg import common_pb2 as smg_common
+    from engine.server.gen.smg import sglang_scheduler_pb2 as sg
+    from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
+
+    port = daemon.port
+    (snap,) = _kv_batches(port, TOKEN, 0, lambda b: True)
+    assert snap.HasField("snapshot") and snap.snapshot.count == 1
+    assert snap.events[0].HasField("cleared") and snap.sequence_number >= 1
+    ids = list(range(40, 80))  # 40 tokens: 2 full blocks of 16
+    req = sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
+                             sampling_params=sg.SamplingParams(max_new_tokens=1))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = sg_grpc.SglangSchedulerStub(ch)
+        for key in (TOKEN, ACME):
+            list(stub.Generate(req, metadata=[("authorization", f"Bearer {key}")], timeout=60))
+
+    def device_chains(batches: list[Any]) -> list[Any]:
+        return [e.stored for b in batches for e in b.events if e.HasField("stored")
+                and e.stored.tier == smg_common.KV_CACHE_TIER_DEVICE
+                and [t for blk in e.stored.blocks for t in blk.token_ids] == ids[:32]]
+
+    start = snap.sequence_number + 1
+    live = _kv_batches(port, TOKEN, start, lambda b: len(device_chains(b)) >= 2)
+    shared, salted = sorted(device_chains(live), key=lambda c: c.HasField("cache_salt"))
+    assert not shared.HasField("cache_salt") and salted.cache_salt
+    assert "acme" not in salted.cache_salt
+    assert all(b.block_size == 16 for b in shared.blocks)
+    first, second = shared.blocks
+    assert not shared.HasField("parent_block_hash")  # the sequence's first block
+    assert {first.block_hash, second.block_hash}.isdisjoint(
+        {b.block_hash for b in salted.blocks})
+    assert [b.sequence_number for b in live] == list(range(start, start + len(live)))
+    again = _kv_batches(port, TOKEN, start, lambda b: len(b) >= len(live))
+    assert [b.SerializeToString() for b in again] == [b.SerializeToString() for b in live]
+    for key, st, code in ((TOKEN, 10**9, grpc.StatusCode.OUT_OF_RANGE),
+                          (ACME, 0, grpc.StatusCode.PERMISSION_DENIED)):
+        with pytest.raises(grpc.RpcError) as e:
+            _kv_batches(port, key, st, lambda b: True)
+        assert e.value.code() == code
+
+
 def _spy_aborts(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     aborted: list[str] = []
     real = engine.abort

@@ -81,3 +81,28 @@ def test_pages_larger_than_one_token():
     _insert(tree, list(range(100, 110)))
     assert [x.block_hash for x in BlockView(B, KEY).snapshot(tree)["l1"]] == _chain(
         list(range(100, 110)))
+
+
+def test_publisher_diff_and_chains():
+    from engine.server.kv_events import Cleared, Removed, Stored, chains, diff
+
+    tree = _tree()
+    _insert(tree, list(range(12)))
+    _insert(tree, list(range(8)) + [50, 51, 52, 53])
+    now = BlockView(B, KEY).snapshot(tree)
+    empty: dict = {"l1": {}, "l2": {}}
+    events = diff(empty, now)
+    assert all(isinstance(e, Stored) and e.tier == "l1" for e in events)
+    stored = [b for e in events for b in e.blocks]
+    assert sorted(b.block_hash for b in stored) == sorted(b.block_hash for b in now["l1"])
+    for e in events:  # each event is a chain hanging from its parent_hash
+        parents = [e.parent_hash] + [b.block_hash for b in e.blocks[:-1]]
+        assert [b.parent_hash for b in e.blocks] == parents
+    published = {t: {b.block_hash: b for b in now[t]} for t in now}
+    assert diff(published, now) == []
+    tree.evict(1 << 20)
+    assert diff(published, {"l1": [], "l2": []}) == [Cleared()]
+    fewer = {"l1": now["l1"][:1], "l2": []}
+    (removed,) = diff(published, fewer)
+    assert isinstance(removed, Removed) and len(removed.block_hashes) == len(now["l1"]) - 1
+    assert chains("l1", []) == []
