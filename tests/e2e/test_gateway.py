@@ -228,6 +228,24 @@ def _device_blocks(daemon: Proc) -> tuple[int, set[int]]:
     return first.sequence_number, device
 
 
+def _seed(daemon: Proc, i: int, model_dir: str) -> tuple[str, set[int]]:
+    """Conversation i straight to the daemon (no gateway): its reply, and the hashes of its
+    prompt's full blocks, computed here from the token ids."""
+    from transformers import AutoTokenizer
+
+    msgs = _conversation(i)
+    with _client(daemon.url) as c:
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0.0)
+    ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(ids) == r.usage.prompt_tokens and len(ids) >= 4 * BLOCK
+    hashes, parent = set(), None
+    for k in range(len(ids) // BLOCK):
+        parent = block_hash(parent, None, tuple(ids[k * BLOCK:(k + 1) * BLOCK]))
+        hashes.add(parent)
+    return r.choices[0].message.content or "", hashes
+
+
 def _gateway_metric(gw: Proc, name: str, worker: str, label: str) -> float:
     text = httpx2.get(gw.metrics_url, timeout=30).text
     pattern = rf'^{name}\{{worker="{re.escape(worker)}",disposition="{label}"\}} (\S+)$'
@@ -257,25 +275,13 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
     """Conversations seeded on the daemons directly (the gateway never saw them): only the
     daemons' KV events can tell the gateway where each prefix is. The seeded prompts' blocks,
     hashed here from the token ids, are in the daemons' published L1 state."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     seeded: dict[int, tuple[int, str]] = {}
     want: list[set[int]] = [set(), set()]
     for i in range(6):
         home = i % 2
-        msgs = _conversation(i)
-        with _client(daemons[home].url) as c:
-            r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3,
-                                          temperature=0.0)
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
-        assert len(ids) == r.usage.prompt_tokens and len(ids) >= 4 * BLOCK
-        parent = None
-        for k in range(len(ids) // BLOCK):
-            parent = block_hash(parent, None, tuple(ids[k * BLOCK:(k + 1) * BLOCK]))
-            want[home].add(parent)
-        seeded[i] = (home, r.choices[0].message.content or "")
+        reply, hashes = _seed(daemons[home], i, tiny_llama_dir)
+        want[home] |= hashes
+        seeded[i] = (home, reply)
     # every seeded block is published as stored in L1 by the daemon that computed it, and no
     # other daemon claims it
     seqs = [0, 0]
@@ -312,3 +318,49 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
             home for home, _ in seeded.values()]
     finally:
         again.stop()
+
+
+def test_killed_daemon_is_dropped_and_its_streams_fail(daemons, http_gateway, tiny_llama_dir,
+                                                       tmp_path_factory):
+    """SIGKILL a daemon under a stream: the stream ends with an error (no hang), and both
+    gateways serve the next requests from the daemon left. NOTE: the module's last test (it
+    kills one of the module's daemons)."""
+    victim, survivor = daemons[1], daemons[0]
+    workers = [f"grpc://127.0.0.1:{d.port}" for d in daemons]
+    _, hashes = _seed(victim, 7, tiny_llama_dir)
+    _wait(lambda: hashes <= _device_blocks(victim)[1], "the victim to publish the seeded blocks")
+    gw = start_smg(workers, tmp_path_factory.mktemp("smg_kill") / "smg.log", "--policy",
+                   "cache_aware", "--health-check-interval-secs", "1")
+    try:
+        wait_gateway_model(gw, MODEL)
+        for w in workers:
+            _wait(lambda w=w: _gateway_metric(gw, "smg_kv_event_batches_total", w,
+                                              "snapshot") >= 1, f"a snapshot from {w}")
+        # conversation 7 was seeded on the victim: the gateway's snapshot routes its next turn there
+        msgs = [*_conversation(7), {"role": "user", "content": "Keep going."}]
+        before = _requests_total(survivor)
+        with _client(gw.url) as c:
+            stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1500,
+                                               temperature=0.0, stream=True,
+                                               extra_body=NO_EOS)
+            chunks = iter(stream)
+            next(chunks)  # running on a daemon now
+            victim.popen.kill()
+            victim.popen.wait()
+            with pytest.raises((openai.APIError, httpx2.HTTPError)):
+                for _ in chunks:
+                    pass
+        assert _requests_total(survivor) == before  # it ran on the victim
+
+        def served(g: Proc) -> bool:
+            with _client(g.url) as c:
+                try:
+                    r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+                except openai.APIError:
+                    return False
+            return r.choices[0].finish_reason is not None
+
+        for g in (gw, http_gateway):
+            _wait(lambda g=g: served(g), f"{g.url} to serve without the killed daemon")
+    finally:
+        gw.stop()
