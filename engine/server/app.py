@@ -32,6 +32,8 @@ from engine.server.decode import DecodeGuard
 from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sglang_grpc
 from engine.server.generation import GenerationServicer
 from engine.server.kv_events import KvEventPublisher
+from engine.server.kv_events_config import KvEventsConfig
+from engine.server.kv_events_zmq import ZmqKvEvents
 from engine.server.metrics import Metrics
 from engine.server.openai_api import ABORT_ANSWER_S, HttpApi
 from engine.server.pb import (
@@ -96,6 +98,11 @@ class Daemon:
         self.metrics_port = 0
         # KV events for routers: starts with its first subscriber
         self.kv_events = KvEventPublisher(self.state, settings.kv_events_block_size)
+        zmq_config = (KvEventsConfig.parse(settings.kv_events_config)
+                      if settings.kv_events_config else None)
+        # vLLM-format events over ZMQ (--kv-events-config), from the model's load on
+        self.zmq_events = (ZmqKvEvents(zmq_config, self.kv_events)
+                           if zmq_config is not None and zmq_config.enabled else None)
         self.http: HttpApi | None = None  # the OpenAI-compatible API (--http-port)
         self.http_port = 0
         self.load_error: BaseException | None = None
@@ -211,6 +218,8 @@ class Daemon:
             if self.settings.warmup:
                 await st.run(_warm_up, engine)
             st.ready = True
+            if self.zmq_events is not None:
+                await self.zmq_events.start()
             for name in SERVICES:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("model ready in %.1fs: serving", time.monotonic() - t0)
@@ -266,6 +275,8 @@ class Daemon:
             while st.active and time.monotonic() < answer_by:
                 await asyncio.sleep(0.02)
             deadline = max(deadline, time.monotonic())
+        if self.zmq_events is not None:
+            await self.zmq_events.stop()
         await self.kv_events.stop()
         if self.server is not None:
             await self.server.stop(max(0.0, deadline - time.monotonic()))

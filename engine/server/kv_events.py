@@ -112,6 +112,16 @@ class KvEventPublisher:
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[asyncio.Queue[EventBatch]] = []
 
+    def listen(self) -> asyncio.Queue[EventBatch]:
+        """A queue that gets every batch from now on (unlisten() it when done)."""
+        queue: asyncio.Queue[EventBatch] = asyncio.Queue()
+        self._listeners.append(queue)
+        return queue
+
+    def unlisten(self, queue: asyncio.Queue[EventBatch]) -> None:
+        if queue in self._listeners:
+            self._listeners.remove(queue)
+
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -180,8 +190,7 @@ class KvEventPublisher:
         """Batches from `start` (0: a snapshot of the current state, then what follows) until
         the publisher stops."""
         await self.start()
-        queue: asyncio.Queue[EventBatch] = asyncio.Queue()
-        self._listeners.append(queue)  # NOTE: before reading the backlog: nothing falls between
+        queue = self.listen()  # NOTE: before reading the backlog: nothing falls between
         try:
             backlog = [self.snapshot()] if start == 0 else self.since(start)
             cursor = 0
@@ -197,4 +206,4 @@ class KvEventPublisher:
                     cursor = batch.seq
                     yield batch
         finally:
-            self._listeners.remove(queue)
+            self.unlisten(queue)

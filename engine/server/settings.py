@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.config import ServerArgs
 from engine.server import tenants as tenancy
+from engine.server.kv_events_config import KvEventsConfig
 from engine.server.tenants import Tenant
 from hicache.storage.redis_url import redact_url
 
@@ -64,6 +65,8 @@ class DaemonSettings:
     # the model's id in /v1/models and gateways (default: the model directory's name)
     served_model_name: str | None = None
     kv_events_block_size: int = 16  # tokens per block in the KV events routers subscribe to
+    # vLLM-format KV events over ZMQ: vLLM's --kv-events-config JSON (engine/server/kv_events_zmq)
+    kv_events_config: str | None = None
     # "split": scheduler and detokenizer in their own processes (seed 002); "single": one process
     processes: str = "split"
     grace_period_s: float = 10.0
@@ -86,6 +89,8 @@ class DaemonSettings:
             raise ValueError("grace_period_s must be >= 0")
         if self.kv_events_block_size < 1:
             raise ValueError("kv_events_block_size must be >= 1")
+        if self.kv_events_config:
+            KvEventsConfig.parse(self.kv_events_config)
 
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for GetServerInfo)."""
