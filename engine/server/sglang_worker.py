@@ -43,7 +43,12 @@ from engine.server.kv_events import (
     Removed,
     Stored,
 )
-from engine.server.loads import daemon_version, loads_report, parse_include
+from engine.server.loads import (
+    UnknownSectionError,
+    daemon_version,
+    loads_report,
+    parse_include,
+)
 from engine.server.openai_api import model_ids
 from engine.server.pb import admin_pb2
 from engine.server.state import DaemonState, EngineRequest, rpc
@@ -310,7 +315,10 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
         engine = await self.state.require_engine(context)
         if request.HasField("dp_rank") and request.dp_rank != 0:
             raise ValidationError(f"dp_rank {request.dp_rank} does not exist (one rank: 0)")
-        include = parse_include(list(request.include))
+        try:
+            include = parse_include(list(request.include))
+        except UnknownSectionError as e:
+            raise ValidationError(f"include: {e}") from None
         stats = await self.state.run(engine.cache_stats)
         report = loads_report(stats, engine.server_args.max_running_requests, VERSION, include)
         return json_format.ParseDict(report, pb.GetLoadsResponse(), ignore_unknown_fields=True)

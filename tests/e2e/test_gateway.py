@@ -31,7 +31,7 @@ from tests.gateway_process import (
     wait_http_ready,
 )
 
-pytestmark = pytest.mark.skipif(
+needs_smg = pytest.mark.skipif(
     smg_binary() is None,
     reason="the SMG gateway is not installed (PyPI `smg`, in the `test` extra: "
     "pip install -e '.[test]')",
@@ -126,6 +126,7 @@ def test_daemon_lists_its_served_name(daemons):
     assert ids[0] == MODEL and "default" in ids and "m" in ids
 
 
+@needs_smg
 def test_http_workers_serve_chat_and_completions(daemons, http_gateway):
     with _client(daemons[0].url) as direct:
         want = _answers(direct, MODEL)
@@ -142,6 +143,7 @@ def test_http_workers_serve_chat_and_completions(daemons, http_gateway):
     assert sum(_requests_total(d) for d in daemons) == before + 8
 
 
+@needs_smg
 def test_grpc_workers_serve_chat_and_completions(daemons, grpc_gateway):
     """The gateway tokenizes (with the tokenizer from GetTokenizer and its chat template) and
     sends token ids; the answers equal the daemon's own HTTP answers."""
@@ -197,6 +199,29 @@ def test_sglang_worker_rpcs(daemons):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
             assert field in e.value.details()
         assert not stub.Abort(sg.AbortRequest(request_id="nothing-runs"), timeout=30).success
+        for call, bad in (
+            (stub.GetLoads, sg.GetLoadsRequest(include=["bogus"])),
+            (stub.GetLoads, sg.GetLoadsRequest(dp_rank=3)),
+            (stub.FlushCache, smg_common.FlushCacheRequest(timeout_s=float("nan"))),
+            (stub.Abort, sg.AbortRequest()),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call(bad, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        for sp in (sg.SamplingParams(temperature=float("nan")), sg.SamplingParams(top_p=1.5),
+                   sg.SamplingParams(top_k=-7), sg.SamplingParams(stop=[""]),
+                   sg.SamplingParams(stop_token_ids=[10**6])):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(sg.GenerateRequest(
+                    tokenized=sg.TokenizedInput(input_ids=ids), sampling_params=sp), timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(sg.GenerateRequest(request_id="bad id!",
+                                                  tokenized=sg.TokenizedInput(input_ids=ids)),
+                               timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # the daemon still serves after all that
+        assert stub.HealthCheck(sg.HealthCheckRequest(), timeout=30).healthy
 
 
 TOPICS = [
@@ -270,6 +295,7 @@ def _landed(daemons: list[Proc], gw: Proc, msgs: list[dict[str, str]]) -> int:
     return grew.index(1.0)
 
 
+@needs_smg
 def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
                                                           tiny_llama_dir, tmp_path_factory):
     """Conversations seeded on the daemons directly (the gateway never saw them): only the
@@ -320,6 +346,7 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
         again.stop()
 
 
+@needs_smg
 def test_killed_daemon_is_dropped_and_its_streams_fail(daemons, http_gateway, tiny_llama_dir,
                                                        tmp_path_factory):
     """SIGKILL a daemon under a stream: the stream ends with an error (no hang), and both
