@@ -28,7 +28,7 @@ import hmac
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -74,6 +74,15 @@ class _Chain:
     pending: tuple[int, ...]
 
 
+class BlockChanges(NamedTuple):
+    """What changed since the view's last changes() call, per tier; `full`: `stored` is the
+    whole state (the first call, or reset)."""
+
+    stored: dict[str, list[Block]]
+    removed: dict[str, list[int]]
+    full: bool
+
+
 class BlockView:
     def __init__(self, block_size: int, salt_key: bytes):
         if block_size < 1:
@@ -85,6 +94,20 @@ class BlockView:
             weakref.WeakKeyDictionary()
         )
         self._salts: dict[str | None, str | None] = {}
+        self._published: dict[str, set[int]] | None = None  # the block hashes changes() gave
+
+    def changes(self, tree: RadixCache | Any, reset: bool = False) -> BlockChanges:
+        """The blocks stored and removed per tier since the last call. NOTE: the diff is made
+        here, next to the tree: a look moves only what changed, never the whole state."""
+        now = self.snapshot(tree)
+        full = reset or self._published is None
+        before = {t: set() for t in TIERS} if full else self._published
+        assert before is not None
+        stored = {t: [b for b in now[t] if b.block_hash not in before[t]] for t in TIERS}
+        hashes = {t: {b.block_hash for b in now[t]} for t in TIERS}
+        removed = {t: [h for h in before[t] if h not in hashes[t]] for t in TIERS}
+        self._published = hashes
+        return BlockChanges(stored, removed, full)
 
     def _salt(self, namespace: str | None) -> str | None:
         if namespace not in self._salts:

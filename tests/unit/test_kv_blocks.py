@@ -106,3 +106,21 @@ def test_publisher_diff_and_chains():
     (removed,) = diff(published, fewer)
     assert isinstance(removed, Removed) and len(removed.block_hashes) == len(now["l1"]) - 1
     assert chains("l1", []) == []
+
+
+def test_changes_are_the_diff_between_looks():
+    tree = _tree()
+    view = BlockView(B, KEY)
+    _insert(tree, list(range(8)))
+    first = view.changes(tree)
+    assert first.full and len(first.stored["l1"]) == 2 and first.removed["l1"] == []
+    assert view.changes(tree) == ({"l1": [], "l2": []}, {"l1": [], "l2": []}, False)
+    _insert(tree, list(range(4)) + [70, 71, 72, 73])
+    grown = view.changes(tree)
+    assert [b.token_ids for b in grown.stored["l1"]] == [(70, 71, 72, 73)]
+    tree.evict(1 << 20)
+    gone = view.changes(tree)
+    assert sorted(gone.removed["l1"]) == sorted(
+        b.block_hash for b in first.stored["l1"] + grown.stored["l1"])
+    again = view.changes(tree, reset=True)
+    assert again.full and again.stored == {"l1": [], "l2": []}
