@@ -3,7 +3,9 @@ the module) and `smg launch` in front of them, as HTTP workers and as gRPC worke
 SglangScheduler protocol on the daemon's gRPC port); chat and completions, whole and streamed,
 with the daemon's served name and a gateway alias, equal the daemons' own answers. With the
 daemons' KV events, a conversation's next turn lands on the daemon holding its prefix, also
-after the gateway restarts."""
+after the gateway restarts; a daemon killed under a stream is dropped, the stream fails. The
+SglangScheduler RPCs' own checks (and a fuzz of Generate) need no gateway: only the tests
+marked needs_smg are skipped without it."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import grpc
 import httpx2
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.server.gen.smg import common_pb2 as smg_common
 from engine.server.gen.smg import sglang_scheduler_pb2 as sg
@@ -346,6 +350,37 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
         again.stop()
 
 
+FLOATS = st.one_of(st.floats(width=32), st.sampled_from([0.0, 1.0, -1.0, 0.5]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=40) | st.lists(
+           st.integers(0, 383), min_size=1, max_size=40),
+       temperature=FLOATS, top_p=FLOATS, top_k=st.integers(-(2**31), 2**31 - 1),
+       min_p=FLOATS, max_new=st.none() | st.integers(0, 2**32 - 1) | st.integers(1, 4),
+       stop=st.lists(st.text(max_size=8), max_size=3),
+       stop_ids=st.lists(st.integers(0, 2**32 - 1), max_size=3),
+       rid=st.text(max_size=12), stream=st.booleans())
+def test_sglang_generate_fuzz(daemons, ids, temperature, top_p, top_k, min_p, max_new, stop,
+                              stop_ids, rid, stream):
+    """Any GenerateRequest of these fields ends OK (with its GenerateComplete) or
+    INVALID_ARGUMENT: never another status, never a hang."""
+    sp = sg.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                           stop=stop, stop_token_ids=stop_ids, ignore_eos=True)
+    if max_new is not None:
+        sp.max_new_tokens = min(max_new, 4) if max_new else 0
+    req = sg.GenerateRequest(request_id=rid, tokenized=sg.TokenizedInput(input_ids=ids),
+                             sampling_params=sp, stream=stream)
+    with grpc.insecure_channel(f"127.0.0.1:{daemons[0].port}") as ch:
+        try:
+            out = list(sg_grpc.SglangSchedulerStub(ch).Generate(req, timeout=60))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+            return
+    assert out and out[-1].HasField("complete") and out[-1].complete.finish_reason
+
+
 @needs_smg
 def test_killed_daemon_is_dropped_and_its_streams_fail(daemons, http_gateway, tiny_llama_dir,
                                                        tmp_path_factory):
@@ -391,3 +426,4 @@ def test_killed_daemon_is_dropped_and_its_streams_fail(daemons, http_gateway, ti
             _wait(lambda g=g: served(g), f"{g.url} to serve without the killed daemon")
     finally:
         gw.stop()
+
