@@ -1,10 +1,13 @@
-"""Compiles protos/hicache/v1/*.proto into engine/server/gen with the pinned grpcio-tools.
+"""Compiles protos/hicache/v1/*.proto into engine/server/gen with the pinned grpcio-tools, and
+the vendored SMG worker protocol (protos/smg/*.proto) into engine/server/gen/smg.
 
     python tools/gen_protos.py            # regenerate in place
     python tools/gen_protos.py --check    # exit 1 when the committed code drifts
 
 The proto package `hicache.v1` would make protoc emit `from hicache.v1 import ...`, which clashes
 with our `hicache` library package, so imports are rewritten to `engine.server.gen.hicache.v1`.
+SMG's files import each other by bare name (`import "common.proto"`), which protoc turns into a
+top-level `import common_pb2`; those become `from engine.server.gen.smg import common_pb2`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ PROTO_ROOT = ROOT / "protos"
 OUT_DIR = ROOT / "engine" / "server" / "gen"
 GEN_PACKAGE = "engine.server.gen"
 _IMPORT_RE = re.compile(r"^from hicache\.v1 import ", re.MULTILINE)
+SMG_PROTO_ROOT = PROTO_ROOT / "smg"
+_SMG_IMPORT_RE = re.compile(r"^import (\w+_pb2) as ", re.MULTILINE)
 
 
 def proto_files() -> list[Path]:
@@ -48,6 +53,27 @@ def generate(out_dir: Path) -> list[Path]:
     for path in sorted((out_dir / "hicache" / "v1").glob("*_pb2*.py*")):
         text = path.read_text()
         text = _IMPORT_RE.sub(f"from {GEN_PACKAGE}.hicache.v1 import ", text)
+        path.write_text(text)
+        files.append(path.relative_to(out_dir))
+    return files + _generate_smg(out_dir, include)
+
+
+def _generate_smg(out_dir: Path, include: Path) -> list[Path]:
+    from grpc_tools import protoc
+
+    smg_dir = out_dir / "smg"
+    smg_dir.mkdir(parents=True, exist_ok=True)
+    args = ["grpc_tools.protoc", f"-I{SMG_PROTO_ROOT}", f"-I{include}", f"--python_out={smg_dir}",
+            f"--pyi_out={smg_dir}", f"--grpc_python_out={smg_dir}"]
+    args += [p.name for p in sorted(SMG_PROTO_ROOT.glob("*.proto"))]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed: " + " ".join(args))
+    init = smg_dir / "__init__.py"
+    if not init.exists():
+        init.write_text("")
+    files = [init.relative_to(out_dir)]
+    for path in sorted(smg_dir.glob("*_pb2*.py*")):
+        text = _SMG_IMPORT_RE.sub(rf"from {GEN_PACKAGE}.smg import \1 as ", path.read_text())
         path.write_text(text)
         files.append(path.relative_to(out_dir))
     return files

@@ -29,15 +29,26 @@ from engine.runtime.tenant_cache import TIERS, QuotaEnforcer, TenantQuota
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
+from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sglang_grpc
 from engine.server.generation import GenerationServicer
+from engine.server.kv_events import KvEventPublisher
+from engine.server.kv_events_config import KvEventsConfig
+from engine.server.kv_events_zmq import ZmqKvEvents
 from engine.server.metrics import Metrics
 from engine.server.openai_api import ABORT_ANSWER_S, HttpApi
-from engine.server.pb import CACHE_ADMIN_SERVICE, GENERATION_SERVICE, admin_grpc, gen_grpc
+from engine.server.pb import (
+    CACHE_ADMIN_SERVICE,
+    GENERATION_SERVICE,
+    SGLANG_SERVICE,
+    admin_grpc,
+    gen_grpc,
+)
 from engine.server.settings import DaemonSettings, describe_tiers
+from engine.server.sglang_worker import SglangWorkerServicer
 from engine.server.state import DaemonState
 
 log = logging.getLogger(__name__)
-SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE)
+SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE, SGLANG_SERVICE)
 FAILURE_LINGER_S = 2.0  # NOT_SERVING before exiting when a child process died
 
 
@@ -85,6 +96,13 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
+        # KV events for routers: starts with its first subscriber
+        self.kv_events = KvEventPublisher(self.state, settings.kv_events_block_size)
+        zmq_config = (KvEventsConfig.parse(settings.kv_events_config)
+                      if settings.kv_events_config else None)
+        # vLLM-format events over ZMQ (--kv-events-config), from the model's load on
+        self.zmq_events = (ZmqKvEvents(zmq_config, self.kv_events)
+                           if zmq_config is not None and zmq_config.enabled else None)
         self.http: HttpApi | None = None  # the OpenAI-compatible API (--http-port)
         self.http_port = 0
         self.load_error: BaseException | None = None
@@ -117,11 +135,16 @@ class Daemon:
         admin_grpc.add_CacheAdminServiceServicer_to_server(
             CacheAdminServicer(self.state), self.server
         )
+        # SMG's gRPC worker mode (`smg launch --worker-urls grpc://...`) on the same port
+        sglang_grpc.add_SglangSchedulerServicer_to_server(
+            SglangWorkerServicer(self.state, self.kv_events, s.served_model_name), self.server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (
                 GENERATION_SERVICE,
                 CACHE_ADMIN_SERVICE,
+                SGLANG_SERVICE,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -143,11 +166,12 @@ class Daemon:
         if self.port == 0:
             raise OSError(f"cannot bind {addr}")
         await self.server.start()
+        # NOTE: the HTTP port answers /metrics too, so the figures are kept with either port
+        self.state.metrics = (
+            Metrics(self._stats_for_metrics) if s.metrics_port or s.http_port else None
+        )
         if s.metrics_port:
-            self.state.metrics = Metrics(self._stats_for_metrics)
             self.metrics_port = self.state.metrics.serve(s.metrics_port, s.metrics_host)
-        elif s.metrics_port == 0:
-            self.state.metrics = None
         if s.http_port:
             self.http = HttpApi(self.state, s)
             self.http_port = await self.http.start()
@@ -194,6 +218,8 @@ class Daemon:
             if self.settings.warmup:
                 await st.run(_warm_up, engine)
             st.ready = True
+            if self.zmq_events is not None:
+                await self.zmq_events.start()
             for name in SERVICES:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("model ready in %.1fs: serving", time.monotonic() - t0)
@@ -249,6 +275,9 @@ class Daemon:
             while st.active and time.monotonic() < answer_by:
                 await asyncio.sleep(0.02)
             deadline = max(deadline, time.monotonic())
+        if self.zmq_events is not None:
+            await self.zmq_events.stop()
+        await self.kv_events.stop()
         if self.server is not None:
             await self.server.stop(max(0.0, deadline - time.monotonic()))
         if self.http is not None:

@@ -17,17 +17,19 @@ from typing import Any
 
 import grpc
 
-from engine.server.pb import CACHE_ADMIN_SERVICE
+from engine.server.pb import CACHE_ADMIN_SERVICE, SGLANG_SERVICE
 from engine.server.tenants import Tenant, TenantTable
 
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+# NOTE: SMG's worker HealthCheck is a probe like grpc.health's: it says only healthy or not
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", f"/{SGLANG_SERVICE}/HealthCheck")
 ADMIN_MUTATIONS = frozenset(
-    f"/{CACHE_ADMIN_SERVICE}/{m}" for m in (
+    [f"/{CACHE_ADMIN_SERVICE}/{m}" for m in (
         "Prefetch", "Evict", "Pin", "Unpin", "Flush", "AttachStorage", "DetachStorage"
-    )
+    )] + [f"/{SGLANG_SERVICE}/FlushCache"]
 )
 TENANT_MUTATIONS = frozenset(
-    f"/{CACHE_ADMIN_SERVICE}/{m}" for m in ("Prefetch", "Evict", "Pin", "Unpin", "Flush")
+    [f"/{CACHE_ADMIN_SERVICE}/{m}" for m in ("Prefetch", "Evict", "Pin", "Unpin", "Flush")]
+    + [f"/{SGLANG_SERVICE}/FlushCache"]
 )
 
 

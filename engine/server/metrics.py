@@ -12,7 +12,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -260,6 +267,10 @@ class Metrics:
 
     def admin_evicted(self, tier: str, tokens: int) -> None:
         self.admin_evictions.labels(tier).inc(tokens)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every family (what /metrics answers)."""
+        return generate_latest(self.registry)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Starts the /metrics HTTP server; returns the bound port."""

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: GET /v1/models[/{id}], POST /v1/completions and
-/v1/chat/completions (JSON or SSE streams), GET /health. A Starlette app served by uvicorn as a
+/v1/chat/completions (JSON or SSE streams), GET /health; beside it what a gateway polls: GET
+/v1/loads (and /loads, SGLang's load report) and GET /metrics (Prometheus). A Starlette app served by uvicorn as a
 task on the daemon's event loop, beside gRPC, sharing its DaemonState: the same engine, the
 same auth and tenant rules, the same `active` requests (drain waits for them) and metrics.
 
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -33,6 +35,7 @@ from starlette.routing import Route
 from engine.runtime.request import StreamChunk
 from engine.server import openai_edge as edge
 from engine.server import openai_protocol as proto
+from engine.server.loads import UnknownSectionError, daemon_version, loads_report, parse_include
 from engine.server.openai_edge import (
     EventStream,
     HttpError,
@@ -45,14 +48,17 @@ from engine.server.state import DaemonState, EngineRequest
 log = logging.getLogger(__name__)
 
 OWNER = "hicache"
+VERSION = daemon_version()
 ABORT_ANSWER_S = 2.0  # at stop: for aborted requests' answers to go out before they are cut
 
 
-def model_ids(model_path: str) -> tuple[str, ...]:
-    """The served model's id (the directory's name), then the other names it answers to."""
+def model_ids(model_path: str, served_model_name: str | None = None) -> tuple[str, ...]:
+    """The served model's id (--served-model-name, else the directory's name), then the other
+    names it answers to. /v1/models lists them all: a gateway routes by the listed ids and
+    refuses a request naming any other."""
     name = os.path.basename(model_path.rstrip("/\\")) or "default"
     name = name.removeprefix("embedded:")
-    return tuple(dict.fromkeys((name, "default", model_path)))
+    return tuple(dict.fromkeys(n for n in (served_model_name, name, "default", model_path) if n))
 
 
 def _endpoint(fn: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
@@ -71,8 +77,14 @@ def _endpoint(fn: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable
 class OpenAIApi:
     """The routes, over the daemon's shared state."""
 
-    def __init__(self, state: DaemonState, max_body_bytes: int = 64 * 2**20):
+    def __init__(
+        self,
+        state: DaemonState,
+        max_body_bytes: int = 64 * 2**20,
+        served_model_name: str | None = None,
+    ):
         self.state = state
+        self.served_model_name = served_model_name
         self.max_body_bytes = max_body_bytes
         self._models: tuple[Any, tuple[str, ...]] | None = None  # (engine, model_ids)
         self.running: dict[str, EngineRequest] = {}  # engine rid -> its open request
@@ -83,6 +95,9 @@ class OpenAIApi:
                 Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/loads", self.loads, methods=["GET"]),
+                Route("/loads", self.loads, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_exception, Exception: self._crash},
         )
@@ -106,7 +121,8 @@ class OpenAIApi:
     async def _model_ids(self, engine: Any) -> tuple[str, ...]:
         if self._models is None or self._models[0] is not engine:
             info = await self.state.run(engine.model_info)
-            self._models = (engine, model_ids(str(info.get("model_path") or "")))
+            ids = model_ids(str(info.get("model_path") or ""), self.served_model_name)
+            self._models = (engine, ids)
         return self._models[1]
 
     def _model_card(self, model_id: str, engine: Any) -> dict[str, Any]:
@@ -140,15 +156,46 @@ class OpenAIApi:
     async def list_models(self, request: Request) -> Response:
         authorize(request.headers, self.state)
         engine = require_engine(self.state)
-        model = await self._served_model(engine, None)
-        return JSONResponse({"object": "list", "data": [self._model_card(model, engine)]})
+        ids = await self._model_ids(engine)
+        return JSONResponse(
+            {"object": "list", "data": [self._model_card(m, engine) for m in ids]}
+        )
 
     @_endpoint
     async def get_model(self, request: Request) -> Response:
         authorize(request.headers, self.state)
         engine = require_engine(self.state)
-        model = await self._served_model(engine, request.path_params["model_id"])
-        return JSONResponse(self._model_card(model, engine))
+        asked = request.path_params["model_id"]
+        await self._served_model(engine, asked)
+        return JSONResponse(self._model_card(asked, engine))
+
+    @_endpoint
+    async def loads(self, request: Request) -> Response:
+        authorize(request.headers, self.state)
+        engine = require_engine(self.state)
+        try:
+            include = parse_include(request.query_params.getlist("include"))
+        except UnknownSectionError as e:
+            raise proto.InvalidRequestError(str(e), "include") from None
+        model = request.query_params.get("model")
+        if model is not None:  # SMG's `/loads?model=<id>`: this daemon serves one model
+            await self._served_model(engine, model)
+        stats = await self.state.run(engine.cache_stats)
+        return JSONResponse(
+            loads_report(stats, engine.server_args.max_running_requests, VERSION, include)
+        )
+
+    @_endpoint
+    async def metrics(self, request: Request) -> Response:
+        """The Prometheus text of --metrics-port, on this port too. NOTE: with auth on it needs
+        the user or admin token: a tenant's key is refused (the figures name every tenant)."""
+        if authorize(request.headers, self.state).tenant is not None:
+            raise HttpError(403, "permission_error", "/metrics needs the user or admin token")
+        metrics = self.state.metrics
+        if metrics is None:
+            raise HttpError(404, "invalid_request_error", "metrics are off", code="not_found")
+        body = await self.state.run(metrics.exposition)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @_endpoint
     async def completions(self, request: Request) -> Response:
@@ -282,7 +329,9 @@ class HttpApi:
     def __init__(self, state: DaemonState, settings: Any):
         self.state = state
         self.settings = settings
-        self.api = OpenAIApi(state, settings.max_message_mb * 2**20)
+        self.api = OpenAIApi(
+            state, settings.max_message_mb * 2**20, settings.served_model_name
+        )
         self.port = 0
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None

@@ -7,9 +7,12 @@ from engine.server.gen.hicache.v1 import cache_admin_pb2_grpc as admin_grpc
 from engine.server.gen.hicache.v1 import common_pb2
 from engine.server.gen.hicache.v1 import generation_pb2 as gen_pb2
 from engine.server.gen.hicache.v1 import generation_pb2_grpc as gen_grpc
+from engine.server.gen.smg import sglang_scheduler_pb2 as sglang_pb2
 
 GENERATION_SERVICE = gen_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 CACHE_ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["CacheAdminService"].full_name
+# SMG's gRPC worker protocol (engine/server/sglang_worker.py)
+SGLANG_SERVICE = sglang_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 
 TIER_TO_ENUM = {"l1": common_pb2.TIER_L1, "l2": common_pb2.TIER_L2, "l3": common_pb2.TIER_L3}
 ENUM_TO_TIER = {v: k for k, v in TIER_TO_ENUM.items()}

@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.config import ServerArgs
 from engine.server import tenants as tenancy
+from engine.server.kv_events_config import KvEventsConfig
 from engine.server.tenants import Tenant
 from hicache.storage.redis_url import redact_url
 
@@ -61,6 +62,11 @@ class DaemonSettings:
     metrics_host: str = "127.0.0.1"
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off
     http_host: str = "127.0.0.1"
+    # the model's id in /v1/models and gateways (default: the model directory's name)
+    served_model_name: str | None = None
+    kv_events_block_size: int = 16  # tokens per block in the KV events routers subscribe to
+    # vLLM-format KV events over ZMQ: vLLM's --kv-events-config JSON (engine/server/kv_events_zmq)
+    kv_events_config: str | None = None
     # "split": scheduler and detokenizer in their own processes (seed 002); "single": one process
     processes: str = "split"
     grace_period_s: float = 10.0
@@ -81,6 +87,10 @@ class DaemonSettings:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s must be >= 0")
+        if self.kv_events_block_size < 1:
+            raise ValueError("kv_events_block_size must be >= 1")
+        if self.kv_events_config:
+            KvEventsConfig.parse(self.kv_events_config)
 
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for GetServerInfo)."""

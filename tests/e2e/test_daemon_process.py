@@ -137,6 +137,7 @@ def test_grpcurl(server):
                          text=True, timeout=30)
     assert "hicache.v1.GenerationService" in out.stdout
     assert "hicache.v1.CacheAdminService" in out.stdout
+    assert "sglang.grpc.scheduler.SglangScheduler" in out.stdout  # SMG's worker protocol
     req = json.dumps({"prompt": {"text": "Hello"}, "sampling_params": {"max_new_tokens": 2}})
     out = subprocess.run([str(exe), "-plaintext", "-d", req, server["addr"],
                           "hicache.v1.GenerationService/Generate"], check=False,

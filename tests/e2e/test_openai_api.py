@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx2
 import openai
 import pytest
@@ -87,10 +88,11 @@ def _held_tokens(daemon: DaemonThread) -> int:
         return int(c.cache_stats().tiers[0].extra["held_by_requests_tokens"])
 
 
-def test_models_list_and_retrieve(client):
+def test_models_list_and_retrieve(client, daemon):
     models = client.models.list().data
-    assert [m.id for m in models] == ["m"]  # the model directory's name
-    assert client.models.retrieve("default").id == "m"
+    # the model directory's name first (a gateway routes by it), then every other accepted name
+    assert [m.id for m in models] == ["m", "default", daemon.daemon.server_args.model_path]
+    assert client.models.retrieve("default").id == "default"  # an alias is a listed model
     assert client.models.retrieve("m").owned_by == "hicache"
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
@@ -331,6 +333,141 @@ def test_metrics_count_http_requests(daemon, client):
     assert re.search(
         r"^hicache_active_streams 0\.0$", httpx2.get(url, timeout=30).text, re.MULTILINE
     )
+
+
+def test_loads_for_gateways(url, client):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx2.get(f"{url}/v1/loads", params={"include": "core,disagg,queues,memory"},
+                   headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert report["dp_rank_count"] == 1 and len(report["loads"]) == 1
+    load = report["loads"][0]
+    assert load["max_total_num_tokens"] == 8192 and load["max_running_requests"] == 8
+    assert load["queues"] == {"waiting": load["num_waiting_reqs"]}
+    assert load["disaggregation"] == {"mode": "null"}
+    assert report["aggregate"]["total_tokens"] == load["num_used_tokens"]
+    # a stream held open is counted as running, with its KV in use
+    stream = _chat(client, max_tokens=400, extra_body=NO_EOS, stream=True, **GREEDY)
+    try:
+        next(iter(stream))
+
+        def running() -> bool:
+            body = httpx2.get(f"{url}/loads", params={"model": "m"}, headers=auth,
+                              timeout=30).json()
+            return body["loads"][0]["num_running_reqs"] == 1 and body["loads"][0][
+                "num_used_tokens"] > 0
+
+        _wait(running, "the open stream in /loads")
+    finally:
+        stream.close()
+    tiers = httpx2.get(f"{url}/v1/loads?include=tiers", headers=auth, timeout=30).json()["tiers"]
+    assert tiers["l1"]["capacity_tokens"] == 8192
+    for query, status in (("include=bogus", 400), ("model=gpt-4", 404)):
+        r = httpx2.get(f"{url}/v1/loads?{query}", headers=auth, timeout=30)
+        assert r.status_code == status, r.text
+    assert httpx2.get(f"{url}/v1/loads", timeout=30).status_code == 401
+
+
+def test_metrics_on_the_http_port(url, daemon, client):
+    r = httpx2.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "hicache_num_used_tokens" in r.text and "hicache_requests_total" in r.text
+    assert httpx2.get(f"{url}/metrics", timeout=30).status_code == 401
+    # a tenant's key is refused: the figures name every tenant
+    r = httpx2.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ACME}"}, timeout=30)
+    assert r.status_code == 403
+
+
+def test_sglang_worker_auth_and_tenants(daemon):
+    """SMG's worker protocol on the gRPC port follows the daemon's auth and tenant rules."""
+    from engine.server.gen.smg import sglang_scheduler_pb2 as sg
+    from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
+
+    ids = [7, 8, 9, 10, 11, 12, 13, 14]
+    req = sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
+                             sampling_params=sg.SamplingParams(max_new_tokens=1))
+    with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
+        stub = sg_grpc.SglangSchedulerStub(ch)
+        assert stub.HealthCheck(sg.HealthCheckRequest(), timeout=30).healthy  # needs no key
+        for key, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                          ("wrong", grpc.StatusCode.UNAUTHENTICATED)):
+            meta = None if key is None else [("authorization", f"Bearer {key}")]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.GetModelInfo(sg.GetModelInfoRequest(), metadata=meta, timeout=30)
+            assert e.value.code() == code
+        acme = [("authorization", f"Bearer {ACME}")]
+        out = list(stub.Generate(req, metadata=acme, timeout=60))
+        assert out[-1].complete.prompt_tokens == len(ids)
+    # the tenant's prompt went to its own namespace: the shared user does not see it
+    with HicacheClient(f"127.0.0.1:{daemon.port}", token=ACME, timeout=30) as c:
+        assert c.match_prefix(ids).matched_tokens >= len(ids) - 1
+    with HicacheClient(f"127.0.0.1:{daemon.port}", token=TOKEN, timeout=30) as c:
+        assert c.match_prefix(ids).matched_tokens == 0
+
+
+def _kv_batches(port: int, key: str, start: int, until: Any) -> list[Any]:
+    """SubscribeKvEvents from `start`: the batches until until(batches) holds (the RPC's
+    deadline bounds the wait)."""
+    from engine.server.gen.smg import common_pb2 as smg_common
+    from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
+
+    got: list[Any] = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stream = sg_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(
+            smg_common.SubscribeKvEventsRequest(start_sequence_number=start),
+            metadata=[("authorization", f"Bearer {key}")], timeout=60)
+        for batch in stream:
+            got.append(batch)
+            if until(got):
+                stream.cancel()
+                break
+    return got
+
+
+def test_kv_events_tiers_tenants_replay(daemon):
+    """SMG's SubscribeKvEvents: a snapshot first, then the blocks a request stores; a tenant's
+    identical prompt is other blocks (salted, its name nowhere); replay from a sequence number
+    repeats the same batches; out-of-range starts and tenants' keys are refused."""
+    from engine.server.gen.smg import common_pb2 as smg_common
+    from engine.server.gen.smg import sglang_scheduler_pb2 as sg
+    from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
+
+    port = daemon.port
+    (snap,) = _kv_batches(port, TOKEN, 0, lambda b: True)
+    assert snap.HasField("snapshot") and snap.snapshot.count == 1
+    assert snap.events[0].HasField("cleared") and snap.sequence_number >= 1
+    ids = list(range(40, 80))  # 40 tokens: 2 full blocks of 16
+    req = sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
+                             sampling_params=sg.SamplingParams(max_new_tokens=1))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = sg_grpc.SglangSchedulerStub(ch)
+        for key in (TOKEN, ACME):
+            list(stub.Generate(req, metadata=[("authorization", f"Bearer {key}")], timeout=60))
+
+    def device_chains(batches: list[Any]) -> list[Any]:
+        return [e.stored for b in batches for e in b.events if e.HasField("stored")
+                and e.stored.tier == smg_common.KV_CACHE_TIER_DEVICE
+                and [t for blk in e.stored.blocks for t in blk.token_ids] == ids[:32]]
+
+    start = snap.sequence_number + 1
+    live = _kv_batches(port, TOKEN, start, lambda b: len(device_chains(b)) >= 2)
+    shared, salted = sorted(device_chains(live), key=lambda c: c.HasField("cache_salt"))
+    assert not shared.HasField("cache_salt") and salted.cache_salt
+    assert "acme" not in salted.cache_salt
+    assert all(b.block_size == 16 for b in shared.blocks)
+    first, second = shared.blocks
+    assert not shared.HasField("parent_block_hash")  # the sequence's first block
+    assert {first.block_hash, second.block_hash}.isdisjoint(
+        {b.block_hash for b in salted.blocks})
+    assert [b.sequence_number for b in live] == list(range(start, start + len(live)))
+    again = _kv_batches(port, TOKEN, start, lambda b: len(b) >= len(live))
+    assert [b.SerializeToString() for b in again] == [b.SerializeToString() for b in live]
+    for key, st, code in ((TOKEN, 10**9, grpc.StatusCode.OUT_OF_RANGE),
+                          (ACME, 0, grpc.StatusCode.PERMISSION_DENIED)):
+        with pytest.raises(grpc.RpcError) as e:
+            _kv_batches(port, key, st, lambda b: True)
+        assert e.value.code() == code
 
 
 def _spy_aborts(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:

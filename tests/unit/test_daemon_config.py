@@ -192,6 +192,11 @@ def test_auth_rules():
     assert code(ADMIN, "a", "u", "a") is ok
     assert code(ADMIN, "u", "u", None) is ok  # no admin token: the user token suffices
     assert code(READ, None, None, "a") is ok  # reads stay open without --token
+    # SMG's worker protocol: its HealthCheck is a probe, FlushCache an admin mutation
+    smg = "/sglang.grpc.scheduler.SglangScheduler/"
+    assert code(smg + "HealthCheck", None, "u", "a") is ok
+    assert code(smg + "Generate", None, "u", "a") == U and code(smg + "Generate", "u", "u", "a") is ok
+    assert code(smg + "FlushCache", "u", "u", "a") == P and code(smg + "FlushCache", "a", "u", "a") is ok
 
 
 def test_bearer_parsing():

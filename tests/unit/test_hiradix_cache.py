@@ -506,3 +506,22 @@ class HiCacheSoak(RuleBasedStateMachine):
 HiCacheSoak.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                          suppress_health_check=list(HealthCheck))
 TestHiCacheSoak = HiCacheSoak.TestCase
+
+
+def test_kv_block_view_follows_demotion_and_load_back(rigs):
+    """hicache.kv_blocks: blocks move L1 -> L2 on demotion and are in both after load back."""
+    from hicache.kv_blocks import BlockView
+
+    r = rigs(page_size=4)
+    key = list(range(100, 124))  # 24 tokens: 3 blocks of 8
+    r.insert(key)
+    view = BlockView(8, b"k")
+    r.settle()
+    both = view.snapshot(r.tree)
+    assert len(both["l1"]) == 3 and both["l2"] == both["l1"]  # written through to host
+    r.tree.evict(r.allocator.size)
+    demoted = view.snapshot(r.tree)
+    assert demoted["l1"] == [] and demoted["l2"] == both["l2"]
+    res = r.tree.match_prefix(key)
+    r.tree.init_load_back(res.last_device_node, res)
+    assert view.snapshot(r.tree) == both
