@@ -151,10 +151,6 @@ class BasePrefixCache(ABC):
         nodes locked only by a copy become evictable."""
         self.check()
 
-    def set_serving(self, active: bool) -> None:
-        """Whether the engine runs requests now (a hierarchical cache defers background
-        copies then)."""
-
     def set_wake(self, wake: Callable[[], None]) -> None:
         """``wake()`` is called from copy threads when a copy is acknowledged."""
 

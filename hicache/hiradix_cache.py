@@ -465,8 +465,6 @@ class HiRadixCache(StorageMixin):
             if parent is not None and self._is_host_leaf(parent):
                 heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["host_evictions"] += freed
-        if freed:
-            self._host_room_needed()
         return freed
 
     def _is_host_leaf(self, n: TreeNode) -> bool:

@@ -89,7 +89,6 @@ class StorageMixin(RadixCache):
         self.backup_host_tokens = 0  # host slots protected by backups in flight
         # optional policy hook (e.g. a tenant's L3 quota): False = do not back this node up now
         self.backup_gate: Callable[[TreeNode], bool] | None = None
-        self.serving = False  # the engine runs requests now (set_serving): backups wait
         self.l3_counters = {"prefetch_started": 0, "prefetch_tokens": 0, "prefetch_skipped": 0,
                             "prefetch_cancelled": 0, "prefetch_discarded_tokens": 0,
                             "prefetch_partial": 0, "backup_deferred": 0,
@@ -465,7 +464,6 @@ class StorageMixin(RadixCache):
         room) lands within ``timeout`` seconds; otherwise logs how many objects are not stored
         and stops the backup threads. Returns the objects not stored."""
         io, deadline = self._io, time.monotonic() + timeout
-        self.set_serving(False)  # nothing is served any more: backups need not wait for quiet
         self.cancel_all_prefetches()
         self.controller.start_writing()  # device->host writes whose acks queue backups
         self.controller.wait_idle(timeout)
@@ -561,19 +559,6 @@ class StorageMixin(RadixCache):
         self._bump()
         return deleted
 
-    def _host_room_needed(self) -> None:
-        """Host eviction freed pages that backups still waiting for quiet hold (their frees
-        are deferred until the backup ran): L2 needs that room now, so those backups go now."""
-        if self.storage_io is not None and self.host_pool.pending_free_size():
-            self.storage_io.expedite()
-
-    def set_serving(self, active: bool) -> None:
-        """Whether the engine runs requests now: L3 backups wait while it does, a bounded time
-        (``storage_io.BACKUP_MAX_DEFER_S``), so that they do not take the forwards' cores."""
-        self.serving = active
-        if self.storage_io is not None:
-            self.storage_io.set_serving(active)
-
     # ---- attach / detach at run time (scheduler thread) ----------------------------------------
     def attach_storage(self, storage: Any, object_size: int) -> None:
         """Use ``storage`` as L3 from now on. Nodes already in L2 are backed up to it when a
@@ -584,7 +569,6 @@ class StorageMixin(RadixCache):
             raise ValueError(f"L3 object size {object_size} is not a multiple of the page size "
                              f"{self.page_size}")
         self.storage_io = self.controller.attach_storage(storage, object_size)
-        self.storage_io.set_serving(self.serving)
         self.storage, self.object_size = storage, object_size
         for n in self._all_nodes():
             n.in_storage = False

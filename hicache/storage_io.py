@@ -31,15 +31,6 @@ import torch
 
 from hicache.storage.base import StorageBackend, object_keys, prefix_hash_seed
 
-# An L3 backup waits while the engine serves requests, at most this long after it was queued:
-# nobody waits for a backup, and on a machine of few cores its gathers, checksums and file
-# writes took the cores of the forwards beside it (a 1-token prefill over a 2,000-token L2 hit:
-# 13-16 ms with no backup running, 50-56 ms beside the backup of the prompt before it; 2 cores).
-# Under steady traffic every backup still runs, this much later. "Idle" means idle for
-# BACKUP_QUIET_S: one request often follows another within a millisecond or two.
-BACKUP_MAX_DEFER_S = 2.0
-BACKUP_QUIET_S = 0.05
-
 log = logging.getLogger(__name__)
 
 BACKUP_BATCH_OBJECTS = 32  # objects per batch_set
@@ -65,7 +56,6 @@ class BackupJob:
     node_ids: list[int]  # nodes whose objects these are (``in_storage`` once all stored)
     stored: int = 0  # objects stored (or already present)
     failed: int = 0
-    queued_at: float = 0.0  # time.monotonic() when handed to the backup thread
 
 
 @dataclass
@@ -119,11 +109,6 @@ class StorageIO:
         self._reconcile_interval = RECONCILE_MIN_INTERVAL_S
         self._last_reconcile = time.monotonic()
         self._idle = threading.Condition()
-        self._quiet = threading.Condition()  # backups wait on it while the engine serves
-        self._serving = False
-        self._quiet_since = time.monotonic()
-        self._urgent_upto = float("-inf")  # backups queued up to then run at once (expedite)
-        self._closing = False
         self._threads = [
             threading.Thread(target=self._backup_worker, name="hicache-l3-backup", daemon=True),
             threading.Thread(target=self._prefetch_worker, name="hicache-l3-prefetch",
@@ -149,7 +134,6 @@ class StorageIO:
             self.ack_backup_queue.put(job)
             return
         self._start(self._num_objects(job))
-        job.queued_at = time.monotonic()
         self.backup_queue.put(job)
 
     def prefetch(self, op: PrefetchOperation) -> None:
@@ -176,49 +160,12 @@ class StorageIO:
         with self._idle:
             return self._pending_objects
 
-    def set_serving(self, active: bool) -> None:
-        """Whether the engine is serving requests now: backups wait while it is, at most
-        BACKUP_MAX_DEFER_S after they were queued (any thread)."""
-        with self._quiet:
-            if self._serving and not active:
-                self._quiet_since = time.monotonic()
-            self._serving = active
-            if not active:
-                self._quiet.notify_all()
-
-    def expedite(self) -> None:
-        """L2 needs the host slots of the backups queued so far (a page freed while its backup
-        waits is given back only once the backup ran): they stop waiting for quiet."""
-        with self._quiet:
-            self._urgent_upto = time.monotonic()
-            self._quiet.notify_all()
-
-    def _wait_quiet(self, job: BackupJob) -> None:
-        """Until the engine has been idle for BACKUP_QUIET_S (or shuts down), at most until
-        BACKUP_MAX_DEFER_S after ``job`` was queued."""
-        deadline = job.queued_at + BACKUP_MAX_DEFER_S
-        with self._quiet:
-            while not self._closing and job.queued_at > self._urgent_upto:
-                now = time.monotonic()
-                if now >= deadline:
-                    return
-                if self._serving:
-                    wait = deadline - now
-                elif now - self._quiet_since < BACKUP_QUIET_S:
-                    wait = min(deadline, self._quiet_since + BACKUP_QUIET_S) - now
-                else:
-                    return
-                self._quiet.wait(timeout=wait)
-
     def shutdown(self, timeout: float = 60.0, warn: bool = True) -> bool:
         """Finish queued backups (a backend that hangs gets ``timeout`` seconds), stop. Logs
         how many objects were not stored when they did not finish (unless ``warn`` is False:
         the caller logged them)."""
         if self._closed:
             return True
-        with self._quiet:  # nothing waits for quiet any more
-            self._closing = True
-            self._quiet.notify_all()
         finished = self.wait_idle(timeout)
         if not finished and warn:
             with self._idle:
@@ -261,8 +208,6 @@ class StorageIO:
                 return
             num = self._num_objects(job)
             try:
-                if not self._closed:
-                    self._wait_quiet(job)
                 if self._closed:  # shut down before its turn (the store hung): not stored
                     job.failed = num - job.stored
                     self.stats["backup_failed_objects"] += job.failed
@@ -300,8 +245,6 @@ class StorageIO:
         job.stored += num - len(todo)
         self.stats["backup_skipped_present"] += num - len(todo)
         for start in range(0, len(todo), BACKUP_BATCH_OBJECTS):
-            if start:  # requests may have arrived since the last batch
-                self._wait_quiet(job)
             batch = todo[start: start + BACKUP_BATCH_OBJECTS]
             # [2, L, S, H, D] (layer_first) / [2, S, L, H, D] (page_first), contiguous, on host
             values = [self.host_pool.get_flat_data(job.host_indices[i * S: (i + 1) * S])

@@ -71,8 +71,7 @@ def test_blocked_storage_never_stops_eviction_decode_or_admission(tiny_llama_dir
         conc = [h.result() for h in handles]
         again = eng.generate(prompts[0], GREEDY)  # demoted: served from L2
         stats = eng.cache_stats()
-        # the backup thread ends up blocked in the store (once the engine is quiet: backups
-        # wait while it serves), and the engine kept serving meanwhile
+        # the backup thread is blocked in the store, and the engine kept serving meanwhile
         assert stats["l3"]["pending_backups"] > 0 and store.writes.wait_blocked(1, 60)
         store.release_all()
     ref = hf_greedy(tiny_llama_dir, prompts, MAX_NEW)

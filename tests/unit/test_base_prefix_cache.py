@@ -70,7 +70,7 @@ def test_single_tier_caches_answer_optional_calls_neutrally(make):
         tree.attach_storage(object(), 4)
     woken = []
     tree.set_wake(lambda: woken.append(1))
-    tree.check(), tree.settle(1.0), tree.set_serving(True), tree.shutdown()
+    tree.check(), tree.settle(1.0), tree.shutdown()
     assert woken == []  # nothing is copied in the background
 
 

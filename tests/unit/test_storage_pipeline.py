@@ -413,110 +413,22 @@ def test_a_node_split_before_its_write_lands_backs_up_both_parts(gated_rig):
     assert r.tree.fetch_from_storage(doc) == 24
 
 
-def test_backups_wait_while_the_engine_serves(gated_rig, monkeypatch):
-    """An L3 backup waits while requests are being served (its gathers and writes would take
-    the forwards' cores), and runs once the engine has been idle a moment; a quick idle gap
-    between two requests does not start it."""
-    from hicache import storage_io
-
-    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 60.0)
-    monkeypatch.setattr(storage_io, "BACKUP_QUIET_S", 0.2)
-    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
-    r.tree.set_serving(True)
-    key = list(range(400, 416))
-    r.insert(key)
-    _land_writes(r)
-    assert r.tree.tier_stats()["l3"]["pending_backups"] == 1
-    time.sleep(0.3)
-    assert store.set_calls == 0  # waiting while the engine serves
-    r.tree.set_serving(False)
-    r.tree.set_serving(True)  # the next request came at once: still waiting
-    time.sleep(0.3)
-    assert store.set_calls == 0
-    r.tree.set_serving(False)
-    assert r.controller.wait_storage_idle(10)
-    r.tree.check()
-    assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
-
-
-def test_a_backup_waits_for_the_engine_a_bounded_time(gated_rig, monkeypatch):
-    """Under steady traffic (the engine never idle) a backup still runs, BACKUP_MAX_DEFER_S
-    after it was queued; shutting down ends the wait at once."""
-    from hicache import storage_io
-
-    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 0.3)
-    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
-    r.tree.set_serving(True)
-    key = list(range(500, 516))
-    r.insert(key)
-    _land_writes(r)
-    assert r.controller.wait_storage_idle(10)
-    r.tree.check()
-    assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
-    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 3600.0)
-    r.insert(list(range(600, 616)))
-    _land_writes(r)
-    t0 = time.monotonic()
-    r.close()  # shutdown flushes the waiting backup instead of waiting an hour
-    assert time.monotonic() - t0 < 60
-
-
-def test_drain_at_shutdown_does_not_wait_for_quiet(gated_rig, monkeypatch):
-    """The scheduler may stop between a request's end and its next loop turn, so the tree
-    still believes the engine serves: the shutdown drain lands the backups anyway (they
-    must not wait BACKUP_MAX_DEFER_S, longer than the drain may take)."""
-    from hicache import storage_io
-
-    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 3600.0)
-    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
-    r.tree.set_serving(True)
-    key = list(range(700, 716))
-    r.insert(key)
-    assert r.tree.drain_storage(30.0) == 0
-    assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
-
-
-def test_host_eviction_sends_the_backups_that_hold_its_pages(gated_rig, monkeypatch):
-    """A backup waiting for quiet holds its host pages (their free is deferred until it ran):
-    when L2 evicts them because it needs room, the backup stops waiting and the room comes
-    back, even while the engine keeps serving."""
-    from hicache import storage_io
-
-    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 3600.0)
-    r, store = gated_rig(object_size=4, device_size=64, host_size=128)
-    r.tree.set_serving(True)
-    key = list(range(800, 816))
-    r.insert(key)
-    _land_writes(r)
-    assert r.tree.tier_stats()["l3"]["pending_backups"] == 1 and store.set_calls == 0
-    r.tree.evict(64)  # L1 -> L2 only
-    assert r.tree.evict_host(16) == 16
-    assert r.host_pool.pending_free_size() == 16  # still read by the waiting backup
-    assert r.controller.wait_storage_idle(30)
-    r.tree.check()
-    assert r.host_pool.pending_free_size() == 0
-    assert store.inner.batch_exists(r.tree.storage_keys(tuple(key))) == 4
-
-
-def test_a_write_that_finds_l2_room_held_by_backups_lands_once_they_do(gated_rig, monkeypatch):
-    """L2 is full of a page whose L3 backup waits for quiet; a new node's write-through evicts
-    it, but its room comes back only once the backup ran: the write waits for that room (it is
-    not dropped), lands with the right bytes, and is backed up in turn."""
-    from hicache import storage_io
-
-    monkeypatch.setattr(storage_io, "BACKUP_MAX_DEFER_S", 3600.0)
+def test_a_write_that_finds_l2_room_held_by_backups_lands_once_they_do(gated_rig):
+    """L2 is full of a page whose L3 backup is running (the store holds it); a new node's
+    write-through evicts that page, but its room comes back only once the backup is done: the
+    write waits for that room (it is not dropped), lands with the right bytes, and is backed up
+    in turn."""
     r, store = gated_rig(object_size=4, device_size=64, host_size=16)
-    r.tree.set_serving(True)
     store.writes.close()
     old, new = list(range(900, 916)), list(range(1000, 1012))
     r.insert(old)
     _land_writes(r)
-    r.tree.evict(64)  # old: host only, its backup still waiting
-    assert store.set_calls == 0
+    assert store.writes.wait_blocked(1, 30)  # old's backup is in the store
+    r.tree.evict(64)  # old: host only
     r.insert(new)  # its write evicts old from L2; the room is held by old's backup
     node = r.tree.match_prefix(new).last_device_node
     assert node.host_value is None and node.id in r.tree.waiting_writes
-    assert store.writes.wait_blocked(1, 30)  # old's backup went at once (expedited)
+    assert r.host_pool.pending_free_size() == 16
     store.writes.open()
     assert r.controller.wait_storage_idle(30)
     r.tree.check()  # room back: new's write is queued
@@ -527,7 +439,6 @@ def test_a_write_that_finds_l2_room_held_by_backups_lands_once_they_do(gated_rig
     res = r.tree.match_prefix(new)
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(new, indices)
-    r.tree.set_serving(False)  # new's own backup waits for quiet like any other
     assert r.controller.wait_storage_idle(30)
     r.tree.check()
     assert store.inner.batch_exists(r.tree.storage_keys(tuple(old))) == 4

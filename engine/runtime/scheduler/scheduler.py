@@ -109,7 +109,6 @@ class Scheduler:
             self.worker is None and runner.device.type == "cpu"
             and getattr(runner.attn_backend, "reads_host_kv", False)
         )
-        self._serving = False  # what the cache was last told (_note_serving)
         self.oom = OomRecovery()
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
         tree_cache.set_wake(self.wake)  # copy acks wake a sleeping loop
@@ -163,7 +162,6 @@ class Scheduler:
                 self.loop_iterations += 1
                 try:
                     self.process_inbox(block=False)
-                    self._note_serving()
                     worked = self.step()
                 except Exception:  # never let one bad batch kill the daemon
                     log.exception("scheduler step failed; aborting every request")
@@ -178,13 +176,6 @@ class Scheduler:
             self._wait_forwards()  # no forward may outlive the loop (the pools go next)
             if self.worker is not None:
                 self.worker.close()
-
-    def _note_serving(self) -> None:
-        """Tell the cache whether requests are being served (it defers background work then)."""
-        serving = bool(self.waiting or self.running or self.chunked_req is not None)
-        if serving != self._serving:
-            self._serving = serving
-            self.tree_cache.set_serving(serving)
 
     def _sleep_time(self) -> float:
         deadline = self.tree_cache.prefetch_deadline()
