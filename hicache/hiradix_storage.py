@@ -70,6 +70,7 @@ class StorageMixin(RadixCache):
 
     controller: HiCacheController
     host_pool: MHATokenToKVPoolHost
+    ongoing_write: dict[int, TreeNode]  # device->host writes not yet acknowledged
 
     def _init_storage(self, policy: str, timeout_base: float, timeout_per_ki_token: float,
                       threshold: int) -> None:
