@@ -37,7 +37,8 @@ class _Sink:
     """A request's chunks, to the detokenizer; the first carries what its text needs."""
 
     def __init__(self, rid: str, start: tuple[bool, list[str]], outbox: ipc.Outbox):
-        self.rid, self.start, self.outbox = rid, start, outbox
+        self.rid, self.outbox = rid, outbox
+        self.start: tuple[bool, list[str]] | None = start  # sent with the first chunk only
 
     def __call__(self, chunk: StreamChunk) -> None:
         self.outbox.put("detok", ipc.TokenOut(self.rid, chunk, self.start))

@@ -119,7 +119,9 @@ class SplitEngine(EngineFront):
         gone = multiprocessing.connection.wait(list(sentinels))
         if self._closed:
             return
-        name = sentinels[gone[0]]
+        ready = gone[0]
+        assert isinstance(ready, int), "wait() returns the sentinels it was given"
+        name = sentinels[ready]
         proc = self.procs[name]
         proc.join(1)
         self._fail(f"the {name} process exited unexpectedly (exit code {proc.exitcode})")
