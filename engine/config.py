@@ -134,10 +134,10 @@ class ServerArgs:
         if self.hicache_storage_backend not in STORAGE_BACKENDS:
             raise ValueError(f"unknown hicache_storage_backend {self.hicache_storage_backend!r} "
                              f"(file, redis)")
-        if self.hicache_storage_backend == "redis" and not self.hicache_storage_url:
-            raise ValueError("hicache_storage_backend='redis' needs hicache_storage_url "
-                             "(redis://host:port/db, rediss://..., redis-cluster://h:p,h:p)")
         if self.hicache_storage_backend == "redis":
+            if not self.hicache_storage_url:
+                raise ValueError("hicache_storage_backend='redis' needs hicache_storage_url "
+                                 "(redis://host:port/db, rediss://..., redis-cluster://h:p,h:p)")
             parse_target(self.hicache_storage_url)  # ValueError naming what is wrong
         if self.hicache_storage_page_size is None:
             self.hicache_storage_page_size = -(-64 // self.page_size) * self.page_size

@@ -19,6 +19,7 @@ import pickle
 import queue
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,16 +48,102 @@ class AbortReq:
     rid: str
 
 
+# Operations the API server asks of the scheduler process, one dataclass each: the scheduler
+# process answers each with one declared method (SchedulerServer._run), so an operation that is
+# not listed here cannot be asked for.
+@dataclass(frozen=True)
+class InScheduler:
+    """engine.call_in_scheduler(fn, timeout): fn must pickle."""
+
+    fn: Callable[[Any], Any]
+    timeout: float | None
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """engine.cache_stats()"""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """engine.model_info()"""
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """engine.storage_info()"""
+
+
+@dataclass(frozen=True)
+class GetServerArgs:
+    """engine.server_args (changed by attaching or detaching L3)."""
+
+
+@dataclass(frozen=True)
+class AttachStorage:
+    """engine.attach_storage(backend, url, directory)"""
+
+    backend: str
+    url: str | None
+    directory: str | None
+
+
+@dataclass(frozen=True)
+class DetachStorage:
+    """engine.detach_storage(timeout)"""
+
+    timeout: float
+
+
+class EventCall:
+    """An operation on the scheduler's CacheEventLog: served by its own threads, so that
+    WatchCacheEvents streams waiting for events never hold up admin calls."""
+
+
+@dataclass(frozen=True)
+class EventsLastSeq(EventCall):
+    """event_log.last_seq (also creates the log)."""
+
+
+@dataclass(frozen=True)
+class EventsFirstSeq(EventCall):
+    """event_log.first_seq"""
+
+
+@dataclass(frozen=True)
+class EventsSince(EventCall):
+    """event_log.since(seq, limit)"""
+
+    seq: int
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class EventsMissed(EventCall):
+    """event_log.missed(seq)"""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class EventsWaitFor(EventCall):
+    """event_log.wait_for(seq, timeout)"""
+
+    seq: int
+    timeout: float | None
+
+
+Operation = (InScheduler | CacheStats | ModelInfo | StorageInfo | GetServerArgs | AttachStorage
+             | DetachStorage | EventsLastSeq | EventsFirstSeq | EventsSince | EventsMissed
+             | EventsWaitFor)
+
+
 @dataclass(frozen=True)
 class CallReq:
-    """target "engine": engine.<name>(*args, **kwargs) (or the attribute); "scheduler":
-    engine.call_in_scheduler(args[0], timeout); "events": the event log's <name>."""
+    """One operation, answered by a Reply with the same call_id."""
 
     call_id: int
-    target: str
-    name: str
-    args: tuple = ()
-    kwargs: dict | None = None
+    op: Operation
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,13 @@ class TokenizerManager:
             )
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
+        if len(ids) != len(prompt):
             raise ValueError("token id prompts must contain only integers")
-        bad = [t for t in prompt if t < 0 or t >= self.vocab_size]
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
-        return list(prompt)
+        return ids
 
     def prepare(
         self, prompt: Prompt, sampling_params: dict | None, chat: bool = False

@@ -155,7 +155,9 @@ def match_prefix(scheduler: Any, key: list[int], namespace: str | None = None) -
     for node, n in path:
         drop = min(skip, n)  # the namespace's own tokens are not part of the prompt
         skip -= drop
-        per_tier[_node_tier(node)] += n - drop
+        tier = _node_tier(node)
+        assert tier is not None, "a matched node holds its KV in L1 or L2"
+        per_tier[tier] += n - drop
     # L3 holds whole objects from the root; count what it adds beyond L1 + L2
     matched = per_tier["l1"] + per_tier["l2"]
     per_tier["l3"] = max(0, tree.storage_prefix_len(list(key), namespace) - matched)

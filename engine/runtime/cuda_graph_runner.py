@@ -36,13 +36,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
+    from engine.runtime.layers.attention import CudaGraphAttentionBackend
     from engine.runtime.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -72,18 +73,18 @@ class CudaGraphRunner:
 
     def __init__(self, model_runner: ModelRunner, capture: bool | None = None) -> None:
         self.model_runner = model_runner
+        assert model_runner.model is not None, "built with the runner, before any shutdown"
         self.model = model_runner.model
-        self.backend: Any = model_runner.attn_backend
+        backend = model_runner.attn_backend
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.kv_pool = model_runner.kv_pool
         self.device = model_runner.device
         self.capture_graphs = self.device.type == "cuda" if capture is None else capture
         if self.capture_graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        if not getattr(self.backend, "supports_cuda_graph", False):
-            raise ValueError(
-                f"attention backend {type(self.backend).__name__} has no graph support"
-            )
+        if not getattr(backend, "supports_cuda_graph", False):
+            raise ValueError(f"attention backend {type(backend).__name__} has no graph support")
+        self.backend = cast("CudaGraphAttentionBackend", backend)  # it says it supports graphs
         args = model_runner.args
         self.batch_sizes = capture_batch_sizes(args.cuda_graph_max_bs, args.max_running_requests)
         self.max_bs = self.batch_sizes[-1]

@@ -10,7 +10,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from engine.config import ServerArgs
 from engine.errors import EngineShutdownError, QueueFullError
@@ -136,7 +136,8 @@ class EngineFront:
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
         )
-        batch = [prompts] if single else list(prompts)
+        # the checks above tell a prompt from a batch of them
+        batch = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
         if not batch:
             raise ValueError("prompt is empty: give a non-empty string, token-id list or batch")
         params = (
@@ -276,14 +277,15 @@ class Engine(EngineFront):
         if not isinstance(tree, HiRadixCache):
             raise TierUnavailableError("L3 needs the hierarchical cache "
                                        "(enable_hierarchical_cache)")
+        object_size = self.server_args.hicache_storage_page_size
+        assert object_size is not None, "ServerArgs derives it from page_size when not given"
         storage = hicache_setup.build_storage(
             self.server_args, hicache_setup.storage_scope(tree.controller.model_fingerprint,
                                                           tree.host_pool),
             backend=backend, url=url, directory=directory)  # fmt: skip
         try:
             self.call_in_scheduler(
-                lambda s: s.tree_cache.attach_storage(storage,
-                                                      self.server_args.hicache_storage_page_size))
+                lambda s: s.tree_cache.attach_storage(storage, object_size))
         except BaseException:
             hicache_setup.close_storage(storage)
             raise

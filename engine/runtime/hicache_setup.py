@@ -47,7 +47,11 @@ def build_storage(args: ServerArgs, scope: str, backend: str | None = None,
     if backend == "redis":
         from hicache.storage.redis import RedisStorageBackend
 
-        return RedisStorageBackend(url or args.hicache_storage_url, scope,
+        redis_url = url or args.hicache_storage_url
+        if not redis_url:
+            raise ValueError("the redis L3 backend needs a URL (redis://host:port/db, "
+                             "rediss://..., redis-cluster://h:p,h:p)")
+        return RedisStorageBackend(redis_url, scope,
                                    key_prefix=args.hicache_storage_key_prefix)
     if backend != "file":
         raise ValueError(f"unknown hicache_storage_backend {backend!r} (file, redis)")
@@ -75,6 +79,7 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
         size, ps, kv_pool.dtype, kv_pool.head_num, kv_pool.head_dim, kv_pool.layer_num,
         layout=args.hicache_mem_layout)  # fmt: skip
     sps = args.hicache_storage_page_size
+    assert sps is not None, "ServerArgs derives it from page_size when not given"
     fingerprint = model_fingerprint(runner.hf_config, kv_pool.dtype, sps, runner.quantization,
                                     runner.numerics)
     controller = HiCacheController(

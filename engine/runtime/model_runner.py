@@ -47,9 +47,11 @@ class ModelRunner:
         self.device = torch.device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         torch.manual_seed(args.random_seed)
-        self.model, self.hf_config, self.tokenizer = load_model(
+        model, self.hf_config, self.tokenizer = load_model(
             args.model_path, self.device, self.dtype, args.load_format, args.random_seed
         )
+        # None once Engine.shutdown gave the weights back
+        self.model: torch.nn.Module | None = model
         self.quantization = resolve_quantization(
             args.quantization, self.device, self.dtype, gguf_linear_types(args.model_path)
         )
@@ -70,7 +72,8 @@ class ModelRunner:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
-        self.max_context_len = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
+        self.max_context_len: int = (args.context_length if args.context_length
+                                     else getattr(cfg, "max_position_embeddings", 4096))
         self._init_pools()
         # The CPU path: norms, RoPE, SiLU, products and attention on the C kernels, one numeric
         # path per token row (batch-invariant) for every quantization mode
@@ -168,6 +171,7 @@ class ModelRunner:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
+        assert self.model is not None, "the engine was shut down"
         return self.model(fb)
 
     @torch.inference_mode()

@@ -10,7 +10,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, assert_never
 
 import zmq
 
@@ -37,7 +37,8 @@ class _Sink:
     """A request's chunks, to the detokenizer; the first carries what its text needs."""
 
     def __init__(self, rid: str, start: tuple[bool, list[str]], outbox: ipc.Outbox):
-        self.rid, self.start, self.outbox = rid, start, outbox
+        self.rid, self.outbox = rid, outbox
+        self.start: tuple[bool, list[str]] | None = start  # sent with the first chunk only
 
     def __call__(self, chunk: StreamChunk) -> None:
         self.outbox.put("detok", ipc.TokenOut(self.rid, chunk, self.start))
@@ -67,7 +68,7 @@ class SchedulerServer:
                 elif isinstance(msg, ipc.AbortReq):
                     self.engine.abort(msg.rid)
                 elif isinstance(msg, ipc.CallReq):
-                    pool = self.event_calls if msg.target == "events" else self.calls
+                    pool = self.event_calls if isinstance(msg.op, ipc.EventCall) else self.calls
                     pool.submit(self._call, msg)
                 elif isinstance(msg, ipc.Shutdown):
                     self._shutdown(msg)
@@ -90,20 +91,42 @@ class SchedulerServer:
         self._reply(m.call_id, self._run, m)
 
     def _run(self, m: ipc.CallReq) -> Any:
-        if m.target == "scheduler":
-            fn, timeout = m.args
-            return self.engine.call_in_scheduler(fn, timeout)
-        if m.target == "events":
-            with self._events_lock:
-                if self._events is None:
-                    self._events = self.engine.event_log()
-            obj = self._events
-        elif m.target == "engine":
-            obj = self.engine
-        else:
-            raise ValueError(f"unknown call target {m.target!r}")
-        attr = getattr(obj, m.name)
-        return attr(*m.args, **(m.kwargs or {})) if callable(attr) else attr
+        """The answer to one operation: each names the method that serves it."""
+        op = m.op
+        match op:
+            case ipc.InScheduler():
+                return self.engine.call_in_scheduler(op.fn, op.timeout)
+            case ipc.CacheStats():
+                return self.engine.cache_stats()
+            case ipc.ModelInfo():
+                return self.engine.model_info()
+            case ipc.StorageInfo():
+                return self.engine.storage_info()
+            case ipc.GetServerArgs():
+                return self.engine.server_args
+            case ipc.AttachStorage():
+                return self.engine.attach_storage(op.backend, op.url, op.directory)
+            case ipc.DetachStorage():
+                return self.engine.detach_storage(op.timeout)
+            case ipc.EventsLastSeq():
+                return self._event_log().last_seq
+            case ipc.EventsFirstSeq():
+                return self._event_log().first_seq
+            case ipc.EventsSince():
+                return self._event_log().since(op.seq, op.limit)
+            case ipc.EventsMissed():
+                return self._event_log().missed(op.seq)
+            case ipc.EventsWaitFor():
+                return self._event_log().wait_for(op.seq, op.timeout)
+            case _:
+                assert_never(op)
+
+    def _event_log(self) -> Any:
+        """The engine's event log (the scheduler always has one), fetched once."""
+        with self._events_lock:
+            if self._events is None:
+                self._events = self.engine.event_log()
+            return self._events
 
     def _shutdown(self, m: ipc.Shutdown) -> None:
         self.calls.shutdown(wait=False, cancel_futures=True)

@@ -159,7 +159,7 @@ class Req:
         """Pushes a chunk with the tokens and text produced since the last one."""
         finished = self.finished()
         fr = self.finished_reason
-        stop_token = finished and fr.kind == "stop" and isinstance(fr.matched, int)
+        stop_token = fr is not None and fr.kind == "stop" and isinstance(fr.matched, int)
         try:
             delta, stop = self.text.step(self.output_ids, finished, stop_token)
         except Exception:

@@ -124,12 +124,14 @@ class QuotaEnforcer:
         """The tree's backup gate: False while the node's tenant is at its L3 quota, counting
         what the tree knows is stored and the backups in flight."""
         tree = self.tree
-        ns = tree.split_key(tuple(node.key[:1]))[0] if tree is not None else None
+        if tree is None:
+            return True  # no tree, no tenant: nothing to gate
+        ns = tree.split_key(tuple(node.key[:1]))[0]
         q = self.by_namespace.get(ns) if ns is not None else None
         quota = q.quota_tokens.get("l3", 0) if q is not None else 0
-        if not quota:
+        if q is None or not quota:
             return True
-        in_flight = tree.backup_in_flight_tokens(q.namespaces) if tree is not None else 0
+        in_flight = tree.backup_in_flight_tokens(q.namespaces)
         return usage(tree, q.namespaces)["l3"].used_tokens + in_flight < quota
 
 
@@ -179,4 +181,4 @@ def tenant_view(
     enforcer = scheduler.quota_enforcer
     q = enforcer.by_name.get(tenant) if enforcer is not None else None
     evicted = dict(q.evicted_tokens) if q is not None else {}
-    return usage(scheduler.tree_cache, namespaces), pins, evicted
+    return usage(scheduler.tree_cache, frozenset(namespaces)), pins, evicted

@@ -119,7 +119,9 @@ class SplitEngine(EngineFront):
         gone = multiprocessing.connection.wait(list(sentinels))
         if self._closed:
             return
-        name = sentinels[gone[0]]
+        ready = gone[0]
+        assert isinstance(ready, int), "wait() returns the sentinels it was given"
+        name = sentinels[ready]
         proc = self.procs[name]
         proc.join(1)
         self._fail(f"the {name} process exited unexpectedly (exit code {proc.exitcode})")
@@ -177,13 +179,14 @@ class SplitEngine(EngineFront):
                 self._pending[call_id] = fut
             ipc.send(self._to_sched, [msg])
 
-    def _call(self, target: str, name: str, *args: Any, timeout: float | None = None,
-              **kwargs: Any) -> Any:  # fmt: skip
+    def _call(self, op: ipc.Operation, timeout: float | None = None) -> Any:
+        """``op`` answered by the scheduler process (waits ``timeout`` plus a margin; None:
+        as long as it takes)."""
         if self._closed:
             raise EngineShutdownError("the engine has been shut down")
         call_id = next(self._ids)
         fut: Future = Future()
-        self._send(ipc.CallReq(call_id, target, name, args, kwargs or None), fut, call_id)
+        self._send(ipc.CallReq(call_id, op), fut, call_id)
         try:
             return fut.result(None if timeout is None else timeout + CALL_MARGIN_S)
         finally:
@@ -228,33 +231,33 @@ class SplitEngine(EngineFront):
     def call_in_scheduler(self, fn: Callable[[Any], Any], timeout: float | None = 60.0) -> Any:
         """fn(scheduler) in the scheduler process: fn must pickle (a module-level function or
         a SchedulerCall of one with plain arguments)."""
-        return self._call("scheduler", "", fn, timeout, timeout=timeout)
+        return self._call(ipc.InScheduler(fn, timeout), timeout=timeout)
 
     def cache_stats(self) -> dict[str, Any]:
-        return self._call("engine", "cache_stats")
+        return self._call(ipc.CacheStats())
 
     def model_info(self) -> dict[str, Any]:
-        return self._call("engine", "model_info")
+        return self._call(ipc.ModelInfo())
 
     def event_log(self) -> RemoteEventLog:
-        self._call("events", "last_seq")  # makes sure the scheduler has one
+        self._call(ipc.EventsLastSeq())  # makes sure the scheduler has one
         return RemoteEventLog(self)
 
     def storage_info(self) -> dict[str, Any]:
-        return self._call("engine", "storage_info")
+        return self._call(ipc.StorageInfo())
 
     def attach_storage(self, backend: str, url: str | None = None,
                        directory: str | None = None) -> dict[str, Any]:  # fmt: skip
         try:
-            return self._call("engine", "attach_storage", backend, url, directory)
+            return self._call(ipc.AttachStorage(backend, url, directory))
         finally:
-            self.server_args = self._call("engine", "server_args")
+            self.server_args = self._call(ipc.GetServerArgs())
 
     def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
         try:
-            return self._call("engine", "detach_storage", timeout, timeout=timeout + 30.0)
+            return self._call(ipc.DetachStorage(timeout), timeout=timeout + 30.0)
         finally:
-            self.server_args = self._call("engine", "server_args")
+            self.server_args = self._call(ipc.GetServerArgs())
 
     def shutdown(self) -> None:
         """Stops the scheduler (L3 backups land), then the detokenizer; kills what hangs."""
@@ -305,17 +308,17 @@ class RemoteEventLog:
 
     @property
     def last_seq(self) -> int:
-        return self._engine._call("events", "last_seq")
+        return self._engine._call(ipc.EventsLastSeq())
 
     @property
     def first_seq(self) -> int:
-        return self._engine._call("events", "first_seq")
+        return self._engine._call(ipc.EventsFirstSeq())
 
     def since(self, seq: int, limit: int | None = None) -> list[Any]:
-        return self._engine._call("events", "since", seq, limit)
+        return self._engine._call(ipc.EventsSince(seq, limit))
 
     def missed(self, seq: int) -> int:
-        return self._engine._call("events", "missed", seq)
+        return self._engine._call(ipc.EventsMissed(seq))
 
     def wait_for(self, seq: int, timeout: float | None = None) -> bool:
-        return self._engine._call("events", "wait_for", seq, timeout, timeout=timeout)
+        return self._engine._call(ipc.EventsWaitFor(seq, timeout), timeout=timeout)

@@ -61,9 +61,11 @@ from collections.abc import Iterable, Sequence
 from typing import BinaryIO, NamedTuple
 
 import torch
-from xxhash import xxh3_64_intdigest
 
+from hicache.storage import codec
 from hicache.storage.base import StorageBackend, StorageStats, StorageValue
+from hicache.storage.codec import Corrupt
+from hicache.storage.outage import OutageLog
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +78,6 @@ _MAX_KEY_LEN = 4096
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]{3,160}$")
 TMP_MAX_AGE_S = 300.0  # a tmp file this old is a write that never finished
 REARM_QUIET_S = 60.0  # a problem logged once is logged again after this long without it
-
-
-class _Corrupt(Exception):
-    pass
 
 
 class _Entry(NamedTuple):
@@ -101,10 +99,10 @@ class _Header(NamedTuple):
     header_len: int
 
     def matches(self, payload: bytes | memoryview) -> bool:
-        """Whether ``payload`` has the checksum the header recorded."""
+        """Whether ``payload`` has the checksum the header recorded (crc32 in VERSION 2)."""
         if self.version == 2:
             return zlib.crc32(payload) == self.checksum
-        return xxh3_64_intdigest(payload) == self.checksum
+        return codec.checksum(payload) == self.checksum
 
 
 class FileStorageBackend(StorageBackend):
@@ -120,7 +118,7 @@ class FileStorageBackend(StorageBackend):
         self._children: dict[str, set[str]] = {}
         self._removing: dict[str, int] = {}  # path -> pending removals (not to be adopted)
         self._unremovable: set[str] = set()  # files we could not remove: never adopt them
-        self._warned: dict[tuple[str, object], float] = {}  # problem -> its last monotonic time
+        self._problems = OutageLog()  # (operation, errno or kind) logged in this outage
         self._seq = 0
         self._last_reconcile = 0.0
         self._refused = 0  # not stored: parent lost or failed, or the cap full of its chain
@@ -161,7 +159,7 @@ class FileStorageBackend(StorageBackend):
                     value, nbytes = _read_object(key, entry.path)
                 except FileNotFoundError:
                     problem = "vanished"
-                except _Corrupt as e:
+                except Corrupt as e:
                     problem = f"corrupt ({e})"
                 except (OSError, RuntimeError, ValueError, MemoryError) as e:
                     problem, failed = "unreadable", True
@@ -393,12 +391,7 @@ class FileStorageBackend(StorageBackend):
     def _rearm_locked(self, kind: str) -> None:
         """An operation of ``kind`` succeeded: its problems not seen for ``REARM_QUIET_S``
         are over (the next one is logged again)."""
-        if not self._warned:
-            return
-        now = time.monotonic()
-        over = [w for w, t in self._warned.items() if w[0] == kind and now - t >= REARM_QUIET_S]
-        for w in over:
-            del self._warned[w]
+        for _ in self._problems.ok(kind, REARM_QUIET_S):
             logger.info("file storage %s: %s works again", self.dir, kind)
 
     # ---- losses and I/O helpers --------------------------------------------------------------
@@ -441,10 +434,7 @@ class FileStorageBackend(StorageBackend):
     def _error(self, problem: tuple[str, object], msg: str, *args: object) -> None:
         """Meet one problem: log the first of each kind per outage (see the module docstring),
         not one line per object. Counting is the calling operation's (``_count_error``)."""
-        with self._lock:
-            first = problem not in self._warned
-            self._warned[problem] = time.monotonic()
-        if first:
+        if self._problems.met(problem):
             logger.warning(msg + " (logged once per outage; see stats errors)", *args)
 
     def _count_error(self) -> None:
@@ -552,13 +542,13 @@ class FileStorageBackend(StorageBackend):
                 with open(path, "rb", buffering=0) as f:
                     h = _read_header(f)
                 if self._path(h.key) != path:
-                    raise _Corrupt("file in the wrong place")
+                    raise Corrupt("file in the wrong place")
                 if h.header_len + h.payload_len != st.st_size:
-                    raise _Corrupt("size differs from its header")
+                    raise Corrupt("size differs from its header")
                 headers[h.key] = (h, st, path)
             except FileNotFoundError:
                 continue
-            except (OSError, _Corrupt):
+            except (OSError, Corrupt):
                 bad.append(path)
         stuck = [p for p in bad if not _remove(p)]
         with self._lock:
@@ -632,44 +622,35 @@ class FileStorageBackend(StorageBackend):
 # ---- file format -------------------------------------------------------------------------------
 def _encode(key: str, value: StorageValue, parent: str | None) -> tuple[bytes, memoryview]:
     """Header bytes and a view of the payload (no copy of a contiguous CPU tensor)."""
-    shape: tuple[int, ...]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        payload = memoryview(value).cast("B")
-        kind, dtype, shape = 1, "uint8", (payload.nbytes,)
-    elif isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        kind, dtype, shape = 0, str(t.dtype).removeprefix("torch."), tuple(t.shape)
-        payload = t.reshape(-1).view(torch.uint8).numpy().data  # a view, no copy
-    else:
-        raise TypeError(f"cannot store a {type(value).__name__}")
+    v = codec.encode(value)
     key_b = key.encode()
     parent_b = parent.encode() if parent is not None else b""
-    fixed = _FIXED.pack(MAGIC, VERSION, len(shape), kind, len(key_b),
-                        NO_PARENT if parent is None else len(parent_b), payload.nbytes,
-                        xxh3_64_intdigest(payload), dtype.encode())
-    return fixed + key_b + parent_b + struct.pack(f"<{len(shape)}Q", *shape), payload
+    fixed = _FIXED.pack(MAGIC, VERSION, len(v.shape), 0 if v.is_tensor else 1, len(key_b),
+                        NO_PARENT if parent is None else len(parent_b), v.payload.nbytes,
+                        codec.checksum(v.payload), v.dtype.encode())
+    return fixed + key_b + parent_b + struct.pack(f"<{len(v.shape)}Q", *v.shape), v.payload
 
 
 def _read_header(f: BinaryIO) -> _Header:
     start = f.read(_START.size)
     if len(start) != _START.size:
-        raise _Corrupt("short header")
+        raise Corrupt("short header")
     magic, version = _START.unpack(start)
     if magic != MAGIC or version not in (2, VERSION):
-        raise _Corrupt(f"magic {magic!r} version {version}, not {MAGIC!r} 2 or {VERSION}")
+        raise Corrupt(f"magic {magic!r} version {version}, not {MAGIC!r} 2 or {VERSION}")
     fixed = _FIXED if version == VERSION else _FIXED_V2
     raw = start + f.read(fixed.size - _START.size)
     if len(raw) != fixed.size:
-        raise _Corrupt("short header")
+        raise Corrupt("short header")
     _, _, ndim, kind, key_len, parent_len, payload_len, checksum, dtype = fixed.unpack(raw)
     has_parent = parent_len != NO_PARENT
     parent_len = parent_len if has_parent else 0
     if kind not in (0, 1) or key_len > _MAX_KEY_LEN or parent_len > _MAX_KEY_LEN:
-        raise _Corrupt("bad header fields")
+        raise Corrupt("bad header fields")
     var = key_len + parent_len + 8 * ndim
     rest = f.read(var)
     if len(rest) != var:
-        raise _Corrupt("short header")
+        raise Corrupt("short header")
     return _Header(
         key=rest[:key_len].decode(errors="replace"),
         parent=rest[key_len: key_len + parent_len].decode(errors="replace") if has_parent
@@ -682,32 +663,24 @@ def _read_header(f: BinaryIO) -> _Header:
 
 def _read_object(key: str, path: str) -> tuple[StorageValue, int]:
     """The value stored under ``key`` at ``path`` and its payload bytes; the payload is read
-    straight into the returned tensor. Raises _Corrupt / OSError."""
+    straight into the returned tensor. Raises Corrupt / OSError."""
     with open(path, "rb", buffering=0) as f:
         h = _read_header(f)
         if h.key != key:
-            raise _Corrupt(f"holds key {h.key}")
+            raise Corrupt(f"holds key {h.key}")
         if os.fstat(f.fileno()).st_size != h.header_len + h.payload_len:
-            raise _Corrupt("size differs from its header")
+            raise Corrupt("size differs from its header")
         if h.kind == 1:
             data = f.read(h.payload_len)
             if len(data) != h.payload_len or not h.matches(data):
-                raise _Corrupt("checksum mismatch")
+                raise Corrupt("checksum mismatch")
             return data, h.payload_len
-        dtype = getattr(torch, h.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise _Corrupt(f"unknown dtype {h.dtype}")
-        numel = 1
-        for d in h.shape:
-            numel *= d
-        if numel * dtype.itemsize != h.payload_len:
-            raise _Corrupt("shape and length disagree")
-        value = torch.empty(h.shape, dtype=dtype)
+        value = torch.empty(h.shape, dtype=codec.tensor_dtype(h.dtype, h.shape, h.payload_len))
         view = value.reshape(-1).view(torch.uint8).numpy().data  # read straight into it
         if _readinto_all(f, view) != h.payload_len:
-            raise _Corrupt("short payload")
+            raise Corrupt("short payload")
     if not h.matches(view):
-        raise _Corrupt("checksum mismatch")
+        raise Corrupt("checksum mismatch")
     return value, h.payload_len
 
 

@@ -44,13 +44,11 @@ import math
 import re
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 import redis
-import torch
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
@@ -60,9 +58,11 @@ from redis.exceptions import (
     RedisError,
 )
 from redis.retry import Retry
-from xxhash import xxh3_64_intdigest
 
+from hicache.storage import codec
 from hicache.storage.base import StorageBackend, StorageStats, StorageValue
+from hicache.storage.codec import Corrupt
+from hicache.storage.outage import OutageLog
 from hicache.storage.redis_url import parse_target
 
 logger = logging.getLogger(__name__)
@@ -80,13 +80,10 @@ _NAME = re.compile(r"^[^\s{}:*?\[\]\\]+$")  # no hash-tag braces, separators or 
 # the server cannot be used now: back off; other RedisErrors are answered per call
 _OUTAGE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException)
 T = TypeVar("T")
+_CORRUPT = ("corrupt object",)  # the problem of a corrupt object: no operation of that name
 
 
-# ---- object encoding -------------------------------------------------------------------------
-class _Corrupt(Exception):
-    pass
-
-
+# ---- object framing --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Meta:
     nbytes: int
@@ -109,38 +106,35 @@ class _Meta:
                        int(d["h"]), None if d["p"] is None else str(d["p"]))
             version = d["v"]
         except (ValueError, TypeError, KeyError) as e:
-            raise _Corrupt(f"unparsable metadata ({e})") from None
+            raise Corrupt(f"unparsable metadata ({e})") from None
         if version != META_VERSION or meta.kind not in ("t", "b"):
-            raise _Corrupt(f"metadata version {version} kind {meta.kind!r}")
+            raise Corrupt(f"metadata version {version} kind {meta.kind!r}")
         return meta
+
+    def value(self, data: bytes) -> StorageValue:
+        """The value of ``data``, checked (see codec.decode); a tensor shares the reply's
+        memory (read-only)."""
+        return codec.decode(self.kind == "t", self.dtype, self.shape, data, self.nbytes,
+                            self.checksum)
 
 
 class _Object(NamedTuple):
-    """One value to write: a view of its bytes (no copy of a contiguous CPU tensor: redis-py
-    sends a memoryview argument as its own chunk, see ``PythonRespSerializer.pack``)."""
+    """One value to write: its encoding (a view of its bytes, no copy of a contiguous CPU
+    tensor: redis-py sends a memoryview argument as its own chunk, see
+    ``PythonRespSerializer.pack``) and its parent."""
 
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    payload: memoryview
+    value: codec.Encoded
     parent: str | None
+
+    @property
+    def payload(self) -> memoryview:
+        return self.value.payload
 
     def meta(self) -> bytes:
         """The metadata, checksum included (taken when called: right before the send)."""
-        return _Meta(self.payload.nbytes, self.kind, self.dtype, self.shape,
-                     xxh3_64_intdigest(self.payload), self.parent).encode()
-
-
-def _object(value: StorageValue, parent: str | None) -> _Object:
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        payload = memoryview(value).cast("B")
-        return _Object("b", "uint8", (payload.nbytes,), payload, parent)
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        # viewed as uint8 first: numpy has no bfloat16; the view keeps ``t`` alive
-        return _Object("t", str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                       t.reshape(-1).view(torch.uint8).numpy().data, parent)
-    raise TypeError(f"cannot store a {type(value).__name__}")
+        v = self.value
+        return _Meta(v.payload.nbytes, "t" if v.is_tensor else "b", v.dtype, v.shape,
+                     codec.checksum(v.payload), self.parent).encode()
 
 
 def _reply(conn: Any) -> Any:
@@ -149,45 +143,6 @@ def _reply(conn: Any) -> Any:
         return conn.read_response()
     except redis.ResponseError as e:
         return e
-
-
-def _decode(meta: _Meta, data: bytes) -> StorageValue:
-    """The value of a checked payload; a tensor shares the reply's memory (read-only)."""
-    if len(data) != meta.nbytes:
-        raise _Corrupt(f"{len(data)} payload bytes, metadata says {meta.nbytes}")
-    if xxh3_64_intdigest(data) != meta.checksum:
-        raise _Corrupt("checksum mismatch")
-    if meta.kind == "b":
-        return data
-    dtype = getattr(torch, meta.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise _Corrupt(f"unknown dtype {meta.dtype}")
-    numel = 1
-    for d in meta.shape:
-        numel *= d
-    if numel * dtype.itemsize != meta.nbytes:
-        raise _Corrupt("shape and length disagree")
-    if numel == 0:
-        return torch.empty(meta.shape, dtype=dtype)
-    return _frombuffer(data, dtype).reshape(meta.shape)
-
-
-_frombuffer_quiet = False
-
-
-def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over the reply's bytes (no copy). torch warns that such a buffer is not writable,
-    once per process (a C++ once-flag): our values are read-only by contract (the caller copies
-    them into the host pool), so the first call silences it; later calls cannot warn."""
-    global _frombuffer_quiet
-    if _frombuffer_quiet:
-        return torch.frombuffer(data, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable",
-                                category=UserWarning)
-        t = torch.frombuffer(data, dtype=dtype)
-    _frombuffer_quiet = True
-    return t
 
 
 # ---- the backend -----------------------------------------------------------------------------
@@ -233,8 +188,8 @@ class RedisStorageBackend(StorageBackend):
         self._down_since: float | None = None
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST_S
-        self._logged: set[tuple[str, str]] = set()  # (op, error kind) logged this episode
-        self._corrupt_logged = False
+        # (op, error kind) logged this outage; _CORRUPT once a corrupt object was logged
+        self._problems = OutageLog()
         self._no_touch: bool | None = None  # does the server take CLIENT NO-TOUCH (unknown)
         self._extra = {"outages": 0, "offline_calls": 0, "server_evicted_keys": 0,
                        "server_used_memory": 0}
@@ -347,7 +302,7 @@ class RedisStorageBackend(StorageBackend):
         encoded: list[_Object | None] = []
         for v, p in zip(values, parents):
             try:
-                encoded.append(_object(v, p))
+                encoded.append(_Object(codec.encode(v), p))
             except (TypeError, ValueError, RuntimeError) as e:
                 self._note_errors("encode", [e])
                 encoded.append(None)
@@ -486,19 +441,16 @@ class RedisStorageBackend(StorageBackend):
                 return None, "vanished (chained after a lost object)"
             if data is None:
                 return None, "vanished (payload evicted or removed)"
-            return _decode(meta, data), None
-        except _Corrupt as e:
+            return meta.value(data), None
+        except Corrupt as e:
             return None, f"corrupt ({e})"
 
     def _log_loss(self, key: str, problem: str) -> None:
         """The first corrupt object of an episode at WARNING (a version skew would flood the
         log), the rest and vanished ones at DEBUG: ``stats`` counts them."""
         level = logging.DEBUG
-        if problem.startswith("corrupt"):
-            with self._lock:
-                if not self._corrupt_logged:
-                    self._corrupt_logged = True
-                    level = logging.WARNING
+        if problem.startswith("corrupt") and self._problems.met(_CORRUPT):
+            level = logging.WARNING
         logger.log(level, "L3 redis %s: object %s %s; unlinked it%s", self.target.address, key,
                    problem, " (further ones logged at debug)" if level > logging.DEBUG else "")
 
@@ -770,8 +722,7 @@ class RedisStorageBackend(StorageBackend):
                 if self._down_since is not None:
                     back_after = time.monotonic() - self._down_since
                     self._down_since = None
-                    self._logged.clear()
-                    self._corrupt_logged = False
+                    self._problems.reset()
                 self._backoff = BACKOFF_FIRST_S
             self._connected = self._up
             if op in self._io_s:
@@ -780,8 +731,8 @@ class RedisStorageBackend(StorageBackend):
                 us = elapsed * 1e6
                 self._rtt_us = us if self._rtt_us == 0 else (
                     (1 - RTT_EWMA) * self._rtt_us + RTT_EWMA * us)
-            if clean and self._logged:
-                self._logged = {e for e in self._logged if e[0] != op}
+            if clean:
+                self._problems.ok(op)
         if back_after is not None:
             logger.info("L3 redis %s reachable again after %.1f s", self.target.address,
                         back_after)
@@ -793,8 +744,7 @@ class RedisStorageBackend(StorageBackend):
         kinds = {(op, _kind(e)): e for e in errors}
         with self._lock:
             self._stats.errors += 1
-            new = [(k, e) for k, e in kinds.items() if k not in self._logged]
-            self._logged.update(k for k, _ in new)
+            new = [(k, e) for k, e in kinds.items() if self._problems.met(k)]
         for (_, kind), e in new:
             logger.warning("L3 redis %s: %s failed: %s (%s; logged once, see stats errors)",
                            self.target.address, op, e, kind, exc_info=e if unexpected else None)

@@ -95,6 +95,10 @@ class QuantLinear(nn.Module):
     float32 on the dequantized weight.
     """
 
+    qs: torch.Tensor | None  # buffers: the GGUF block codes, None once packed
+    d: torch.Tensor | None
+    m: torch.Tensor | None  # None for q8_0
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str) -> None:
         super().__init__()
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -114,14 +118,15 @@ class QuantLinear(nn.Module):
         if KERNELS.get() is not None:
             panels = pack_q4_1(qs, d, m) if m is not None else pack_q8_0(qs, d)
             self.panels = PackedWeight(scheme, panels, out_features, in_features, bias)
-            qs = d = m = None  # held once, as panels
-        self.register_buffer("qs", qs)
-        self.register_buffer("d", d)
-        self.register_buffer("m", m)
+        codes = self.panels is None  # packed: held once, as panels
+        self.register_buffer("qs", qs if codes else None)
+        self.register_buffer("d", d if codes else None)
+        self.register_buffer("m", m if codes else None)
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(qs, d, m)`` in GGUF's block layout (``m`` None for q8_0), from the panels if packed."""
         if self.panels is None:
+            assert self.qs is not None and self.d is not None, "kept when not packed"
             return self.qs, self.d, self.m
         if self.scheme == "q4_1":
             return unpack_q4_1(self.panels.data, self.out_features)

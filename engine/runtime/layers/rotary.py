@@ -43,6 +43,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to ``[num_tokens, heads, head_dim]`` tensors given ``positions [num_tokens]``."""
 
+    cos_sin_cache: torch.Tensor  # a buffer: [max_position, head_dim] on device
+
     def __init__(
         self,
         head_dim: int,

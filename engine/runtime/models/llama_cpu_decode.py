@@ -70,9 +70,11 @@ class FusedDecode:
             k_buf, v_buf = kv_pool.get_kv_buffer(i)
             linears = [_panels(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                             mlp.down_proj)]
+            descs = [ctypes.pointer(w.desc) for w in linears if w is not None]
+            assert len(descs) == len(linears), "install() checked every weight is on panels"
             entries.append(_DecodeLayer(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                *(ctypes.pointer(w.desc) for w in linears), _ptr(k_buf), _ptr(v_buf)))
+                *descs, _ptr(k_buf), _ptr(v_buf)))
         self.layers = (_DecodeLayer * len(entries))(*entries)
         rope = attn0.rotary_emb
         self.shape = _DecodeShape(
@@ -91,6 +93,7 @@ class FusedDecode:
         hidden = hidden.contiguous()  # [bs, hidden_size] float32, overwritten in place
         residual = torch.empty_like(hidden)
         rows = self.backend.decode_rows
+        assert rows is not None, "takes() said this batch has its decode rows"
         positions = fb.positions.to(torch.int64).contiguous()
         out_loc = fb.out_cache_loc.to(torch.int64).contiguous()
         r2t = fb.req_to_token_pool.req_to_token
@@ -108,7 +111,7 @@ class FusedDecode:
 def install(model: torch.nn.Module, kv_pool: Any, backend: Any) -> str | None:
     """Put a ``FusedDecode`` on ``model.model`` (a Llama-family ``LlamaModel``) when this model
     and setup can take it; returns None when installed, else why not."""
-    from engine.runtime.models.llama import LlamaAttention, LlamaModel
+    from engine.runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
 
     lib = KERNELS.get()
     stack = getattr(model, "model", None)
@@ -119,7 +122,10 @@ def install(model: torch.nn.Module, kv_pool: Any, backend: Any) -> str | None:
     if not isinstance(backend, CpuAttnBackend):
         return f"attention backend {type(backend).__name__} is not 'cpu'"
     for layer in stack.layers:
+        assert isinstance(layer, LlamaDecoderLayer), "a LlamaModel holds LlamaDecoderLayers"
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn, LlamaAttention):
+            return f"{type(attn).__name__} is not a Llama attention"
         if type(attn).prepare_qk is not LlamaAttention.prepare_qk:
             return f"{type(attn).__name__} transforms q/k before RoPE"
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

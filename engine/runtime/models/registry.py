@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from engine.runtime.models.llama import LlamaForCausalLM
 from engine.runtime.models.qwen2 import Qwen2ForCausalLM
 from engine.runtime.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# every family so far builds on the Llama stack (its attention, MLP and weight loading)
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -34,7 +33,7 @@ def architecture_of(config: Any) -> str:
     raise ValueError(f"config names no architecture (model_type {model_type!r})")
 
 
-def get_model_class(config: Any) -> type[nn.Module]:
+def get_model_class(config: Any) -> type[LlamaForCausalLM]:
     arch = architecture_of(config)
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}")

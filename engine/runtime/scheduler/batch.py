@@ -10,6 +10,7 @@ Slots of one request row (page_size = 4, kv_len = 6, extending 5 tokens):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,7 @@ class BatchBuilder:
             total += -(-(end - first_new) // ps) if end > first_new else 0
         return total
 
-    def reserve(self, num_pages: int, reqs_: list[Req] = ()) -> None:
+    def reserve(self, num_pages: int, reqs_: Sequence[Req] = ()) -> None:
         """Evicts until num_pages are free, or raises OutOfKVError before anything changes."""
         need = num_pages * self.page_size
         if self.allocator.available_size() < need:

@@ -25,6 +25,7 @@ class L3Admission:
         scheduler before) into L2; returns the tokens the started prefetch will add."""
         if not self.tree_cache.has_storage():
             return 0
+        assert req.match_result is not None, "a request's prefetch starts after its match"
         key = req.fill_ids[: len(req.fill_ids) - 1]
         if req.l3.keys is None:
             req.l3.keys = self.tree_cache.prefetch_keys(key, req.cache_namespace)

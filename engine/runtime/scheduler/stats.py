@@ -23,4 +23,4 @@ class CacheCounters:
 
     def reset(self) -> None:
         """Zero every counter (e.g. after the daemon's warm-up request)."""
-        self.__init__()
+        vars(self).update(vars(CacheCounters()))

@@ -56,9 +56,10 @@ class CpuAttnBackend:
     reads_host_kv = True  # EXTEND takes fb.host_reads (the scheduler's hold-and-read, CPU)
 
     def __init__(self, model_runner_or_config: Any = None) -> None:
-        self.lib = KERNELS.get()
-        if self.lib is None:
+        lib = KERNELS.get()
+        if lib is None:
             raise ValueError(f"attention backend 'cpu' needs the C kernels: {KERNELS.error}")
+        self.lib = lib
         cfg = getattr(model_runner_or_config, "hf_config", None)
         if cfg is not None:
             heads = cfg.num_attention_heads

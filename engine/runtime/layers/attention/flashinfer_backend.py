@@ -236,8 +236,8 @@ class FlashInferAttnBackend:
         if not meta.graph:
             meta.wrapper = self._eager_wrapper(meta.is_decode, geom, device)
         g = geom
-        args = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
-        args += (g.num_qo_heads, g.num_kv_heads, g.head_dim, 1)  # page_size 1
+        args = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                g.num_qo_heads, g.num_kv_heads, g.head_dim, 1)  # page_size 1
         kw: dict[str, Any] = {
             "sm_scale": g.sm_scale, "q_data_type": g.q_dtype, "kv_data_type": g.kv_dtype
         }
