@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(fn: object, what: str, timeout: float = 300.0) -> None:
+def wait_until(fn: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if fn():  # type: ignore[operator]
+            if fn():
                 return
         except httpx2.HTTPError:
             pass
@@ -190,8 +191,8 @@ async def one_turn(client: httpx2.AsyncClient, url: str, messages: list[dict[str
     return rec, "".join(text)
 
 
-async def drive(url_of: list[str], restart: object, conversations: int, turns: int,
-                clients: int, max_tokens: int, tag: str) -> tuple[list[Record], float]:
+async def drive(url_of: list[str], restart: Callable[[], str] | None, conversations: int,
+                turns: int, clients: int, max_tokens: int, tag: str) -> tuple[list[Record], float]:
     """The closed-loop load; ``restart()`` (returning the new URL) runs between the halves when
     given. ``url_of[0]`` is the current gateway (or daemon) URL."""
     history = [[{"role": "system", "content": f"Run {tag}, conversation {c}. "
@@ -212,7 +213,8 @@ async def drive(url_of: list[str], restart: object, conversations: int, turns: i
     async with httpx2.AsyncClient(timeout=600) as http:
         for i, (lo, hi) in enumerate(halves):
             if i:
-                url_of[0] = await asyncio.to_thread(restart)  # type: ignore[arg-type]
+                assert restart is not None
+                url_of[0] = await asyncio.to_thread(restart)
             await asyncio.gather(*(client_loop(k, lo, hi, http) for k in range(clients)))
     return records, time.perf_counter() - t0
 
@@ -280,7 +282,7 @@ def run_one(ns: argparse.Namespace, smg: str, sc: Scenario, mode: str, policy: s
     try:
         if ideal:
             url = f"http://127.0.0.1:{daemons[0].http_port}"
-            restart = None
+            restart: Callable[[], str] | None = None
         else:
             urls = [f"{mode}://127.0.0.1:{d.grpc_port if mode == 'grpc' else d.http_port}"
                     for d in daemons]
