@@ -343,8 +343,13 @@ class AdminMachine(RuleBasedStateMachine):
         before = _tiers(tree)
         dry = cache_admin.evict(self.s, tier, dry_run=True, **kw)
         assert _tiers(tree) == before
-        pinned = {n.id for i in self.s.admin_pins._locks.values()
-                  for n in tree._path(i.node)}
+        nodes = {x.id: x for x in tree._all_nodes()}
+        pinned = set()  # the pinned nodes and their ancestors: all locked
+        for i in self.s.admin_pins.pinned_node_ids():
+            node = nodes[i]
+            while node is not tree.root_node:
+                pinned.add(node.id)
+                node = node.parent
         in_scope = {x.id for x in tree._all_nodes()}
         if what == "prefix":
             path = tree.walk(tree.key_of(kw["prefix"], ns))
