@@ -4,18 +4,23 @@ HiRadixCache), and the records it returns.
 The abstract methods are the core every cache has: match, insert, cache a request's KV, evict,
 lock, sizes. The other methods are optional capabilities (host tier, L3 prefetch and backup,
 layer-wise load back, background copy checks) with neutral defaults: a cache without the
-capability answers as if the tier were empty and nothing were in flight. Callers (scheduler,
-admin, engine) call these methods; they never probe a cache for attributes.
+capability answers as if the tier were empty and nothing were in flight. The tree operations
+admin and quotas use (walk a key, a subtree or a namespace's nodes, plan an eviction and evict
+exactly that plan, lock a prefix) are methods too, so that nothing outside the tree re-derives
+its order or steers it. Callers (scheduler, admin, engine) call these methods; they never probe
+a cache for attributes.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+from hicache.eviction_plan import EvictionPlan, StalePlanError, eviction_order
 
 if TYPE_CHECKING:
     from hicache.events import CacheEventLog
@@ -43,6 +48,22 @@ class HostReads:
     device_indices: torch.Tensor  # [n] int64
     host_indices: torch.Tensor  # [n] int64, pairwise with device_indices
     layer_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # host K, V [size, H, D]
+
+
+class PathStep(NamedTuple):
+    """One node of a walked path (``BasePrefixCache.walk``)."""
+
+    node: TreeNode
+    tokens: int  # tokens of node.key the key matches (page-aligned; only the last step < all)
+    tier: str  # the fastest memory tier holding the node's KV: "l1" or "l2"
+
+
+@dataclass(frozen=True)
+class PrefixLock:
+    """A lock on the device-cached prefix of a key (``BasePrefixCache.lock_prefix``)."""
+
+    node: TreeNode  # locked with its ancestors until ``unlock_prefix``
+    tokens: int  # tree-key tokens the lock keeps on device
 
 
 class PrefetchStart(NamedTuple):
@@ -141,6 +162,76 @@ class BasePrefixCache(ABC):
     def split_key(self, key: tuple[int, ...]) -> tuple[str | None, list[int]]:
         """(namespace, token ids) of a stored key."""
         return None, list(key)
+
+    # ---- tree operations: walk, scope, plan and evict, lock a prefix ----------------------------
+    # NOTE: read-only walks and plans never split a node or touch access times / hit counts, so
+    # looking at the cache (admin, quotas) never changes what it evicts next.
+    def holds(self, node: TreeNode, tier: str) -> bool:
+        """Does ``node`` hold its KV in memory tier ``tier`` ("l1" device, "l2" host)?"""
+        return tier == "l1" and node.value is not None
+
+    def walk(self, key: Sequence[int]) -> list[PathStep]:
+        """The cached path of a tree key (``key_of``: the namespace folded in), page-aligned,
+        without side effects; it ends at the first node with its KV in no memory tier."""
+        return []
+
+    def subtree(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` and its descendants, parents first."""
+        out, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def namespace_roots(self, namespaces: frozenset[str] | None) -> list[TreeNode]:
+        """The root's children whose keys are in one of ``namespaces`` (None: all of them). A
+        namespace is folded into every token of a key, so each subtree has one namespace."""
+        children = list(self.root_node.children.values())
+        if namespaces is None:
+            return children
+        return [c for c in children if self.split_key(tuple(c.key[:1]))[0] in namespaces]
+
+    def namespace_nodes(self, namespaces: frozenset[str] | None) -> list[TreeNode]:
+        """Every node of ``namespaces`` (None: the whole tree, the root included)."""
+        if namespaces is None:
+            return self.subtree(self.root_node)
+        return [n for c in self.namespace_roots(namespaces) for n in self.subtree(c)]
+
+    def plan_eviction(self, tier: str, num_tokens: int | None = None,
+                      within: Sequence[TreeNode] | None = None) -> EvictionPlan:
+        """What evicting ``num_tokens`` (None: everything evictable) from ``tier`` would free,
+        among ``within`` (None: the whole tree), in the tree's order; changes nothing."""
+        nodes = self.subtree(self.root_node) if within is None else within
+        order = eviction_order(self._eviction_candidates(tier, nodes),
+                               lambda n: self.holds(n, tier), self.eviction_priority, num_tokens)
+        return EvictionPlan(tier, tuple(order), sum(len(n.key) for n in order), self.version)
+
+    def _eviction_candidates(self, tier: str, nodes: Sequence[TreeNode]) -> list[TreeNode]:
+        """Those of ``nodes`` that ``evict`` / ``evict_host`` may take from ``tier`` once
+        they are leaves of it (unlocked, holding the tier); none without such a tier."""
+        return []
+
+    def evict_plan(self, plan: EvictionPlan) -> int:
+        """Evict exactly ``plan``'s nodes, in its order, the way ``evict`` / ``evict_host``
+        evict a node; returns the tokens freed (``plan.tokens``). StalePlanError, before
+        anything changes, when the tree changed since the plan was made."""
+        self._check_plan(plan)
+        return 0
+
+    def _check_plan(self, plan: EvictionPlan) -> None:
+        if plan.version != self.version:
+            raise StalePlanError(f"the tree changed since the plan (version {plan.version} "
+                                 f"!= {self.version}); nothing was evicted")
+
+    def lock_prefix(self, key: Sequence[int], min_tokens: int = 1) -> PrefixLock | None:
+        """Lock the device-cached prefix of a tree key, split so that the lock covers exactly
+        it; None (nothing locked) when fewer than ``min_tokens`` of it are on device."""
+        return None
+
+    def unlock_prefix(self, lock: PrefixLock) -> None:
+        """Release ``lock_prefix``'s lock."""
+        self.dec_lock_ref(lock.node)
 
     # ---- the engine's loop ---------------------------------------------------------------------
     def check(self) -> None:

@@ -21,13 +21,14 @@ cached tokens or their tiers change, so callers can keep a match until the tree 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from hicache.base_prefix_cache import HostReads, MatchResult
 from hicache.controller import HiCacheController
+from hicache.eviction_plan import EvictionPlan
 from hicache.hiradix_storage import STORAGE_SETTLE_S, StorageMixin
 from hicache.radix_cache import TreeNode
 from hicache.tier import TIERS
@@ -402,18 +403,10 @@ class HiRadixCache(StorageMixin):
             if not self._is_device_leaf(node):
                 continue
             parent = node.parent
-            needs_backup = self.write_policy == "write_back" or bool(node.children)
-            if node.host_value is None and needs_backup and self._write_backup(node):
-                # synchronous: the device copy must be read before its slots are freed
-                self.controller.start_writing()
-                self.controller.wait_idle()
-                self.writing_check()
-            if node.host_value is not None:
-                num_evicted += self._demote(node)
-            elif self._host_protected_below(node):
+            freed = self._evict_device_leaf(node)
+            if not freed:
                 continue  # deleting would drop a waiting request's prefetch anchor
-            else:
-                num_evicted += self._delete_subtree(node)
+            num_evicted += freed
             if parent is not None and self._is_device_leaf(parent):
                 heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["evictions"] += num_evicted
@@ -424,6 +417,22 @@ class HiRadixCache(StorageMixin):
             self.writing_check()
             num_evicted += self.evict(num_tokens - num_evicted)
         return num_evicted
+
+    def _evict_device_leaf(self, node: TreeNode) -> int:
+        """Free an unlocked device leaf's device slots: demote it when it has (or, under
+        write_back or with host children, gets) a host copy, else delete it with its host-only
+        descendants; returns the device tokens freed (0: a prefetch anchors below it, kept)."""
+        needs_backup = self.write_policy == "write_back" or bool(node.children)
+        if node.host_value is None and needs_backup and self._write_backup(node):
+            # synchronous: the device copy must be read before its slots are freed
+            self.controller.start_writing()
+            self.controller.wait_idle()
+            self.writing_check()
+        if node.host_value is not None:
+            return self._demote(node)
+        if self._host_protected_below(node):
+            return 0
+        return self._delete_subtree(node)
 
     def _demote(self, node: TreeNode) -> int:
         num = len(node.key)
@@ -457,19 +466,72 @@ class HiRadixCache(StorageMixin):
             if not self._is_host_leaf(node):
                 continue
             parent = node.parent
-            self.host_pool.free(self._host_value(node))
-            self._set_host(node, None)
-            self._delete_leaf(node)
-            freed += len(node.key)
-            self._emit("removed", "l2", len(node.key), node)
+            freed += self._evict_host_leaf(node)
             if parent is not None and self._is_host_leaf(parent):
                 heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.counters["host_evictions"] += freed
         return freed
 
+    def _evict_host_leaf(self, node: TreeNode) -> int:
+        """Free a host-only leaf's host slots and drop it; returns the tokens freed."""
+        self.host_pool.free(self._host_value(node))
+        self._set_host(node, None)
+        self._delete_leaf(node)
+        self._emit("removed", "l2", len(node.key), node)
+        return len(node.key)
+
     def _is_host_leaf(self, n: TreeNode) -> bool:
         return (n is not self.root_node and n.value is None and n.host_value is not None
                 and not n.children and n.lock_ref == 0 and n.host_ref == 0)
+
+    # ---- tree operations: L2 (see BasePrefixCache.walk / plan_eviction / evict_plan) -----------
+    def holds(self, node: TreeNode, tier: str) -> bool:
+        if tier == "l2":
+            return node.host_value is not None
+        return super().holds(node, tier)
+
+    def _eviction_candidates(self, tier: str, nodes: Sequence[TreeNode]) -> list[TreeNode]:
+        """l1: unlocked device nodes, but not one without a host copy that anchors a pending
+        prefetch on or below it (``evict`` keeps it unless a backup happens to fit then, which
+        a plan cannot know); l2: unlocked host-only nodes no prefetch anchors on."""
+        if tier == "l2":
+            return [n for n in nodes if n.value is None and n.host_value is not None
+                    and n.lock_ref == 0 and n.host_ref == 0 and n is not self.root_node]
+        if tier != "l1":
+            return []
+        out = [n for n in nodes
+               if n is not self.root_node and n.value is not None and n.lock_ref == 0]
+        if any(n.host_value is None for n in out):
+            anchored = self._anchored_paths()
+            out = [n for n in out if n.host_value is not None or n.id not in anchored]
+        return out
+
+    def _anchored_paths(self) -> set[int]:
+        """Ids of the nodes with a pending prefetch's anchor (``host_ref``) on or below them."""
+        out: set[int] = set()
+        for node in self._all_nodes():
+            cur: TreeNode | None = node if node.host_ref > 0 else None
+            while cur is not None and cur.id not in out:
+                out.add(cur.id)
+                cur = cur.parent
+        return out
+
+    def evict_plan(self, plan: EvictionPlan) -> int:
+        """Frees the plan's nodes as ``evict`` (demote or delete: ``_evict_device_leaf``) or
+        ``evict_host`` (``_evict_host_leaf``) does, with the same events and counters."""
+        self._check_plan(plan)
+        leaf, evict_one, counter = (
+            (self._is_device_leaf, self._evict_device_leaf, "evictions") if plan.tier == "l1"
+            else (self._is_host_leaf, self._evict_host_leaf, "host_evictions"))
+        freed = 0
+        for node in plan.nodes:
+            # NOTE: only a prefetch landing while a backup makes room in L2 (``_write_backup``
+            # runs ``evict_host``, which takes acks) can change a planned node meanwhile: one
+            # that is no longer a leaf of the tier is left, and the plan frees less
+            if leaf(node):
+                freed += evict_one(node)
+        self.counters[counter] += freed
+        return freed
 
     # ---- admin -------------------------------------------------------------------------------
     def flush_tier(self, tier: str) -> int:

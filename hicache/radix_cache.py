@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
-from hicache.base_prefix_cache import BasePrefixCache, MatchResult
+from hicache.base_prefix_cache import BasePrefixCache, MatchResult, PathStep, PrefixLock
+from hicache.eviction_plan import EvictionPlan
 from hicache.req_to_token import ReqToTokenPool
+from hicache.tier import MEMORY_TIERS
 
 _node_ids = itertools.count()
 _clock = itertools.count(1)  # monotonic logical access time: deterministic LRU order
@@ -114,8 +117,6 @@ class RadixCache(BasePrefixCache):
             self._ns_names[ns_id] = namespace
         off = ns_id << 32
         return tuple(t + off for t in token_ids)
-
-    namespace_key = key_of
 
     def _emit(self, kind: str, tier: str, num_tokens: int, node: TreeNode | None = None) -> None:
         if self.event_log is not None and num_tokens:
@@ -261,6 +262,61 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.token_to_kv_pool_allocator.free_group_end()
         return num_evicted
+
+    # ---- tree operations (see BasePrefixCache: walk, plan and evict, lock a prefix) ------------
+    def walk(self, key: Sequence[int]) -> list[PathStep]:
+        """The cached path of a tree key: no split, no access-time or hit update."""
+        key = self._align(tuple(key))
+        path: list[PathStep] = []
+        node, pos = self.root_node, 0
+        while pos < len(key):
+            child = node.children.get(self._page_key(key[pos:]))
+            if child is None:
+                break
+            tier = next((t for t in MEMORY_TIERS if self.holds(child, t)), None)
+            if tier is None:
+                break
+            matched = self._key_match(child.key, key[pos:])  # >= a page: the child's key
+            path.append(PathStep(child, matched, tier))
+            pos += matched
+            if matched < len(child.key):
+                break
+            node = child
+        return path
+
+    def _eviction_candidates(self, tier: str, nodes: Sequence[TreeNode]) -> list[TreeNode]:
+        if tier != "l1":
+            return []
+        return [n for n in nodes
+                if n is not self.root_node and n.value is not None and n.lock_ref == 0]
+
+    def evict_plan(self, plan: EvictionPlan) -> int:
+        """Frees the plan's nodes as ``evict`` frees a leaf (``_evict_leaf``)."""
+        self._check_plan(plan)
+        if plan.tier != "l1":
+            return 0
+        freed = 0
+        self.token_to_kv_pool_allocator.free_group_begin()
+        try:
+            for node in plan.nodes:
+                if node.children or node.lock_ref:
+                    raise AssertionError(f"planned {node!r} is not an unlocked leaf")
+                freed += self._evict_leaf(node)
+        finally:
+            self.token_to_kv_pool_allocator.free_group_end()
+        return freed
+
+    def lock_prefix(self, key: Sequence[int], min_tokens: int = 1) -> PrefixLock | None:
+        """Locks the device part of ``key``'s cached prefix; matching it counts as a use (a
+        hit), as a request's would."""
+        device = sum(s.tokens for s in self.walk(key) if s.tier == "l1")
+        if device < max(min_tokens, 1):
+            return None
+        res = self.match_prefix(tuple(key[:device]))  # splits the node the prefix ends in
+        if len(res.device_indices) < max(min_tokens, 1):
+            return None
+        self.inc_lock_ref(res.last_device_node)
+        return PrefixLock(res.last_device_node, len(res.device_indices))
 
     def evictable_size(self) -> int:
         return self._evictable_size

@@ -2,19 +2,25 @@
 scheduler thread after its requests are cached), and a flush of its namespaces only.
 
 Runs on the scheduler thread (step hooks, call_in_scheduler). Knows namespaces, not tokens:
-the daemon maps tokens to tenants (engine/server/tenants.py).
+the daemon maps tokens to tenants (engine/server/tenants.py) and hands the scheduler a
+QuotaEnforcer (``apply_quotas`` -> ``Scheduler.set_quota_enforcer``; a later one replaces it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.runtime import cache_admin
+from engine.runtime.pins import Pin
 from hicache.base_prefix_cache import BasePrefixCache
 from hicache.radix_cache import TreeNode
 from hicache.tier import MEMORY_TIERS
+
+if TYPE_CHECKING:
+    from engine.runtime.scheduler import Scheduler
 
 TIERS = cache_admin.TIERS
 RETRY_S = 0.25  # how often a tenant still over a quota (its nodes locked) is looked at again
@@ -41,7 +47,7 @@ def usage(tree: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUs
     nodes this tree knows are stored (objects of `tree.object_size` tokens)."""
     per_object = tree.object_size
     totals = {tier: [0, 0, 0] for tier in TIERS}  # used, evictable, pinned
-    roots = cache_admin.namespace_roots(tree, namespaces)
+    roots = tree.namespace_roots(namespaces)
     stack = [(c, 0) for c in roots]  # (node, tokens before it)
     while stack:
         n, start = stack.pop()
@@ -52,7 +58,7 @@ def usage(tree: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUs
                 held = (end // per_object - start // per_object) * per_object if (
                     per_object and n.in_storage) else 0
             else:
-                held = len(n.key) if cache_admin.held(n, tier) else 0
+                held = len(n.key) if tree.holds(n, tier) else 0
             if held:
                 t = totals[tier]
                 t[0] += held
@@ -61,11 +67,10 @@ def usage(tree: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUs
 
 
 class QuotaEnforcer:
-    """A scheduler step hook: after requests finish (and are cached), each tenant over a quota
-    has its least valuable unlocked nodes evicted from that tier until it is within quota; and
-    the L3 backup gate that stops backups of a tenant at its L3 quota."""
-
-    __name__ = "enforce_quotas"  # step hooks are told apart by name
+    """A scheduler step hook (``Scheduler.set_quota_enforcer``): after requests finish (and are
+    cached), each tenant over a quota has its least valuable unlocked nodes evicted from that
+    tier until it is within quota; and the L3 backup gate that stops backups of a tenant at its
+    L3 quota."""
 
     def __init__(self, quotas: list[TenantQuota]):
         self.quotas = [q for q in quotas if any(q.quota_tokens.values())]
@@ -76,16 +81,20 @@ class QuotaEnforcer:
         self._next_retry = 0.0
         self.tree: BasePrefixCache | None = None
 
-    def install(self, scheduler: Any) -> None:
-        hooks = scheduler.step_hooks
-        hooks[:] = [h for h in hooks if getattr(h, "__name__", "") != self.__name__]
-        hooks.append(self)
-        scheduler.quota_enforcer = self
-        tree = self.tree = scheduler.tree_cache
-        if any(q.quota_tokens.get("l3") for q in self.quotas):
-            tree.set_backup_gate(self.allow_backup)
+    def backup_gate(self, tree: BasePrefixCache) -> Callable[[TreeNode], bool] | None:
+        """The gate for ``tree.set_backup_gate`` (None: no tenant has an L3 quota)."""
+        self.tree = tree
+        return self.allow_backup if any(q.quota_tokens.get("l3") for q in self.quotas) else None
 
-    def __call__(self, scheduler: Any) -> None:
+    def carry_over(self, previous: QuotaEnforcer) -> None:
+        """Keep the quota evictions counted so far by the enforcer this one replaces (they
+        are cumulative figures)."""
+        for q in self.quotas:
+            old = previous.by_name.get(q.name)
+            if old is not None:
+                q.evicted_tokens = dict(old.evicted_tokens)
+
+    def __call__(self, scheduler: Scheduler) -> None:
         finished = scheduler.counters.finished
         now = time.monotonic()
         if finished != self._seen_finished:  # requests were cached: check everyone
@@ -102,7 +111,7 @@ class QuotaEnforcer:
             else:
                 self._over.add(q.name)
 
-    def enforce(self, scheduler: Any, q: TenantQuota) -> bool:
+    def enforce(self, scheduler: Scheduler, q: TenantQuota) -> bool:
         """Evicts what is over; True when the tenant is within its L1 / L2 quotas."""
         tree = scheduler.tree_cache
         within = True
@@ -135,8 +144,20 @@ class QuotaEnforcer:
         return usage(tree, q.namespaces)["l3"].used_tokens + in_flight < quota
 
 
+def apply_quotas(scheduler: Scheduler, quotas: list[TenantQuota]) -> None:
+    """Give the scheduler a QuotaEnforcer for these tenants' quotas, replacing the one it has
+    (its cumulative evictions carry over by tenant name)."""
+    enforcer = QuotaEnforcer(quotas)
+    if scheduler.quota_enforcer is not None:
+        enforcer.carry_over(scheduler.quota_enforcer)
+    scheduler.set_quota_enforcer(enforcer)
+
+
 def flush(
-    scheduler: Any, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
+    scheduler: cache_admin.AdminScheduler,
+    namespaces: frozenset[str],
+    tiers: list[str] | None,
+    owner: str | None,
 ) -> cache_admin.FlushInfo:
     """Empties the chosen tiers of `namespaces` only (None = every enabled tier): the owner's
     pins are released, unlocked L1 / L2 nodes evicted, and the L3 objects of the nodes this tree
@@ -150,14 +171,14 @@ def flush(
     freed = 0
     if "l3" in wanted:  # before L1 / L2 drop the nodes that name the objects
         tree.delete_from_storage(
-            [n for n in cache_admin.namespace_nodes(tree, namespaces) if n.in_storage])
+            [n for n in tree.namespace_nodes(namespaces) if n.in_storage])
     for t in MEMORY_TIERS:
         if t in wanted:
             freed += cache_admin.evict(scheduler, t, namespaces=namespaces).evicted_tokens
     return cache_admin.FlushInfo(wanted, freed, unpinned)
 
 
-def tenant_figures(scheduler: Any, tenants: Any) -> dict[str, dict[str, dict[str, int]]]:
+def tenant_figures(scheduler: Scheduler, tenants: Any) -> dict[str, dict[str, dict[str, int]]]:
     """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} for /metrics; `tenants` are
     objects with name, namespaces and quota(tier) (engine/server/tenants.py's Tenant)."""
     enforcer = scheduler.quota_enforcer
@@ -174,10 +195,10 @@ def tenant_figures(scheduler: Any, tenants: Any) -> dict[str, dict[str, dict[str
 
 
 def tenant_view(
-    scheduler: Any, tenant: str, namespaces: frozenset[str] | set[str]
-) -> tuple[dict[str, Any], list[Any], dict[str, int]]:
+    scheduler: Scheduler, tenant: str, namespaces: frozenset[str] | set[str]
+) -> tuple[dict[str, TierUsage], list[Pin], dict[str, int]]:
     """A tenant's usage per tier, its pins and its quota evictions (GetCacheStats)."""
-    pins = [p for p in cache_admin.pin_table(scheduler).pins.values() if p.owner == tenant]
+    pins = scheduler.admin_pins.owned_by(tenant)
     enforcer = scheduler.quota_enforcer
     q = enforcer.by_name.get(tenant) if enforcer is not None else None
     evicted = dict(q.evicted_tokens) if q is not None else {}

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.config import ServerArgs
 from engine.runtime import cache_admin, tenant_cache
 from engine.runtime.scheduler import SchedulerCall
-from engine.runtime.tenant_cache import TIERS, QuotaEnforcer, TenantQuota
+from engine.runtime.tenant_cache import TIERS, TenantQuota
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
@@ -205,16 +205,14 @@ class Daemon:
             engine = await st.run(self.factory)
             st.engine = engine
             st.event_log = await st.run(engine.event_log)
-            await st.run(engine.call_in_scheduler, _install_pin_expiry)
             if self.settings.tenants:
-                enforcer = QuotaEnforcer(
-                    [
-                        TenantQuota(t.name, frozenset(t.namespaces),
-                                    {tier: t.quota(tier) for tier in TIERS})
-                        for t in self.settings.tenants
-                    ]
-                )
-                await st.run(engine.call_in_scheduler, enforcer.install)
+                quotas = [
+                    TenantQuota(t.name, frozenset(t.namespaces),
+                                {tier: t.quota(tier) for tier in TIERS})
+                    for t in self.settings.tenants
+                ]
+                await st.run(engine.call_in_scheduler,
+                             SchedulerCall(tenant_cache.apply_quotas, (quotas,)))
             if self.settings.warmup:
                 await st.run(_warm_up, engine)
             st.ready = True
@@ -301,12 +299,6 @@ class Daemon:
         log.info("draining (grace %.1fs)", self.settings.grace_period_s)
         await self.stop()
         return 1 if self.load_error is not None or self.engine_error is not None else 0
-
-
-def _install_pin_expiry(scheduler: Any) -> None:
-    hooks = getattr(scheduler, "step_hooks", None)
-    if hooks is not None and not any(getattr(h, "__name__", "") == "expire_pins" for h in hooks):
-        hooks.append(cache_admin.expire_pins)
 
 
 def _warm_up(engine: Any) -> None:

@@ -3,7 +3,13 @@ prefix / all (and dry runs), pins with TTL, flush, inspection."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine.runtime import cache_admin
 from hicache.allocator import TokenToKVPoolAllocator
@@ -134,9 +140,17 @@ def test_inspect_tree_previews_token_ids_of_namespaced_nodes():
     assert total == 1 and node.preview_ids == [5, 6, 7] and node.token_length == 4
 
 
+class PrependedNamespaceTree(RadixCache):
+    """A tree whose key_of prepends one token per namespace (200 + len(name)) instead of
+    folding it into every token."""
+
+    def key_of(self, token_ids, namespace=None):
+        return tuple(([200 + len(namespace)] if namespace else []) + list(token_ids))
+
+
 def test_namespace_key_hook_isolates_and_is_not_counted():
     s = FakeScheduler(page_size=1)
-    s.namespace_key = lambda key, ns: ([200 + len(ns or "")] if ns else []) + list(key)
+    s.tree_cache = PrependedNamespaceTree(None, s.alloc, 1)  # the tree defines the namespace key
     s.insert([203] + list(range(1, 9)))  # namespace "abc" -> prefix token 203
     assert cache_admin.match_prefix(s, list(range(1, 9)), "abc").matched_tokens == 8
     assert cache_admin.match_prefix(s, list(range(1, 9)), "xy").matched_tokens == 0
@@ -170,3 +184,288 @@ def test_evict_by_prefix_keeps_the_order_of_what_it_does_not_evict(sched):
     after = {n.id: (n.last_access_time, n.hit_count) for n in tree._all_nodes()}
     assert after and all(after[i] == before[i] for i in after), (before, after)
     tree.check_integrity()
+
+
+# --- admin operations on a HiRadixCache, and as tree operations --------------------------------
+class HiScheduler:
+    """FakeScheduler over a HiRadixCache rig (tests/unit/test_hiradix_cache.py's Rig)."""
+
+    def __init__(self, page_size: int = 1, policy: str = "write_through"):
+        from tests.unit.test_hiradix_cache import Rig
+
+        self.rig = Rig(page_size=page_size, device_size=32, host_size=48, policy=policy)
+        self.page_size = page_size
+        self.alloc = self.rig.allocator
+        self.tree_cache = self.rig.tree
+        self.event_log = self.tree_cache.event_log = CacheEventLog()
+        self.admin_pins = cache_admin.PinTable()
+
+    def is_idle(self) -> bool:
+        return True
+
+    def insert(self, key: list[int]) -> None:
+        n = len(key) // self.page_size * self.page_size
+        if 0 < n <= self.alloc.size - self.tree_cache.protected_size():
+            self.rig.insert(key[:n])
+
+    def close(self) -> None:
+        self.rig.close()
+
+
+@pytest.fixture
+def hi():
+    s = HiScheduler()
+    yield s
+    s.close()
+
+
+def _tiers(tree) -> dict[int, tuple[bool, bool]]:
+    return {n.id: (n.value is not None, n.host_value is not None)
+            for n in tree._all_nodes() if n is not tree.root_node}
+
+
+def test_admin_eviction_of_a_prefix_demotes_it_to_l2(hi):
+    a, b = list(range(1, 13)), list(range(50, 58))
+    hi.insert(a)
+    hi.insert(b)
+    dry = cache_admin.evict(hi, "l1", prefix=a[:4], dry_run=True)
+    assert dry == (12, 1)
+    assert cache_admin.evict(hi, "l1", prefix=a[:4]) == dry
+    assert cache_admin.match_prefix(hi, a).per_tier == {"l1": 0, "l2": 12, "l3": 0}
+    assert cache_admin.match_prefix(hi, b).per_tier == {"l1": 8, "l2": 0, "l3": 0}
+    assert hi.tree_cache.counters["demotions"] == 12
+    assert [(e.kind, e.tier) for e in hi.event_log.since(0)][-1] == ("demoted", "l2")
+    # and from L2: what is left of it on host only
+    assert cache_admin.evict(hi, "l2", prefix=a[:4], dry_run=True) == (12, 1)
+    assert cache_admin.evict(hi, "l2", num_tokens=1) == (12, 1)
+    assert cache_admin.match_prefix(hi, a).matched_tokens == 0
+    hi.rig.check_invariants()
+
+
+def test_admin_pin_keeps_the_device_part_and_blocks_its_eviction(hi):
+    a = list(range(1, 17))
+    hi.insert(a[:8])
+    cache_admin.evict(hi, "l1")  # [1..8] host only
+    hi.insert(a)  # revived, and [9..16] added
+    cache_admin.evict(hi, "l1", prefix=a)  # [9..16] host only
+    hi.insert(a[:8])
+    p = cache_admin.pin(hi, a, ttl_s=5.0, now=10.0)
+    assert p is not None and p.tokens == 8  # the device part only
+    assert cache_admin.evict(hi, "l1", dry_run=True) == (0, 0)
+    assert cache_admin.evict(hi, "l2", dry_run=True) == (8, 1)  # the host-only tail may go
+    nodes, _ = cache_admin.inspect_tree(hi)
+    assert [(n.residency, n.pinned) for n in nodes] == [(["l1", "l2"], True), (["l2"], False)]
+    assert cache_admin.expire_pins(hi, now=15.0) == 1
+    assert cache_admin.evict(hi, "l1") == (8, 1)
+    hi.rig.check_invariants()
+
+
+def test_admin_eviction_of_a_namespace_leaves_the_others(hi):
+    tree = hi.tree_cache
+    for ns in ("a", "b"):
+        hi.insert(list(tree.key_of(list(range(1, 9)), ns)))
+    before = _tiers(tree)
+    info = cache_admin.evict(hi, "l1", namespaces=frozenset({"a"}))
+    assert info == (8, 1)
+    assert cache_admin.match_prefix(hi, list(range(1, 9)), "a").per_tier["l2"] == 8
+    assert cache_admin.match_prefix(hi, list(range(1, 9)), "b").per_tier["l1"] == 8
+    changed = {i for i, t in _tiers(tree).items() if t != before[i]}
+    assert {tree.split_key(n.key)[0] for n in tree._all_nodes() if n.id in changed} == {"a"}
+    with pytest.raises(cache_admin.TierUnavailableError):
+        cache_admin.evict(hi, "l3")
+    hi.rig.check_invariants()
+
+
+def test_admin_eviction_on_a_tree_without_l2_refuses_l2(sched):
+    with pytest.raises(cache_admin.TierUnavailableError):
+        cache_admin.evict(sched, "l2", num_tokens=1)
+    assert sched.tree_cache.total_size() == 32
+
+
+KEYS = st.lists(st.integers(0, 5), min_size=1, max_size=12)
+NAMESPACES = st.sampled_from([None, "a", "b"])
+
+
+class AdminMachine(RuleBasedStateMachine):
+    """Random trees (L1 only or L1 + L2, namespaces, pins) and random admin evictions: a dry
+    run changes nothing and says what the real eviction then frees (tokens and nodes, from that
+    tier, within its scope, never a pinned node), and every tier's slots stay accounted for."""
+
+    @initialize(hier=st.booleans(), page_size=st.sampled_from([1, 2]),
+                policy=st.sampled_from(["write_through", "write_back"]))
+    def setup(self, hier: bool, page_size: int, policy: str) -> None:
+        self.s = HiScheduler(page_size, policy) if hier else FakeScheduler(page_size)
+        self.pins: list[str] = []
+
+    def teardown(self) -> None:
+        if isinstance(getattr(self, "s", None), HiScheduler):
+            self.s.close()
+
+    @rule(key=KEYS, ns=NAMESPACES)
+    def insert(self, key: list[int], ns: str | None) -> None:
+        tree = self.s.tree_cache
+        full = list(tree.key_of([k + 1 for k in key], ns))
+        if isinstance(self.s, FakeScheduler):
+            need = len(full) // self.s.page_size * self.s.page_size
+            if need > self.s.alloc.available_size():
+                tree.evict(need - self.s.alloc.available_size())
+            if need > self.s.alloc.available_size():
+                return
+        self.s.insert(full)
+
+    @rule(key=KEYS, ns=NAMESPACES)
+    def pin(self, key: list[int], ns: str | None) -> None:
+        p = cache_admin.pin(self.s, [k + 1 for k in key], ns)
+        if p is not None:
+            self.pins.append(p.pin_id)
+
+    @rule(i=st.integers(0, 7))
+    def unpin(self, i: int) -> None:
+        if self.pins:
+            assert cache_admin.unpin(self.s, self.pins.pop(i % len(self.pins)))[0] == 1
+
+    @rule(tier=st.sampled_from(["l1", "l2"]), what=st.sampled_from(["count", "prefix", "ns"]),
+          n=st.one_of(st.none(), st.integers(1, 40)), key=KEYS, ns=NAMESPACES,
+          scope=st.sampled_from([frozenset({"a"}), frozenset({"b", "a"})]))
+    def evict(self, tier: str, what: str, n: int | None, key: list[int], ns: str | None,
+              scope: frozenset[str]) -> None:
+        tree = self.s.tree_cache
+        kw: dict = {"num_tokens": n}
+        if what == "prefix":
+            kw.update(prefix=[k + 1 for k in key], namespace=ns)
+        elif what == "ns":
+            kw.update(namespaces=scope)
+        if tier == "l2" and not tree.has_host_tier():
+            with pytest.raises(cache_admin.TierUnavailableError):
+                cache_admin.evict(self.s, tier, **kw)
+            return
+        cache_admin.settle(tree)
+        before = _tiers(tree)
+        dry = cache_admin.evict(self.s, tier, dry_run=True, **kw)
+        assert _tiers(tree) == before
+        nodes = {x.id: x for x in tree._all_nodes()}
+        pinned = set()  # the pinned nodes and their ancestors: all locked
+        for i in self.s.admin_pins.pinned_node_ids():
+            node = nodes[i]
+            while node is not tree.root_node:
+                pinned.add(node.id)
+                node = node.parent
+        in_scope = {x.id for x in tree._all_nodes()}
+        if what == "prefix":
+            path = tree.walk(tree.key_of(kw["prefix"], ns))
+            in_scope = {x.id for x in tree.subtree(path[-1].node)} if path else set()
+        elif what == "ns":
+            in_scope = {x.id for x in tree.namespace_nodes(scope)}
+        free0, host0 = self.s.alloc.available_size(), self._host_free()
+        real = cache_admin.evict(self.s, tier, **kw)
+        assert real == dry
+        after = _tiers(tree)
+        col = 0 if tier == "l1" else 1
+        lost = {i for i, t in before.items() if t[col] and not after.get(i, (False, False))[col]}
+        assert len(lost) == real.evicted_nodes and lost <= in_scope and not lost & pinned
+        if tier == "l1":
+            assert self.s.alloc.available_size() == free0 + real.evicted_tokens
+        else:
+            assert self._host_free() == host0 + real.evicted_tokens
+
+    def _host_free(self) -> int:
+        if not isinstance(self.s, HiScheduler):
+            return 0
+        hp = self.s.rig.host_pool
+        return hp.available_size() + hp.pending_free_size()
+
+    @invariant()
+    def accounted(self) -> None:
+        if not hasattr(self, "s"):
+            return
+        if isinstance(self.s, HiScheduler):
+            self.s.rig.check_invariants()  # integrity; free + cached == total on L1 and L2
+        else:
+            self.s.tree_cache.check_integrity()
+            assert self.s.alloc.available_size() + self.s.tree_cache.total_size() == \
+                self.s.alloc.size
+
+
+AdminMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25,
+                                          deadline=None, suppress_health_check=list(HealthCheck))
+TestAdminMachine = AdminMachine.TestCase
+
+
+# --- step hooks and the quota enforcer, given to the scheduler ---------------------------------
+class GateRecordingTree(RadixCache):
+    """A RadixCache that records the L3 backup gates it is given."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.gates: list = []
+
+    def set_backup_gate(self, gate):
+        self.gates.append(gate)
+
+
+def _real_scheduler(page_size: int = 1, step_hooks=()):
+    import torch
+
+    from engine.config import ServerArgs
+    from engine.runtime.scheduler import Scheduler
+
+    alloc = TokenToKVPoolAllocator(256, page_size, "cpu")
+    tree = GateRecordingTree(None, alloc, page_size)
+    runner = SimpleNamespace(req_to_token_pool=None, allocator=alloc, kv_pool=None,
+                             attn_backend=None, device=torch.device("cpu"))
+    s = Scheduler(ServerArgs(page_size=page_size), runner, tree, 256, step_hooks=step_hooks)
+    return s, alloc
+
+
+def _cache(s, alloc, key: list[int]) -> None:
+    s.tree_cache.insert(key, alloc.alloc(len(key)))
+
+
+def test_the_scheduler_expires_pins_by_its_own_step_hook():
+    s, alloc = _real_scheduler()
+    _cache(s, alloc, list(range(1, 9)))
+    p = cache_admin.pin(s, list(range(1, 9)), ttl_s=1.0, now=time.monotonic() - 2.0)
+    assert p is not None and s.tree_cache.protected_size() == 8
+    kept = cache_admin.pin(s, list(range(1, 5)))  # no TTL
+    assert s.step() is False  # nothing to run; the hooks ran
+    assert list(s.admin_pins.pins) == [kept.pin_id] and s.tree_cache.protected_size() == 4
+
+
+def test_step_hooks_run_in_order_until_removed():
+    calls: list[str] = []
+    s, _ = _real_scheduler(step_hooks=[lambda sch: calls.append("ctor")])
+    handle = s.add_step_hook(lambda sch: calls.append("added"))
+    s.step()
+    s.remove_step_hook(handle)
+    s.step()
+    assert calls == ["ctor", "added", "ctor"]
+    with pytest.raises(KeyError):
+        s.remove_step_hook(handle)
+
+
+def test_a_quota_enforcer_replaces_the_one_before():
+    from engine.runtime.tenant_cache import TenantQuota, apply_quotas
+
+    s, alloc = _real_scheduler()
+    tree = s.tree_cache
+    _cache(s, alloc, list(tree.key_of(list(range(1, 9)), "a")))
+    _cache(s, alloc, list(tree.key_of(list(range(1, 9)), "b")))
+
+    def quota(l1: int, l3: int = 0) -> list[TenantQuota]:
+        return [TenantQuota("t", frozenset({"a"}), {"l1": l1, "l2": 0, "l3": l3})]
+
+    apply_quotas(s, quota(4))
+    apply_quotas(s, quota(0, l3=64))  # no L1 quota any more: the one above must not run
+    s.step()
+    assert cache_admin.match_prefix(s, list(range(1, 9)), "a").matched_tokens == 8
+    assert tree.gates[-1] == s.quota_enforcer.allow_backup  # an L3 quota gates backups
+    apply_quotas(s, quota(4))
+    s.step()
+    assert cache_admin.match_prefix(s, list(range(1, 9)), "a").matched_tokens == 0
+    assert cache_admin.match_prefix(s, list(range(1, 9)), "b").matched_tokens == 8
+    assert tree.gates[-1] is None
+    apply_quotas(s, quota(2))  # the evictions counted so far carry over
+    assert s.quota_enforcer.by_name["t"].evicted_tokens["l1"] == 8
+    s.set_quota_enforcer(None)
+    assert s.quota_enforcer is None and tree.gates[-1] is None
+    s.step()

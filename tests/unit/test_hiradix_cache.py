@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.controller import HiCacheController, LayerDoneCounter
+from hicache.events import CacheEventLog
 from hicache.hiradix_cache import HiRadixCache
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.kv_pool import MHATokenToKVPool
@@ -362,6 +363,96 @@ def test_events_and_stats(rigs):
     assert "l3" not in r.tree.tier_stats()
 
 
+def _tiers(tree: HiRadixCache) -> dict[int, tuple[bool, bool]]:
+    """node id -> (holds l1, holds l2), for every node in the tree."""
+    return {n.id: (n.value is not None, n.host_value is not None)
+            for n in tree._all_nodes() if n is not tree.root_node}
+
+
+def test_admin_l1_plan_demotes_to_host_like_evict(rigs):
+    """An admin eviction of one prefix takes its nodes through evict's own path: backed-up
+    nodes are demoted to L2 (events, counters), the other prefix keeps its place in L1."""
+    r = rigs()
+    a, b = list(range(100, 112)), list(range(200, 208))
+    r.insert(a)
+    r.insert(b)
+    r.settle()
+    r.tree.event_log = log = CacheEventLog()
+    within = r.tree.subtree(r.tree.walk(a[:4])[-1].node)
+    plan = r.tree.plan_eviction("l1", None, within)
+    assert plan.tokens == 12 and r.tree.counters["demotions"] == 0
+    free0 = r.allocator.available_size()
+    assert r.tree.evict_plan(plan) == 12
+    assert r.allocator.available_size() == free0 + 12
+    assert r.tree.counters["demotions"] == r.tree.counters["evictions"] == 12
+    assert [(e.kind, e.tier) for e in log.since(0)] == [("demoted", "l2")]
+    steps = r.tree.walk(a)
+    assert [(s.tokens, s.tier) for s in steps] == [(12, "l2")]
+    assert r.tree.match_prefix(b).tier_tokens == {"l1": 8, "l2": 0, "l3": 0}
+    r.check_invariants()
+
+
+def test_admin_l2_plan_drops_host_only_leaves(rigs):
+    r = rigs()
+    a, b = list(range(100, 112)), list(range(200, 208))
+    r.insert(a)
+    r.insert(b)
+    r.settle()
+    r.tree.evict(r.allocator.size)  # both host only now
+    plan = r.tree.plan_eviction("l2", 1)
+    (node,) = plan.nodes
+    assert node.key == tuple(a) and plan.tokens == 12  # the least recently used
+    host0 = r.host_pool.available_size()
+    assert r.tree.evict_plan(plan) == 12
+    assert r.host_pool.available_size() == host0 + 12
+    assert r.tree.counters["host_evictions"] == 12
+    assert r.tree.walk(a) == [] and [s.tier for s in r.tree.walk(b)] == ["l2"]
+    assert r.tree.plan_eviction("l1").nodes == ()  # nothing on device
+    r.check_invariants()
+
+
+def test_walk_and_lock_prefix_see_the_device_part_only(rigs):
+    r = rigs()
+    key = list(range(10, 30))
+    r.insert(key[:8])
+    r.settle()
+    r.tree.evict(8)  # [10..17] host only
+    r.insert(key)  # revives the host-only part and adds [18..29] on device
+    r.settle()
+    r.tree.evict(12)  # the tail goes to host: [10..17] on device, [18..29] on host
+    before = _tiers(r.tree)
+    assert [(s.tokens, s.tier) for s in r.tree.walk(key)] == [(8, "l1"), (12, "l2")]
+    assert _tiers(r.tree) == before
+    lock = r.tree.lock_prefix(key)
+    assert lock is not None and lock.tokens == 8 and r.tree.protected_size() == 8
+    assert r.tree.plan_eviction("l1").nodes == ()  # the device part is locked
+    assert [n.key for n in r.tree.plan_eviction("l2").nodes] == [tuple(key[8:])]
+    r.tree.unlock_prefix(lock)
+    assert r.tree.protected_size() == 0
+    r.check_invariants()
+
+
+def test_plan_keeps_an_unbacked_node_a_prefetch_anchors_on(rigs):
+    """evict keeps a device node with no host copy when a pending prefetch anchors on it (or
+    below); the plan leaves it out, and an exact eviction of the plan agrees."""
+    r = rigs(policy="write_through_selective")
+    a, b = list(range(10)), list(range(50, 56))
+    r.insert(a)
+    r.insert(b)
+    anchor = r.tree.walk(a)[-1].node
+    anchor.host_ref += 1  # as a pending prefetch's anchor (hiradix_storage) holds it
+    try:
+        plan = r.tree.plan_eviction("l1")
+        assert [n.key for n in plan.nodes] == [tuple(b)]
+        assert r.tree.evict_plan(plan) == 6
+        assert r.tree.evict(100) == 0  # the tree's own eviction keeps it too
+        assert r.tree.walk(a)[-1].tier == "l1"
+    finally:
+        anchor.host_ref -= 1
+    assert [n.key for n in r.tree.plan_eviction("l1").nodes] == [tuple(a)]
+    r.check_invariants()
+
+
 def test_layer_counter_and_overlap():
     c = LayerDoneCounter(3)
     assert not c.wait_until(0, timeout=0.01)
@@ -506,6 +597,48 @@ class HiCacheSoak(RuleBasedStateMachine):
 HiCacheSoak.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                          suppress_health_check=list(HealthCheck))
 TestHiCacheSoak = HiCacheSoak.TestCase
+
+
+class HiCacheAdminSoak(HiCacheSoak):
+    """The soak above plus admin evictions from L1 / L2: a plan changes nothing, evicting it
+    frees exactly its nodes from that tier (demoted or deleted through evict's own path), and
+    with every copy landed a plan of n tokens is what ``evict(n)`` / ``evict_host(n)`` frees."""
+
+    @rule(tier=st.sampled_from(["l1", "l2"]), n=st.one_of(st.none(), st.integers(1, 32)),
+          key=st.lists(st.integers(0, 5), min_size=1, max_size=12), scoped=st.booleans())
+    def admin_evict(self, tier: str, n: int | None, key: list[int], scoped: bool) -> None:
+        tree = self.rig.tree
+        path = tree.walk([k + 1 for k in key])
+        within = tree.subtree(path[-1].node) if scoped and path else None
+        before = _tiers(tree)
+        plan = tree.plan_eviction(tier, n, within)
+        assert _tiers(tree) == before and plan.version == tree.version
+        assert tree.evict_plan(plan) == plan.tokens
+        after = _tiers(tree)
+        if tier == "l1":  # demoted (kept on host) or deleted
+            lost = {i for i, (dev, _) in before.items() if dev and not after.get(i, (0, 0))[0]}
+        else:
+            lost = set(before) - set(after)
+        assert lost == {x.id for x in plan.nodes}
+
+    @rule(tier=st.sampled_from(["l1", "l2"]), n=st.integers(1, 32))
+    def plan_is_what_evict_frees(self, tier: str, n: int) -> None:
+        self.rig.settle()  # in-flight writes: evict() would wait for them and take more
+        tree = self.rig.tree
+        if tree.event_log is None:
+            tree.event_log = CacheEventLog()
+        log = tree.event_log
+        plan = tree.plan_eviction(tier, n)
+        seq = log.last_seq
+        freed = tree.evict(n) if tier == "l1" else tree.evict_host(n)
+        # the nodes evict freed from the tier, in its order (L1: demoted or deleted)
+        kinds = {("demoted", "l2"), ("removed", "l1")} if tier == "l1" else {("removed", "l2")}
+        order = [e.node_id for e in log.since(seq) if (e.kind, e.tier) in kinds]
+        assert freed == plan.tokens and order == [x.id for x in plan.nodes]
+
+
+HiCacheAdminSoak.TestCase.settings = HiCacheSoak.TestCase.settings
+TestHiCacheAdminSoak = HiCacheAdminSoak.TestCase
 
 
 def test_kv_block_view_follows_demotion_and_load_back(rigs):

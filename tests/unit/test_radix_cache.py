@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hicache import ChunkCache, RadixCache, ReqToTokenPool, TokenToKVPoolAllocator
+from hicache.eviction_plan import StalePlanError
 
 
 class Sim:
@@ -173,6 +174,119 @@ def test_evict_lfu_prefers_rarely_hit() -> None:
     assert len(sim.cache.match_prefix([2, 2]).device_indices) == 0
 
 
+def _state(cache: RadixCache) -> list[tuple]:
+    """Every node's key, slots, lock, access time and hit count: what a read must not change."""
+    return sorted((n.id, n.key, None if n.value is None else tuple(n.value.tolist()), n.lock_ref,
+                   n.last_access_time, n.hit_count) for n in cache._all_nodes())
+
+
+def test_walk_reads_the_path_without_splitting_or_touching() -> None:
+    sim = Sim(1)
+    _insert(sim, [1, 2, 3, 4])
+    _insert(sim, [1, 2, 5, 6])
+    c, before = sim.cache, _state(sim.cache)
+    steps = c.walk([1, 2, 3, 9])  # ends inside the [3, 4] node
+    assert [(s.node.key, s.tokens, s.tier) for s in steps] == [((1, 2), 2, "l1"),
+                                                                ((3, 4), 1, "l1")]
+    assert c.walk([9, 9]) == [] and c.walk([]) == []
+    assert _state(c) == before
+    paged = Sim(4)
+    _insert(paged, list(range(12)))
+    steps = paged.cache.walk(list(range(10)))  # 2 whole pages of the 3-page node
+    assert [(len(s.node.key), s.tokens) for s in steps] == [(12, 8)]
+
+
+def test_plan_follows_the_tree_order_and_evict_plan_frees_exactly_it() -> None:
+    sim = Sim(1)
+    for key in ([1, 2, 3], [1, 2, 4, 5], [6, 7]):
+        _insert(sim, key)
+    c = sim.cache
+    sim.check_match([6, 7])  # the most recent: evicted last
+    before = _state(c)
+    plan = c.plan_eviction("l1", 2)
+    assert [n.key for n in plan.nodes] == [(3,), (4, 5)] and plan.tokens == 3
+    assert [n.key for n in c.plan_eviction("l1").nodes] == [(3,), (4, 5), (1, 2), (6, 7)]
+    assert c.plan_eviction("l2").nodes == () and c.plan_eviction("l1", 0).nodes == ()
+    assert _state(c) == before  # planning changes nothing
+    free0 = sim.alloc.available_size()
+    assert c.evict_plan(plan) == 3
+    assert sim.alloc.available_size() == free0 + 3 and c.total_size() == 4
+    assert [n.key for n in c.root_node.children[(1,)].children.values()] == []
+    sim.check()
+
+
+def test_evict_plan_refuses_a_stale_plan_and_changes_nothing() -> None:
+    sim = Sim(1)
+    _insert(sim, [1, 2, 3])
+    plan = sim.cache.plan_eviction("l1")
+    _insert(sim, [1, 2, 4])  # splits [1, 2, 3]: the plan's node is not a leaf any more
+    before = _state(sim.cache)
+    with pytest.raises(StalePlanError):
+        sim.cache.evict_plan(plan)
+    assert _state(sim.cache) == before
+    sim.check()
+
+
+def test_plan_within_a_subtree_and_locked_nodes() -> None:
+    sim = Sim(1)
+    for key in ([1, 2, 3], [1, 2, 4], [6, 7]):
+        _insert(sim, key)
+    c = sim.cache
+    prefix_node = c.walk([1, 2])[-1].node
+    within = c.subtree(prefix_node)
+    assert {n.key for n in within} == {(1, 2), (3,), (4,)}
+    lock = c.lock_prefix([1, 2, 4, 9])
+    assert lock is not None and lock.tokens == 3 and lock.node.key == (4,)
+    plan = c.plan_eviction("l1", None, within)
+    assert [n.key for n in plan.nodes] == [(3,)]  # [1, 2] + [4] are locked
+    assert c.evict_plan(plan) == 1 and c.total_size() == 5
+    sim.check(locks=(lock.node,))
+    c.unlock_prefix(lock)
+    assert {n.key for n in c.plan_eviction("l1", None, c.subtree(prefix_node)).nodes} == {
+        (1, 2), (4,)}
+    sim.check()
+
+
+def test_lock_prefix_splits_to_the_device_prefix_or_locks_nothing() -> None:
+    sim = Sim(4)
+    _insert(sim, list(range(16)))
+    c = sim.cache
+    assert c.lock_prefix([99] * 8) is None and c.lock_prefix(list(range(3))) is None
+    assert c.lock_prefix(list(range(8)), min_tokens=9) is None
+    assert c.protected_size() == 0 and len(c.root_node.children[(0, 1, 2, 3)].key) == 16
+    lock = c.lock_prefix(list(range(6)) + [99, 99])  # one whole page matches
+    assert lock is not None and lock.tokens == 4 and lock.node.key == (0, 1, 2, 3)
+    assert c.protected_size() == 4 and c.evictable_size() == 12
+    sim.check(locks=(lock.node,))
+    c.unlock_prefix(lock)
+    assert c.protected_size() == 0
+    sim.check()
+
+
+def test_namespace_roots_and_nodes() -> None:
+    sim = Sim(1)
+    c = sim.cache
+    for ns, key in (("a", [1, 2]), ("a", [1, 3]), ("b", [1, 2]), (None, [1, 2])):
+        _insert(sim, list(c.key_of(key, ns)))
+    assert {c.split_key(n.key)[0] for n in c.namespace_roots(frozenset({"a"}))} == {"a"}
+    assert len(c.namespace_nodes(frozenset({"a"}))) == 3  # [1] -> [2], [3]
+    assert len(c.namespace_nodes(frozenset({"a", "b"}))) == 4
+    assert len(c.namespace_nodes(None)) == len(c._all_nodes())
+    plan = c.plan_eviction("l1", None, c.namespace_nodes(frozenset({"b"})))
+    assert c.evict_plan(plan) == 2
+    assert len(c.match_prefix([1, 2], "a").device_indices) == 2
+    assert len(c.match_prefix([1, 2], "b").device_indices) == 0
+    sim.check()
+
+
+def test_chunk_cache_has_nothing_to_walk_plan_or_lock() -> None:
+    sim = Sim(1, chunk=True)
+    c = sim.cache
+    assert c.walk([1, 2]) == [] and c.lock_prefix([1, 2]) is None
+    plan = c.plan_eviction("l1")
+    assert plan.nodes == () and c.evict_plan(plan) == 0
+
+
 @pytest.mark.parametrize("p", [1, 16])
 def test_finished_req_tail_and_duplicates(p: int) -> None:
     sim = Sim(p, num_pages=16 if p == 16 else 256)
@@ -317,8 +431,52 @@ class RadixMachinePaged(RadixMachine):
     page_size = 4
 
 
+class RadixAdminMachine(RadixMachine):
+    """The machine above plus admin evictions: a plan changes nothing, evicting it frees
+    exactly its nodes, and a plan of n tokens is what ``evict(n)`` frees."""
+
+    def _device(self) -> dict[int, tuple[int, ...]]:
+        return {n.id: n.key for n in self.sim.cache._all_nodes()[1:] if n.value is not None}
+
+    @rule(tokens=TOKENS, n=st.one_of(st.none(), st.integers(0, 30)), scoped=st.booleans())
+    def admin_evict(self, tokens: list[int], n: int | None, scoped: bool) -> None:
+        c = self.sim.cache
+        path = c.walk(tokens)
+        within = c.subtree(path[-1].node) if scoped and path else None
+        before, device = _state(c), self._device()
+        plan = c.plan_eviction("l1", n, within)
+        assert _state(c) == before
+        everything = c.plan_eviction("l1", None, within)
+        assert plan.nodes == everything.nodes[: len(plan.nodes)]  # the same order
+        if n == 0:
+            assert plan.nodes == ()
+        elif n is not None and plan.nodes != everything.nodes:
+            assert plan.tokens >= n > plan.tokens - len(plan.nodes[-1].key)  # stops at n
+        assert c.evict_plan(plan) == plan.tokens
+        gone = set(device) - set(self._device())
+        assert gone == {x.id for x in plan.nodes}
+        after = {x[0]: x[4:] for x in _state(c)}
+        assert all(after[x[0]] == x[4:] for x in before if x[0] in after)  # order kept
+
+    @rule(n=st.integers(0, 30))
+    def plan_is_what_evict_frees(self, n: int) -> None:
+        c = self.sim.cache
+        device = self._device()
+        plan = c.plan_eviction("l1", n)
+        assert c.evict(n) == plan.tokens
+        assert set(device) - set(self._device()) == {x.id for x in plan.nodes}
+
+
+class RadixAdminMachinePaged(RadixAdminMachine):
+    page_size = 4
+
+
 _machine_settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestRadixMachine = RadixMachine.TestCase
 TestRadixMachine.settings = _machine_settings
 TestRadixMachinePaged = RadixMachinePaged.TestCase
 TestRadixMachinePaged.settings = _machine_settings
+TestRadixAdminMachine = RadixAdminMachine.TestCase
+TestRadixAdminMachine.settings = _machine_settings
+TestRadixAdminMachinePaged = RadixAdminMachinePaged.TestCase
+TestRadixAdminMachinePaged.settings = _machine_settings

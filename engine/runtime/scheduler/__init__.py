@@ -1,3 +1,8 @@
-from engine.runtime.scheduler.scheduler import Scheduler, SchedulerCall
+from engine.runtime.scheduler.scheduler import (
+    Scheduler,
+    SchedulerCall,
+    StepHook,
+    StepHookHandle,
+)
 
-__all__ = ["Scheduler", "SchedulerCall"]
+__all__ = ["Scheduler", "SchedulerCall", "StepHook", "StepHookHandle"]

@@ -13,11 +13,12 @@ batch, then handles the previous batch's results while that forward runs (``over
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import ServerArgs
-from engine.runtime.cache_admin import PinTable, settle
+from engine.runtime.cache_admin import expire_pins, settle
+from engine.runtime.pins import PinTable
 from engine.runtime.request import FinishReason, Req
 from engine.runtime.scheduler import invariants
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
@@ -49,6 +51,16 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
+StepHook = Callable[["Scheduler"], object]  # runs at the start of every step; result unused
+
+
+@dataclass(frozen=True)
+class StepHookHandle:
+    """A registered step hook (``Scheduler.add_step_hook``); ``remove_step_hook`` takes it."""
+
+    hook_id: int
+
+
 @dataclass(frozen=True)
 class SchedulerCall:
     """fn(scheduler, *args, **kwargs) as a value: picklable when fn is a module-level function
@@ -64,7 +76,7 @@ class SchedulerCall:
 
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: Any, tree_cache: BasePrefixCache,
-                 max_context_len: int):
+                 max_context_len: int, step_hooks: Sequence[StepHook] = ()):
         self.args = args
         self.runner = runner
         self.tree_cache = tree_cache
@@ -88,10 +100,16 @@ class Scheduler:
         self.counters = CacheCounters()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.event_log = tree_cache.event_log
-        self.step_hooks: list[Callable[[Scheduler], None]] = []
         self.admin_pins = PinTable()  # admin / tenant pins (cache_admin.pin)
         self.l3 = L3Admission(tree_cache, self._match)
-        self.quota_enforcer: QuotaEnforcer | None = None  # tenant quotas, when configured
+        self._step_hooks: dict[int, StepHook] = {}  # run in registration order
+        self._hook_ids = itertools.count(1)
+        self.add_step_hook(expire_pins)  # pins past their TTL are released at the next step
+        for hook in step_hooks:
+            self.add_step_hook(hook)
+        # tenant quotas, when configured (set_quota_enforcer)
+        self.quota_enforcer: QuotaEnforcer | None = None
+        self._quota_hook: StepHookHandle | None = None
         self.forward_ct = 0
         self._inflight: list[Req] = []  # the batch being launched or handled (failure cleanup)
         self.launched: deque[Launched] = deque()  # forwards whose results are not handled yet
@@ -112,6 +130,29 @@ class Scheduler:
         self.oom = OomRecovery()
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
         tree_cache.set_wake(self.wake)  # copy acks wake a sleeping loop
+
+    # --- step hooks --------------------------------------------------------------------------
+    def add_step_hook(self, hook: StepHook) -> StepHookHandle:
+        """Run ``hook(scheduler)`` at the start of every step from now on (scheduler thread)."""
+        handle = StepHookHandle(next(self._hook_ids))
+        self._step_hooks[handle.hook_id] = hook
+        return handle
+
+    def remove_step_hook(self, handle: StepHookHandle) -> None:
+        """Stop running a hook ``add_step_hook`` registered (KeyError: not registered)."""
+        del self._step_hooks[handle.hook_id]
+
+    def set_quota_enforcer(self, enforcer: QuotaEnforcer | None) -> None:
+        """Tenant quotas (engine/runtime/tenant_cache.py): ``enforcer`` replaces the one in use
+        (None: no quotas), as a step hook and as the tree's L3 backup gate."""
+        if self._quota_hook is not None:
+            self.remove_step_hook(self._quota_hook)
+            self._quota_hook = None
+        self.quota_enforcer = enforcer
+        self.tree_cache.set_backup_gate(
+            None if enforcer is None else enforcer.backup_gate(self.tree_cache))
+        if enforcer is not None:
+            self._quota_hook = self.add_step_hook(enforcer)
 
     # --- inbox -------------------------------------------------------------------------------
     def num_queued(self) -> int:
@@ -185,7 +226,7 @@ class Scheduler:
 
     def step(self) -> bool:
         self.tree_cache.check()  # finished host writes / loads / L3 work
-        for hook in self.step_hooks:
+        for hook in list(self._step_hooks.values()):  # a hook may add or remove hooks
             hook(self)
         if self.launched and self.launched[-1].is_extend and (self.waiting or self.chunked_req):
             # NOTE: the next prefill goes after this one's tree insert: a chunk continues from
