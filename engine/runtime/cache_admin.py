@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from hicache.base_prefix_cache import BasePrefixCache
-from hicache.hiradix_storage import StorageBusyError
+from hicache.l3_tier import StorageBusyError
 from hicache.radix_cache import TreeNode
 from hicache.tier import MEMORY_TIERS, TIERS
 

@@ -42,16 +42,6 @@ class StreamChunk:
     error: str | None = None
 
 
-@dataclass
-class L3Progress:
-    """What the scheduler knows of a waiting request's L3 prefetch."""
-
-    keys: list[str] | None = None  # its L3 object keys (hashed once)
-    hit: int = 0  # tokens of its prefix L3 held when last asked
-    tokens: int = 0  # tokens its own L3 prefetch put in the tree
-    matched_seen: int = 0  # longest L1 + L2 match seen while waiting
-
-
 class Req:
     def __init__(
         self,
@@ -100,7 +90,6 @@ class Req:
         self.hit_counted = False
         self.match_result: MatchResult | None = None  # the tree's last match for it ...
         self.match_version: int | None = None  # ... valid while tree_cache.version is this
-        self.l3 = L3Progress()  # its L3 prefetch while it waits (scheduler/l3_admission.py)
         self.bypassed = 0  # later arrivals admitted before it (aging)
         self.finished_reason: FinishReason | None = None
         self.to_abort = False
