@@ -2,10 +2,11 @@
 HiRadixCache), and the records it returns.
 
 The abstract methods are the core every cache has: match, insert, cache a request's KV, evict,
-lock, sizes. The other methods are optional capabilities (host tier, L3 prefetch and backup,
-layer-wise load back, background copy checks) with neutral defaults: a cache without the
-capability answers as if the tier were empty and nothing were in flight. Callers (scheduler,
-admin, engine) call these methods; they never probe a cache for attributes.
+lock, sizes. The other methods are optional capabilities (host tier, L3 backup, the L3
+admission of waiting requests, layer-wise load back, background copy checks) with neutral
+defaults: a cache without the capability answers as if the tier were empty and nothing were in
+flight. Callers (scheduler, admin, engine) call these methods; they never probe a cache for
+attributes. The requests they pass are ``hicache.cache_request.CacheRequest``.
 """
 
 from __future__ import annotations
