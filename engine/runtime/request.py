@@ -1,4 +1,5 @@
-"""Req: one generation request and its KV bookkeeping (seed 000's lifecycle)."""
+"""Req: one generation request and its KV bookkeeping (seed 000's lifecycle). The prefix
+caches see it as ``hicache.cache_request.CacheRequest``."""
 
 from __future__ import annotations
 
