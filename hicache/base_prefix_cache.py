@@ -2,13 +2,14 @@
 HiRadixCache), and the records it returns.
 
 The abstract methods are the core every cache has: match, insert, cache a request's KV, evict,
-lock, sizes. The other methods are optional capabilities (host tier, L3 prefetch and backup,
-layer-wise load back, background copy checks) with neutral defaults: a cache without the
-capability answers as if the tier were empty and nothing were in flight. The tree operations
-admin and quotas use (walk a key, a subtree or a namespace's nodes, plan an eviction and evict
-exactly that plan, lock a prefix) are methods too, so that nothing outside the tree re-derives
-its order or steers it. Callers (scheduler, admin, engine) call these methods; they never probe
-a cache for attributes.
+lock, sizes. The other methods are optional capabilities (host tier, L3 backup, the L3
+admission of waiting requests, layer-wise load back, background copy checks) with neutral
+defaults: a cache without the capability answers as if the tier were empty and nothing were in
+flight. The tree operations admin and quotas use (walk a key, a subtree or a namespace's nodes,
+plan an eviction and evict exactly that plan, lock a prefix) are methods too, so that nothing
+outside the tree re-derives its order or steers it. Callers (scheduler, admin, engine) call
+these methods; they never probe a cache for attributes. The requests they pass are
+``hicache.cache_request.CacheRequest``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
+from hicache.cache_request import CacheRequest
 from hicache.eviction_plan import EvictionPlan, StalePlanError, eviction_order
 
 if TYPE_CHECKING:
     from hicache.events import CacheEventLog
     from hicache.radix_cache import TreeNode
+
+R = TypeVar("R", bound=CacheRequest)
 
 
 @dataclass(frozen=True)
@@ -66,11 +70,6 @@ class PrefixLock:
     tokens: int  # tree-key tokens the lock keeps on device
 
 
-class PrefetchStart(NamedTuple):
-    tokens: int  # tokens the prefetch will add beyond the L1 + L2 match (0: none started)
-    in_l3: int  # tokens of the request's prefix L3 holds (whole objects from the root)
-
-
 class BasePrefixCache(ABC):
     """A prefix cache over ``token_to_kv_pool_allocator`` slots.
 
@@ -84,8 +83,6 @@ class BasePrefixCache(ABC):
     version: int  # changes whenever the cached tokens or their tiers change
     event_log: CacheEventLog | None = None
     evicted_tokens: int = 0  # cumulative L1 tokens freed by evict()
-    prefetch_threshold: int = 0  # fewest new tokens an L3 prefetch is started for
-    object_size: int = 0  # tokens per L3 object; 0 without L3
 
     # ---- core --------------------------------------------------------------------------------
     @abstractmethod
@@ -102,11 +99,11 @@ class BasePrefixCache(ABC):
         """Insert ``key`` -> ``value`` slots; returns the prefix length already present."""
 
     @abstractmethod
-    def cache_finished_req(self, req: Any) -> None:
+    def cache_finished_req(self, req: CacheRequest) -> None:
         """Keep a finished request's KV (or free it), release its lock and its row."""
 
     @abstractmethod
-    def cache_unfinished_req(self, req: Any) -> None:
+    def cache_unfinished_req(self, req: CacheRequest) -> None:
         """Keep the KV of a chunk; re-point the request at the cached slots."""
 
     @abstractmethod
@@ -279,6 +276,11 @@ class BasePrefixCache(ABC):
         return {}
 
     # ---- L3 ----------------------------------------------------------------------------------
+    @property
+    def object_size(self) -> int:
+        """Tokens per L3 object; 0 without L3."""
+        return 0
+
     def attach_storage(self, storage: Any, object_size: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no L3 tier")
 
@@ -317,30 +319,35 @@ class BasePrefixCache(ABC):
     def set_backup_gate(self, gate: Callable[[TreeNode], bool] | None) -> None:
         """A policy hook: ``gate(node)`` False = do not back this node up to L3 now."""
 
-    # ---- L3 prefetch (a waiting request's L3 hit read into L2) ---------------------------------
-    def prefetch_keys(self, token_ids: list[int], namespace: str | None) -> list[str]:
-        return []
-
-    def start_prefetch(self, req_id: str, token_ids: list[int], namespace: str | None,
-                       match: MatchResult, keys: list[str] | None = None) -> PrefetchStart:
-        return PrefetchStart(0, 0)
-
-    def poll_prefetch(self, req_id: str) -> int | None:
-        """None while the request should wait for its prefetch; else the tokens it added."""
+    # ---- L3 admission (a waiting request's L3 hit read into L2 before it is admitted) --------
+    # The scheduler tells the cache where a waiting request is; the cache decides when its L3
+    # prefetch starts and whether the request may be admitted. A cache without L3 admits at once.
+    def l3_start(self, req: CacheRequest) -> int:
+        """A request arrived (``req.match_result`` set): start reading what L3 holds beyond its
+        match into L2; returns the tokens that read will add."""
         return 0
 
-    def has_prefetch(self, req_id: str) -> bool:
-        """Does the request have prefetch state (in flight or landed, not yet admitted)?"""
-        return False
+    def l3_matched(self, req: CacheRequest) -> None:
+        """The request was matched again (the tree changed): its prefetch starts again if its
+        prefix was evicted while it waited."""
 
-    def finish_prefetch(self, req_id: str) -> None:
-        """The request was admitted."""
+    def l3_ready(self, req: R, behind: Sequence[R], rematch: Callable[[R], None]) -> bool:
+        """At its turn: may ``req`` be admitted now (the prefetch policy)? ``behind``: the
+        waiting requests that go after it (their landed prefetches may give L2 room);
+        ``rematch``: the scheduler's (re)match of a waiting request."""
+        return True
 
-    def cancel_prefetch(self, req_id: str) -> None:
-        """The request went away."""
+    def l3_admitted(self, req: CacheRequest) -> int:
+        """The request was admitted; returns the tokens its own L3 prefetch put in the tree
+        (its match counts them as L2: they came from L3)."""
+        return 0
 
-    def yield_prefetch(self, req_id: str) -> int:
-        """Give up a landed prefetch's protection; returns its tokens (0: nothing done)."""
+    def l3_forget(self, req: CacheRequest) -> None:
+        """The request went away (finished, aborted, failed): stop its prefetch, drop what the
+        cache knows of it."""
+
+    def l3_hit(self, req: CacheRequest) -> int:
+        """Tokens of the request's prefix L3 held when last asked (0: none, or never asked)."""
         return 0
 
     def prefetch_deadline(self) -> float | None:

@@ -6,12 +6,11 @@ request frees every slot it holds, an unfinished (chunked) one keeps them.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.base_prefix_cache import BasePrefixCache, MatchResult
+from hicache.cache_request import CacheRequest, row_of
 from hicache.radix_cache import TreeNode, finished_kv_len
 from hicache.req_to_token import ReqToTokenPool
 
@@ -54,20 +53,20 @@ class ChunkCache(BasePrefixCache):
     def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor) -> int:
         return 0
 
-    def cache_finished_req(self, req: Any) -> None:
+    def cache_finished_req(self, req: CacheRequest) -> None:
         """Free all ``kv_len`` slots of the request and its req_to_token row.
 
             positions: 0 ................................................ kv_len
             slots:     |            request's own: free (pages, tail included) |
         """
-        row = req.req_pool_idx
+        row = row_of(req)
         kv_indices = self.req_to_token_pool.req_to_token[row, : finished_kv_len(req)].long()
         self.token_to_kv_pool_allocator.free(kv_indices)
         self.req_to_token_pool.free(row)
 
-    def cache_unfinished_req(self, req: Any) -> None:
+    def cache_unfinished_req(self, req: CacheRequest) -> None:
         """The request keeps its slots; ``req.prefix_indices`` = its ``len(fill_ids)`` slots."""
-        row = req.req_pool_idx
+        row = row_of(req)
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(
             torch.int64
         )

@@ -12,33 +12,39 @@ part followed by a host part; a node with an in-flight write or load is locked (
 every device slot is free / in ``node.value`` / held by a request; every host slot is free /
 in ``node.host_value`` / pending free behind an in-flight copy (D<->H, L3 backup or prefetch).
 
-L3 (``hicache.hiradix_storage``): a written node's objects are backed up from its host slots
-after the write is acknowledged; a waiting request's L3 hit is prefetched into host slots on
-the controller's threads and inserted as a host-only node. ``version`` changes whenever the
-cached tokens or their tiers change, so callers can keep a match until the tree changed.
+L3 is a part, ``self.l3`` (``hicache.l3_tier.L3Tier``; with no backend attached: no L3): a
+written node's objects are backed up from its host slots after the write is acknowledged; a
+waiting request's L3 hit is prefetched into host slots on the controller's threads and
+inserted as a host-only node; the L3 admission of waiting requests is its decision. The tier
+calls the tree only through ``L3Tree`` (``hicache.l3_tree``), implemented below; the
+BasePrefixCache L3 methods forward to it. ``version`` changes whenever the cached tokens or
+their tiers change, so callers can keep a match until the tree changed.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from hicache.base_prefix_cache import HostReads, MatchResult
+from hicache.cache_request import CacheRequest
 from hicache.controller import HiCacheController
 from hicache.eviction_plan import EvictionPlan
-from hicache.hiradix_storage import STORAGE_SETTLE_S, StorageMixin
-from hicache.radix_cache import TreeNode
+from hicache.l3_tier import STORAGE_SETTLE_S, L3Tier
+from hicache.radix_cache import RadixCache, TreeNode
+from hicache.storage.base import StorageBackend
 from hicache.tier import TIERS
 
 __all__ = ["WRITE_POLICIES", "HiRadixCache", "HostReads", "MatchResult"]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+R = TypeVar("R", bound=CacheRequest)
 
 
-class HiRadixCache(StorageMixin):
+class HiRadixCache(RadixCache):
     def __init__(
         self,
         req_to_token_pool: Any,
@@ -59,7 +65,6 @@ class HiRadixCache(StorageMixin):
             raise ValueError(f"unknown write_policy {write_policy!r}")
         self.host_pool = host_pool
         self.controller = controller
-        self.storage = controller.storage
         self.write_policy = write_policy
         self.load_back_threshold = load_back_threshold
         self.ongoing_write: dict[int, TreeNode] = {}
@@ -69,8 +74,9 @@ class HiRadixCache(StorageMixin):
         self.waiting_writes: dict[int, TreeNode] = {}
         self.counters = {"evictions": 0, "demotions": 0, "promotions": 0, "host_evictions": 0,
                          "load_errors": 0}
-        self._init_storage(prefetch_policy, prefetch_timeout_base, prefetch_timeout_per_ki_token,
-                           page_size if prefetch_threshold is None else prefetch_threshold)
+        self.l3 = L3Tier(self, host_pool, controller, prefetch_policy, prefetch_timeout_base,
+                         prefetch_timeout_per_ki_token,
+                         page_size if prefetch_threshold is None else prefetch_threshold)
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size,
                          eviction_policy=eviction_policy)
         self.event_log = event_log
@@ -78,20 +84,19 @@ class HiRadixCache(StorageMixin):
     # ---- lifecycle ---------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop the tree and every host slot (device slots: clear the allocator alongside)."""
-        if hasattr(self, "ongoing_write"):
-            self.cancel_all_prefetches()
-            self.controller.start_writing()
-            self.controller.wait_idle()
-            self.check()
-            self.controller.wait_storage_idle(STORAGE_SETTLE_S)
-            self.check()
-            self.host_pool.clear()
-            self.waiting_writes = {}
+        self.l3.prefetch.cancel_all()
+        self.controller.start_writing()
+        self.controller.wait_idle()
+        self.check()
+        self.controller.wait_storage_idle(STORAGE_SETTLE_S)
+        self.check()
+        self.host_pool.clear()
+        self.waiting_writes = {}
         super().reset()
 
     def shutdown(self) -> None:
         """Stop the copy workers after flushing queued writes and their L3 backups."""
-        self.cancel_all_prefetches()
+        self.l3.prefetch.cancel_all()
         self.controller.start_writing()
         self.controller.wait_idle(timeout=60)
         self.check()  # acknowledged writes queue their L3 backups
@@ -107,7 +112,7 @@ class HiRadixCache(StorageMixin):
 
     def release_host_memory(self) -> None:
         """NOTE: L3 threads still copying from host slots keep the pool."""
-        if self.storage_io is None or self.storage_io.pending() == 0:
+        if not self.l3.storage_busy():
             self.host_pool.release_memory()
 
     def has_host_tier(self) -> bool:
@@ -118,7 +123,7 @@ class HiRadixCache(StorageMixin):
         call every step."""
         self.writing_check()
         self.loading_check()
-        self.storage_check()
+        self.l3.storage_check()
         self._retry_writes()
 
     def writing_check(self) -> None:
@@ -140,7 +145,7 @@ class HiRadixCache(StorageMixin):
                 self.dec_lock_ref(node)
                 if op.ok:  # the parts split off above it hold objects of their own
                     for n in reversed(written):
-                        self.backup_to_storage(n)
+                        self.l3.backup_to_storage(n)
 
     def loading_check(self) -> None:
         for op in self.controller.drain_load_acks():
@@ -190,7 +195,7 @@ class HiRadixCache(StorageMixin):
     # ---- match / insert ----------------------------------------------------------------------
     def match_prefix(self, key: list[int] | tuple[int, ...],
                      namespace: str | None = None, touch: bool = True) -> MatchResult:
-        """L1 + L2 match (no L3 I/O: see ``start_prefetch``). ``touch`` counts a hit and, for
+        """L1 + L2 match (no L3 I/O: see ``l3_start``). ``touch`` counts a hit and, for
         ``write_through_selective``, backs up nodes that reached two hits."""
         self.check()
         key = self._align(self.key_of(key, namespace))
@@ -551,12 +556,12 @@ class HiRadixCache(StorageMixin):
                     self._set_host(n, None)
                     freed += len(n.key)
             return freed
-        if tier == "l3" and self.storage is not None:
-            return self.clear_storage()
+        if tier == "l3" and self.l3.has_storage():
+            return self.l3.clear_storage()
         raise ValueError(f"tier {tier!r} is not enabled")
 
     def clear(self, tiers: list[str] | tuple[str, ...] = TIERS) -> int:
-        return sum(self.flush_tier(t) for t in tiers if t != "l3" or self.storage is not None)
+        return sum(self.flush_tier(t) for t in tiers if t != "l3" or self.l3.has_storage())
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         host_nodes = [n for n in self._all_nodes() if n.host_value is not None]
@@ -575,8 +580,8 @@ class HiRadixCache(StorageMixin):
             "ongoing_writes": len(self.ongoing_write), "write_policy": self.write_policy,
         }
         out: dict[str, dict[str, Any]] = {"l2": l2}
-        if self.storage is not None:
-            out["l3"] = self.storage_stats()
+        if self.l3.has_storage():
+            out["l3"] = self.l3.storage_stats()
         return out
 
     def check_integrity(self) -> None:
@@ -597,6 +602,99 @@ class HiRadixCache(StorageMixin):
     def all_host_slots(self) -> torch.Tensor:
         values = [n.host_value for n in self._all_nodes() if n.host_value is not None]
         return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+
+    # ---- L3 (``self.l3``) ----------------------------------------------------------------------
+    def has_storage(self) -> bool:
+        return self.l3.has_storage()
+
+    def can_attach_storage(self) -> bool:
+        return True
+
+    @property
+    def object_size(self) -> int:
+        return self.l3.object_size
+
+    def attach_storage(self, storage: StorageBackend, object_size: int) -> None:
+        self.l3.attach_storage(storage, object_size)
+
+    def detach_storage(self, timeout: float = STORAGE_SETTLE_S) -> StorageBackend | None:
+        return self.l3.detach_storage(timeout)
+
+    def storage_info(self) -> dict[str, Any]:
+        return self.l3.storage_info()
+
+    def storage_prefix_len(self, key: list[int], namespace: str | None = None) -> int:
+        return self.l3.storage_prefix_len(key, namespace)
+
+    def node_in_storage(self, node: TreeNode) -> bool:
+        return self.l3.node_in_storage(node)
+
+    def storage_busy(self) -> bool:
+        return self.l3.storage_busy()
+
+    def delete_from_storage(self, nodes: list[TreeNode]) -> int:
+        return self.l3.delete_from_storage(nodes)
+
+    def drain_storage(self, timeout: float) -> int:
+        return self.l3.drain_storage(timeout)
+
+    def backup_in_flight_tokens(self, namespaces: frozenset[str]) -> int:
+        return self.l3.backup_in_flight_tokens(namespaces)
+
+    def set_backup_gate(self, gate: Callable[[TreeNode], bool] | None) -> None:
+        self.l3.set_backup_gate(gate)
+
+    def l3_start(self, req: CacheRequest) -> int:
+        return self.l3.admission.start(req)
+
+    def l3_matched(self, req: CacheRequest) -> None:
+        self.l3.admission.matched(req)
+
+    def l3_ready(self, req: R, behind: Sequence[R], rematch: Callable[[R], None]) -> bool:
+        return self.l3.admission.ready(req, behind, rematch)
+
+    def l3_admitted(self, req: CacheRequest) -> int:
+        return self.l3.admission.admitted(req)
+
+    def l3_forget(self, req: CacheRequest) -> None:
+        self.l3.admission.forget(req)
+
+    def l3_hit(self, req: CacheRequest) -> int:
+        return self.l3.admission.l3_hit(req)
+
+    def prefetch_deadline(self) -> float | None:
+        return self.l3.prefetch.prefetch_deadline()
+
+    # ---- L3Tree: the tree operations the L3 tier calls (``hicache.l3_tree``) ---------------------
+    def tree_key(self, token_ids: list[int] | tuple[int, ...], namespace: str | None
+                 ) -> tuple[int, ...]:
+        return self._align(self.key_of(token_ids, namespace))
+
+    def path_of(self, node: TreeNode) -> list[TreeNode]:
+        return self._path(node)
+
+    def match_node(self, key: tuple[int, ...]) -> tuple[TreeNode, int]:
+        _, node, matched = self._match_helper(key, hit=None)
+        return node, matched
+
+    def hang_host_node(self, parent: TreeNode, key: tuple[int, ...],
+                       host_indices: torch.Tensor) -> TreeNode:
+        node = TreeNode(key)
+        node.parent = parent
+        node.in_storage = True
+        parent.children[self._page_key(key)] = node
+        self._set_host(node, host_indices)
+        self._emit("stored", "l2", len(key), node)
+        return node
+
+    def all_nodes(self) -> list[TreeNode]:
+        return self._all_nodes()
+
+    def bump_version(self) -> None:
+        self._bump()
+
+    def writes_in_flight(self) -> bool:
+        return bool(self.ongoing_write)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _path_key(self, node: TreeNode) -> tuple[int, ...]:

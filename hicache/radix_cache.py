@@ -12,12 +12,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.base_prefix_cache import BasePrefixCache, MatchResult, PathStep, PrefixLock
+from hicache.cache_request import CacheRequest, locked_node, row_of
 from hicache.eviction_plan import EvictionPlan
 from hicache.req_to_token import ReqToTokenPool
 from hicache.tier import MEMORY_TIERS
@@ -26,10 +26,10 @@ _node_ids = itertools.count()
 _clock = itertools.count(1)  # monotonic logical access time: deterministic LRU order
 
 
-def finished_kv_len(req: Any) -> int:
+def finished_kv_len(req: CacheRequest) -> int:
     """Tokens of a finished request with KV in the pool: ``len(input) + len(output) - 1`` (the
     last sampled token has none); ``req.kv_committed_len``, if set, overrides it (abort)."""
-    committed = getattr(req, "kv_committed_len", None)
+    committed = req.kv_committed_len
     if committed is not None:
         return int(committed)
     return len(req.origin_input_ids) + len(req.output_ids) - 1
@@ -154,7 +154,7 @@ class RadixCache(BasePrefixCache):
             self._add_leaf(node, key[prefix_len:], value[prefix_len: len(key)].to(torch.int64))
         return prefix_len
 
-    def cache_finished_req(self, req: Any) -> None:
+    def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert a finished request's KV, free what the tree does not keep, release its lock
         and its req_to_token row.
 
@@ -162,14 +162,14 @@ class RadixCache(BasePrefixCache):
             slots:     |tree (locked)|  duplicates: free  | inserted: tree keeps  | tail: free |
         """
         kv_len = finished_kv_len(req)
-        row, rows = req.req_pool_idx, self._rows()
+        row, rows = row_of(req), self._rows()
         kv_indices = rows.req_to_token[row, :kv_len].long()  # [kv_len] on device
         if self.disable:
             self.token_to_kv_pool_allocator.free(kv_indices)
             rows.free(row)
             return
         token_ids = self.key_of((list(req.origin_input_ids) + list(req.output_ids))[:kv_len],
-                                getattr(req, "cache_namespace", None))
+                                req.cache_namespace)
         aligned_len = kv_len // self.page_size * self.page_size
         allocator = self.token_to_kv_pool_allocator
         allocator.free_group_begin()
@@ -178,9 +178,9 @@ class RadixCache(BasePrefixCache):
         self._free_duplicates(kv_indices, len(req.prefix_indices), new_prefix_len)
         allocator.free_group_end()
         rows.free(row)
-        self.dec_lock_ref(req.last_node)
+        self.dec_lock_ref(locked_node(req))
 
-    def cache_unfinished_req(self, req: Any) -> None:
+    def cache_unfinished_req(self, req: CacheRequest) -> None:
         """Insert the KV of ``req.fill_ids`` so far and re-point the request at the tree's slots.
 
             positions: 0 ...... len(prefix) ...... new_prefix_len .... aligned_len ...... kv_len
@@ -188,8 +188,8 @@ class RadixCache(BasePrefixCache):
                                      | row <- tree slots |                   |                   |
         ``req.prefix_indices`` becomes tree slots + the kept tail; the lock moves to the new node.
         """
-        token_ids = self.key_of(req.fill_ids, getattr(req, "cache_namespace", None))
-        kv_len, row, rows = len(token_ids), req.req_pool_idx, self._rows()
+        token_ids = self.key_of(req.fill_ids, req.cache_namespace)
+        kv_len, row, rows = len(token_ids), row_of(req), self._rows()
         kv_indices = rows.req_to_token[row, :kv_len].long()  # [kv_len] on device
         if self.disable:
             req.prefix_indices = kv_indices
@@ -205,7 +205,7 @@ class RadixCache(BasePrefixCache):
         start = min(old_prefix_len, aligned_len) // self.page_size * self.page_size
         rows.write((row, slice(start, aligned_len)), new_indices[start:])
         self.inc_lock_ref(new_last_node)
-        self.dec_lock_ref(req.last_node)
+        self.dec_lock_ref(locked_node(req))
         req.prefix_indices = torch.cat((new_indices, kv_indices[aligned_len:]))
         req.last_node = new_last_node
 

@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 from engine.runtime.pins import Pin, PinTable
 from hicache.base_prefix_cache import BasePrefixCache
 from hicache.events import CacheEventLog
-from hicache.hiradix_storage import StorageBusyError
+from hicache.l3_tier import StorageBusyError
 from hicache.radix_cache import TreeNode
 from hicache.tier import MEMORY_TIERS, TIERS
 

@@ -1,4 +1,5 @@
-"""Req: one generation request and its KV bookkeeping (seed 000's lifecycle)."""
+"""Req: one generation request and its KV bookkeeping (seed 000's lifecycle). The prefix
+caches see it as ``hicache.cache_request.CacheRequest``."""
 
 from __future__ import annotations
 
@@ -40,16 +41,6 @@ class StreamChunk:
     cached_tokens: int = 0
     cached_tokens_per_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None
-
-
-@dataclass
-class L3Progress:
-    """What the scheduler knows of a waiting request's L3 prefetch."""
-
-    keys: list[str] | None = None  # its L3 object keys (hashed once)
-    hit: int = 0  # tokens of its prefix L3 held when last asked
-    tokens: int = 0  # tokens its own L3 prefetch put in the tree
-    matched_seen: int = 0  # longest L1 + L2 match seen while waiting
 
 
 class Req:
@@ -100,7 +91,6 @@ class Req:
         self.hit_counted = False
         self.match_result: MatchResult | None = None  # the tree's last match for it ...
         self.match_version: int | None = None  # ... valid while tree_cache.version is this
-        self.l3 = L3Progress()  # its L3 prefetch while it waits (scheduler/l3_admission.py)
         self.bypassed = 0  # later arrivals admitted before it (aging)
         self.finished_reason: FinishReason | None = None
         self.to_abort = False

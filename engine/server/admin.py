@@ -17,7 +17,7 @@ from engine.server.pb import EVENT_TO_ENUM, TIER_TO_ENUM, admin_grpc, admin_pb2,
 from engine.server.settings import ensure_dir
 from engine.server.state import DaemonState, iter_chunks, rpc
 from engine.server.tenants import Principal
-from hicache.hiradix_storage import StorageBusyError
+from hicache.l3_tier import StorageBusyError
 
 _STAT_FIELDS = {  # TierStats field <- engine cache_stats() keys (first present wins)
     "capacity_tokens": ("capacity_tokens", "capacity"),

@@ -22,7 +22,7 @@ from engine.runtime.scheduler import SchedulerCall
 from engine.server.auth import bearer, tenant_of
 from engine.server.tenants import PermissionDeniedError, Principal, TenantTable
 from engine.server.validate import ValidationError
-from hicache.hiradix_storage import StorageBusyError
+from hicache.l3_tier import StorageBusyError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -27,12 +27,12 @@ eng = Engine(model, enable_hierarchical_cache=True, max_total_tokens=512, page_s
              hicache_storage_backend="file", hicache_storage_dir=kv,
              hicache_storage_page_size=16, hicache_prefetch_threshold=0)
 tree = eng.scheduler.tree_cache
-delay_writes(tree.storage, 0.05)  # a slow store: backups are still queued at exit
+delay_writes(tree.l3.storage, 0.05)  # a slow store: backups are still queued at exit
 rng = random.Random(seed)
 prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(60, 140))] for _ in range(8)]
 res = eng.generate(prompts, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
 # the KV of every token but the last is cached, and backed up in whole objects
-keys = [tree.storage_io.keys((p + r.token_ids)[:-1], None) for p, r in zip(prompts, res)]
+keys = [tree.l3.storage_io.keys((p + r.token_ids)[:-1], None) for p, r in zip(prompts, res)]
 with open(out, "w") as f:
     json.dump(keys, f)
 # exits without eng.shutdown()
@@ -82,7 +82,7 @@ def test_shutdown_logs_the_objects_a_hung_store_did_not_take(tiny_llama_dir, tmp
                  hicache_storage_dir=str(tmp_path / "kv"), hicache_storage_page_size=16,
                  hicache_prefetch_threshold=0)
     tree = eng.scheduler.tree_cache
-    io, gate = tree.storage_io, gate_writes(tree.storage)
+    io, gate = tree.l3.storage_io, gate_writes(tree.l3.storage)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 380) for _ in range(100)] for _ in range(6)]
     try:
@@ -95,4 +95,4 @@ def test_shutdown_logs_the_objects_a_hung_store_did_not_take(tiny_llama_dir, tmp
     assert io.wait_idle(30)  # the call the store held returns; the queued jobs are skipped
     lost = [r.getMessage() for r in caplog.records if "not stored at shutdown" in r.getMessage()]
     assert len(lost) == 1 and lost[0].startswith(f"L3: {queued} objects not stored"), lost
-    assert gate.passed == 1 and tree.storage.stats()["objects"] <= queued
+    assert gate.passed == 1 and tree.l3.storage.stats()["objects"] <= queued

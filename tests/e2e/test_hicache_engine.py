@@ -101,7 +101,7 @@ def _wait_backups_landed(eng: Engine, timeout: float = 60.0) -> None:
     """Until no L3 backup is queued, running or waiting for room."""
     def busy(s) -> bool:
         s.tree_cache.check()
-        return s.tree_cache.storage_busy() or bool(s.tree_cache.deferred_backups)
+        return s.tree_cache.storage_busy() or bool(s.tree_cache.l3.deferred_backups)
 
     deadline = time.monotonic() + timeout
     while eng.call_in_scheduler(busy):

@@ -168,7 +168,7 @@ def test_load_backs_are_in_the_admission_budget(tiny_llama_dir, tmp_path, caplog
 def _object_files(eng: Engine, prompt: list[int]) -> list[str]:
     tree = eng.scheduler.tree_cache
     key = tuple(prompt[: (len(prompt) - 1) // 16 * 16])
-    return [tree.storage._path(k) for k in tree.storage_keys(key)]
+    return [tree.l3.storage._path(k) for k in tree.l3.storage_keys(key)]
 
 
 @pytest.mark.parametrize("damage", ["delete", "corrupt"])

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
-from hicache.base_prefix_cache import BasePrefixCache, MatchResult, PrefetchStart
+from hicache.base_prefix_cache import BasePrefixCache, MatchResult
 from hicache.chunk_cache import ChunkCache
 from hicache.hiradix_cache import HiRadixCache
 from hicache.radix_cache import RadixCache
@@ -57,10 +58,13 @@ def test_single_tier_caches_answer_optional_calls_neutrally(make):
     assert tree.storage_prefix_len([1, 2, 3, 4]) == 0
     assert tree.node_in_storage(tree.root_node) is False and not tree.storage_busy()
     assert tree.evict_host(100) == 0 and tree.drain_storage(1.0) == 0
-    assert tree.prefetch_keys([1, 2], None) == []
-    assert tree.start_prefetch("r", [1, 2], None, res) == PrefetchStart(0, 0)
-    assert tree.poll_prefetch("r") == 0 and not tree.has_prefetch("r")
-    assert tree.yield_prefetch("r") == 0 and tree.prefetch_deadline() is None
+    req = SimpleNamespace(rid="r", fill_ids=[1, 2, 3], cache_namespace=None, match_result=res,
+                          prefix_indices=res.device_indices, host_hit_length=0)
+    assert tree.l3_start(req) == 0 and tree.l3_hit(req) == 0 and tree.object_size == 0
+    tree.l3_matched(req)
+    assert tree.l3_ready(req, [], lambda r: pytest.fail("no re-match without L3"))
+    assert tree.l3_admitted(req) == 0 and tree.prefetch_deadline() is None
+    tree.l3_forget(req)
     assert tree.pending_layer_wait() is None and tree.host_reads() is None
     indices, node = tree.init_load_back(res.last_device_node, res)
     assert torch.equal(indices, res.device_indices) and node is res.last_device_node

@@ -311,7 +311,7 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
     r.check_invariants()
     assert r.tree.total_size() == 0 and r.tree.all_host_slots().numel() == 0
     assert r.tree.match_prefix(key).host_hit_length == 0  # a match does no L3 I/O
-    assert r.tree.fetch_from_storage(key) == 32
+    assert r.tree.l3.prefetch.fetch_from_storage(key) == 32
     res = r.tree.match_prefix(key)
     assert res.host_hit_length == 32
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
@@ -325,12 +325,12 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
 
     r2 = rigs(page_size=page_size, storage_dir=d)  # restart: a new cache on the same dir
     r2.kv = r.kv
-    assert r2.tree.fetch_from_storage(key[:16] + [7] * 8) == 16
+    assert r2.tree.l3.prefetch.fetch_from_storage(key[:16] + [7] * 8) == 16
     res = r2.tree.match_prefix(key[:16] + [7] * 8)
     assert res.host_hit_length == 16
     indices, _ = r2.tree.init_load_back(res.last_device_node, res)
     r2.assert_device_kv(key[:16], indices)
-    assert r2.tree.fetch_from_storage(key, namespace="other") == 0
+    assert r2.tree.l3.prefetch.fetch_from_storage(key, namespace="other") == 0
 
     r3 = rigs(page_size=page_size, storage_dir=d)
     files = sorted(glob.glob(os.path.join(d, "**", "*.kv"), recursive=True))
@@ -339,7 +339,7 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
         with open(f, "r+b") as fh:
             fh.seek(-4, os.SEEK_END)
             fh.write(b"\xff\x00\xff\x00")
-    assert r3.tree.fetch_from_storage(key) == 0
+    assert r3.tree.l3.prefetch.fetch_from_storage(key) == 0
     assert r3.tree.match_prefix(key).host_hit_length == 0
     r3.check_invariants()
 
@@ -440,7 +440,7 @@ def test_plan_keeps_an_unbacked_node_a_prefetch_anchors_on(rigs):
     r.insert(a)
     r.insert(b)
     anchor = r.tree.walk(a)[-1].node
-    anchor.host_ref += 1  # as a pending prefetch's anchor (hiradix_storage) holds it
+    anchor.host_ref += 1  # as a pending prefetch's anchor (l3_prefetch) holds it
     try:
         plan = r.tree.plan_eviction("l1")
         assert [n.key for n in plan.nodes] == [tuple(b)]

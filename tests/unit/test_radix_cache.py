@@ -35,10 +35,13 @@ class Sim:
         m = self.cache.match_prefix(tokens)
         self.cache.inc_lock_ref(m.last_device_node)
         self.pool.write((rows[0], slice(0, len(m.device_indices))), m.device_indices)
+        # the fields of hicache.cache_request.CacheRequest the caches use (kv_committed_len
+        # None: every token but the last sampled one has KV)
         req = SimpleNamespace(req_pool_idx=rows[0], tokens=list(tokens), kv_len=0,
                               fill_ids=list(tokens[: len(m.device_indices)]), origin_input_ids=[],
                               output_ids=[], prefix_indices=m.device_indices,
-                              last_node=m.last_device_node)
+                              last_node=m.last_device_node, rid=f"sim-{rows[0]}",
+                              cache_namespace=None, kv_committed_len=None)
         req.kv_len = len(m.device_indices)
         self.reqs.append(req)
         return req

@@ -11,8 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.runtime.request import L3Progress
 from engine.runtime.scheduler.policy import SchedulePolicy
+
+# the cache's answer to ``l3_hit`` (tokens of a request's prefix L3 held): each fake request's
+# ``l3`` field
+CACHE = SimpleNamespace(l3_hit=lambda r: r.l3)
 
 
 def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0,
@@ -20,7 +23,7 @@ def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0,
     return SimpleNamespace(rid=rid, prefix_indices=torch.zeros(cached, dtype=torch.int64),
                            host_hit_length=host, fill_ids=list(range(1000, 1000 + cached + 50)),
                            cache_namespace=rid, created=created, last_node=None,
-                           max_new_tokens=8, bypassed=bypassed, l3=L3Progress(hit=l3))
+                           max_new_tokens=8, bypassed=bypassed, l3=l3)
 
 
 def order(policy: SchedulePolicy, waiting: list) -> list[str]:
@@ -29,14 +32,14 @@ def order(policy: SchedulePolicy, waiting: list) -> list[str]:
 
 
 def test_lpm_orders_by_cached_prefix_including_host_and_l3():
-    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=4)
+    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=4)
     w = [req("cold", 0, 10.0), req("l1", 500, 10.1), req("l2", 100, 10.2, host=600),
          req("l3", 0, 10.3, l3=640)]
     assert order(p, w) == ["l2", "l3", "l1", "cold"]
 
 
 def test_lpm_overtaken_request_goes_first_in_arrival_order():
-    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=4)
+    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=4)
     w = [req("warm-b", 900, 11.5), req("first-turn", 0, 9.0, bypassed=4),
          req("warm-a", 800, 11.0), req("older-first-turn", 0, 8.0, bypassed=7),
          req("young-cold", 0, 7.0, bypassed=3)]
@@ -44,13 +47,13 @@ def test_lpm_overtaken_request_goes_first_in_arrival_order():
 
 
 def test_aging_off_keeps_plain_lpm():
-    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=0)
+    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=0)
     w = [req("old-cold", 0, 0.0, bypassed=10**6), req("warm", 10, 100.0)]
     assert order(p, w) == ["warm", "old-cold"]
 
 
 def test_fcfs_is_arrival_order_whatever_aging():
-    p = SchedulePolicy("fcfs", tree_cache=None, max_bypass=1)
+    p = SchedulePolicy("fcfs", tree_cache=CACHE, max_bypass=1)
     w = [req("a", 0, 1.0), req("b", 900, 2.0, bypassed=5), req("c", 5, 3.0)]
     assert order(p, w) == ["a", "b", "c"]
 
@@ -66,7 +69,7 @@ def test_bypasses_count_only_later_arrivals():
 @given(st.lists(st.tuples(st.integers(0, 1000), st.floats(0, 100), st.integers(0, 10)),
                 min_size=1, max_size=20), st.integers(1, 8))
 def test_no_fresh_request_ever_precedes_an_aged_one(specs, max_bypass):
-    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=max_bypass)
+    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=max_bypass)
     w = [req(f"r{i}", c, t, bypassed=b) for i, (c, t, b) in enumerate(specs)]
     out = order(p, w)
     by = {r.rid: r for r in w}
@@ -79,7 +82,7 @@ def test_no_fresh_request_ever_precedes_an_aged_one(specs, max_bypass):
 def test_starvation_is_bounded_in_a_stream_of_cached_arrivals():
     """A cold request among a stream of well-cached later arrivals, one admitted per round:
     it is admitted after at most max_bypass of them."""
-    p = SchedulePolicy("lpm", tree_cache=None, max_bypass=5)
+    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=5)
     cold = req("cold", 0, 0.0)
     rounds = 0
     while True:
@@ -94,7 +97,8 @@ def test_starvation_is_bounded_in_a_stream_of_cached_arrivals():
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 def test_aging_applies_to_cache_aware_policies(policy):
-    tree = SimpleNamespace(root_node=SimpleNamespace(children={}, parent=None))
+    tree = SimpleNamespace(root_node=SimpleNamespace(children={}, parent=None),
+                           l3_hit=CACHE.l3_hit)
     p = SchedulePolicy(policy, tree_cache=tree, max_bypass=1)
     w = [req("young", 50, 9.9), req("old", 0, 5.0, bypassed=1)]
     assert order(p, w)[0] == "old"

@@ -641,7 +641,7 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
                 tiny_llama_dir, enable_hierarchical_cache=True, max_total_tokens=512,
                 page_size=16, hicache_storage_backend="file", hicache_storage_dir=str(d),
                 hicache_storage_page_size=16, hicache_prefetch_threshold=0) as eng:
-            store = eng.scheduler.tree_cache.storage
+            store = eng.scheduler.tree_cache.l3.storage
             real_set = store.batch_set
 
             def spy(keys, values, parents=None):
@@ -654,7 +654,7 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
             _settle_l3(eng)
             stats, first = eng.cache_stats()["l3"], list(calls)
             seqs = [(p + o.token_ids)[:-1] for p, o in zip(prompts, outs)]
-            chains = [eng.scheduler.tree_cache.storage_io.keys(q, None) for q in seqs]
+            chains = [eng.scheduler.tree_cache.l3.storage_io.keys(q, None) for q in seqs]
             # what L3 believes it holds is what is on disk
             for keys in chains:
                 assert store.exists_mask(keys) == [os.path.exists(store._path(k)) for k in keys]
@@ -683,7 +683,7 @@ def _settle_l3(eng) -> None:
         tree.check()
         assert tree.controller.wait_storage_idle(30)
         tree.check()
-        return len(tree.ongoing_backup) + len(tree.deferred_backups)
+        return len(tree.l3.ongoing_backup) + len(tree.l3.deferred_backups)
 
     for _ in range(100):
         if eng.call_in_scheduler(settle) == 0:

@@ -60,7 +60,7 @@ def test_blocked_l3_never_holds_device_pages(gated_rig):
     store.writes.open()
     r.settle()
     r.check_invariants()
-    assert store.inner.batch_exists(r.tree.storage_keys(tuple(first))) == 6
+    assert store.inner.batch_exists(r.tree.l3.storage_keys(tuple(first))) == 6
 
 
 def test_one_backup_job_writes_many_objects_in_one_batch(gated_rig):
@@ -81,11 +81,11 @@ def test_backup_of_a_node_spanning_objects_uses_its_parents_host_slots(gated_rig
     r.settle()
     r.insert(a + list(range(50, 62)))  # +12 tokens: objects 1 (tokens 8..15) and 2 end inside
     r.settle()
-    keys = r.tree.storage_keys(tuple(a + list(range(50, 62))))
+    keys = r.tree.l3.storage_keys(tuple(a + list(range(50, 62))))
     assert len(keys) == 3 and store.inner.batch_exists(keys) == 3
     r.tree.flush_tier("l1")
     r.tree.flush_tier("l2")
-    assert r.tree.fetch_from_storage(a + list(range(50, 62))) == 24
+    assert r.tree.l3.prefetch.fetch_from_storage(a + list(range(50, 62))) == 24
     res = r.tree.match_prefix(a + list(range(50, 62)))
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(a + list(range(50, 62)), indices)
@@ -108,31 +108,31 @@ def test_prefetch_policies(gated_rig, policy):
     _stored_then_flushed(r, key)
     store.reads.close()
     match = r.tree.match_prefix(key, touch=False)
-    assert r.tree.start_prefetch("req", key, None, match) == (48, 48)
+    assert r.tree.l3.prefetch.start_prefetch("req", key, None, match) == (48, 48)
     if policy == "best_effort":
-        assert r.tree.poll_prefetch("req") == 0  # admitted now, with what arrived: nothing
+        assert r.tree.l3.prefetch.poll_prefetch("req") == 0  # admitted now, with what arrived: nothing
     else:
         store.reads.allow(1)
         assert store.reads.wait_passed(1)
         t0 = time.monotonic()
-        while r.tree.ongoing_prefetch["req"].op.completed < 4:
+        while r.tree.l3.prefetch.ongoing_prefetch["req"].op.completed < 4:
             time.sleep(0.01)
-        assert r.tree.poll_prefetch("req") is None  # neither complete nor timed out
+        assert r.tree.l3.prefetch.poll_prefetch("req") is None  # neither complete nor timed out
         if policy == "wait_complete":
             store.reads.open()
             r.controller.wait_storage_idle()
             r.tree.check()  # the finished read is collected at once
-            assert r.tree.poll_prefetch("req") == 48
+            assert r.tree.l3.prefetch.poll_prefetch("req") == 48
         else:
             deadline = r.tree.prefetch_deadline()
             assert deadline is not None and deadline >= t0
             time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
-            assert r.tree.poll_prefetch("req") == 16  # what landed before the timeout
-    r.tree.finish_prefetch("req")
+            assert r.tree.l3.prefetch.poll_prefetch("req") == 16  # what landed before the timeout
+    r.tree.l3.prefetch.finish_prefetch("req")
     store.reads.open()
     r.settle()
     r.check_invariants()
-    got = r.tree.poll_prefetch("req")
+    got = r.tree.l3.prefetch.poll_prefetch("req")
     assert got == 0  # forgotten after admission
     res = r.tree.match_prefix(key)
     want = {"best_effort": 0, "wait_complete": 48, "timeout": 16}[policy]
@@ -147,10 +147,10 @@ def test_cancel_gives_back_every_host_slot(gated_rig):
     key = list(range(500, 532))
     _stored_then_flushed(r, key)
     store.reads.close()
-    r.tree.start_prefetch("req", key, None, r.tree.match_prefix(key, touch=False))
+    r.tree.l3.prefetch.start_prefetch("req", key, None, r.tree.match_prefix(key, touch=False))
     assert store.reads.wait_blocked(1)
     assert r.host_pool.available_size() == r.host_pool.size - 32
-    r.tree.cancel_prefetch("req")
+    r.tree.l3.prefetch.cancel_prefetch("req")
     store.reads.open()
     r.settle()
     r.check_invariants()
@@ -163,18 +163,18 @@ def test_prefetch_anchor_survives_host_eviction(gated_rig):
     r, store = gated_rig(object_size=4, device_size=32, host_size=64)
     key = list(range(600, 632))
     _stored_then_flushed(r, key)
-    r.tree.fetch_from_storage(key[:8])  # the first 8 tokens are back in L2
+    r.tree.l3.prefetch.fetch_from_storage(key[:8])  # the first 8 tokens are back in L2
     store.reads.close()
     match = r.tree.match_prefix(key, touch=False)
     assert match.host_hit_length == 8
-    assert r.tree.start_prefetch("req", key, None, match) == (24, 32)
+    assert r.tree.l3.prefetch.start_prefetch("req", key, None, match) == (24, 32)
     assert r.tree.evict_host(1 << 30) == 0  # the anchor (and so its path) is protected
     store.reads.open()
     r.controller.wait_storage_idle()
     r.tree.check()
-    assert r.tree.poll_prefetch("req") == 24
+    assert r.tree.l3.prefetch.poll_prefetch("req") == 24
     assert r.tree.evict_host(1 << 30) == 0  # protected until admission
-    r.tree.finish_prefetch("req")
+    r.tree.l3.prefetch.finish_prefetch("req")
     res = r.tree.match_prefix(key)
     assert res.host_hit_length == 32
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
@@ -187,15 +187,15 @@ def test_l2_repairs_objects_l3_lost(gated_rig):
     key = list(range(700, 732))
     r.insert(key)
     r.settle()
-    keys = r.tree.storage_keys(tuple(key))
+    keys = r.tree.l3.storage_keys(tuple(key))
     assert store.inner.batch_exists(keys) == 8
     store.inner.delete(keys[3])  # lost behind our back: it and everything after it
     assert store.inner.batch_exists(keys) == 3
-    r.tree.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
+    r.tree.l3.prefetch.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
     r.settle()
     assert store.inner.batch_exists(keys) == 8  # written again from L2
     assert r.tree.tier_stats()["l3"]["repaired_objects"] == 5
-    r.tree.cancel_prefetch("req")
+    r.tree.l3.prefetch.cancel_prefetch("req")
 
 
 def test_waiting_matches_do_not_count_hits(gated_rig):
@@ -242,7 +242,7 @@ def test_flat_objects_do_not_depend_on_the_device_page_size(tmp_path):
     b = Rig(page_size=4, storage_dir=d, object_size=8)
     b.kv = a.kv
     try:
-        assert b.tree.fetch_from_storage(key) == 32
+        assert b.tree.l3.prefetch.fetch_from_storage(key) == 32
         res = b.tree.match_prefix(key)
         indices, _ = b.tree.init_load_back(res.last_device_node, res)
         b.assert_device_kv(key, indices)
@@ -251,23 +251,23 @@ def test_flat_objects_do_not_depend_on_the_device_page_size(tmp_path):
 
 
 def test_detach_waits_for_in_flight_backups_and_refuses_while_they_hang(gated_rig, tmp_path):
-    from hicache.hiradix_storage import StorageBusyError
+    from hicache.l3_tier import StorageBusyError
 
     r, store = gated_rig(object_size=4)
     store.writes.close()
     key = list(range(800, 832))
-    keys = r.tree.storage_keys(tuple(key))
+    keys = r.tree.l3.storage_keys(tuple(key))
     r.insert(key)
     _land_writes(r)
     assert store.writes.wait_blocked(1)
     with pytest.raises(StorageBusyError, match="nothing was detached"):
         r.tree.detach_storage(timeout=0.2)
-    assert r.tree.storage is store and r.tree.tier_stats()["l3"]["pending_backups"] == 1
+    assert r.tree.l3.storage is store and r.tree.tier_stats()["l3"]["pending_backups"] == 1
     store.writes.open()
     assert r.tree.detach_storage(timeout=10) is store  # the hung backup landed first
     assert store.inner.batch_exists(keys) == 8
     assert "l3" not in r.tree.tier_stats() and r.controller.storage_io is None
-    assert r.tree.storage_keys(tuple(key)) == []  # no L3, no keys
+    assert r.tree.l3.storage_keys(tuple(key)) == []  # no L3, no keys
     r.check_invariants()
     # serving goes on without L3: inserts, demotions, loads
     r.insert(list(range(900, 924)))
@@ -277,7 +277,7 @@ def test_detach_waits_for_in_flight_backups_and_refuses_while_they_hang(gated_ri
 
 
 def test_attach_at_run_time_backs_up_what_l2_holds_and_serves_it(gated_rig, tmp_path):
-    from hicache.hiradix_storage import StorageBusyError
+    from hicache.l3_tier import StorageBusyError
 
     r, _ = gated_rig(object_size=4)
     r.tree.detach_storage()
@@ -288,16 +288,16 @@ def test_attach_at_run_time_backs_up_what_l2_holds_and_serves_it(gated_rig, tmp_
     r.tree.attach_storage(fresh, 4)
     with pytest.raises(StorageBusyError, match="already attached"):
         r.tree.attach_storage(fresh, 4)
-    keys = r.tree.storage_keys(tuple(key))
+    keys = r.tree.l3.storage_keys(tuple(key))
     assert fresh.batch_exists(keys) == 0
     # the next match of the prefix backs up what L2 holds (the repair path)
-    r.tree.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
+    r.tree.l3.prefetch.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
     r.settle()
-    r.tree.cancel_prefetch("req")
+    r.tree.l3.prefetch.cancel_prefetch("req")
     assert fresh.batch_exists(keys) == 8
     r.tree.flush_tier("l1")
     r.tree.flush_tier("l2")
-    assert r.tree.fetch_from_storage(key) == 32
+    assert r.tree.l3.prefetch.fetch_from_storage(key) == 32
     res = r.tree.match_prefix(key)
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
@@ -348,11 +348,11 @@ def test_backup_waits_for_an_ancestors_host_bytes_still_in_flight(gated_rig):
     r.controller.wait_storage_idle()
     gate.allow(1)
     r.settle()
-    keys = r.tree.storage_keys(tuple(a + b))
+    keys = r.tree.l3.storage_keys(tuple(a + b))
     assert store.inner.batch_exists(keys) == 3  # all stored, none skipped for good
     r.tree.flush_tier("l1")
     r.tree.flush_tier("l2")
-    assert r.tree.fetch_from_storage(a + b) == 24
+    assert r.tree.l3.prefetch.fetch_from_storage(a + b) == 24
     res = r.tree.match_prefix(a + b)
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(a + b, indices)
@@ -405,12 +405,12 @@ def test_a_node_split_before_its_write_lands_backs_up_both_parts(gated_rig):
     r.insert(doc + [7, 8])
     r.insert(doc[:20] + [9, 9, 9])  # splits the pending node at 20: objects 0, 1 end above
     r.settle()
-    keys = r.tree.storage_keys(tuple(doc))
+    keys = r.tree.l3.storage_keys(tuple(doc))
     assert len(keys) == 3 and store.inner.batch_exists(keys) == 3
     r.check_invariants()
     r.tree.flush_tier("l1")
     r.tree.flush_tier("l2")
-    assert r.tree.fetch_from_storage(doc) == 24
+    assert r.tree.l3.prefetch.fetch_from_storage(doc) == 24
 
 
 def test_a_write_that_finds_l2_room_held_by_backups_lands_once_they_do(gated_rig):
@@ -441,5 +441,5 @@ def test_a_write_that_finds_l2_room_held_by_backups_lands_once_they_do(gated_rig
     r.assert_device_kv(new, indices)
     assert r.controller.wait_storage_idle(30)
     r.tree.check()
-    assert store.inner.batch_exists(r.tree.storage_keys(tuple(old))) == 4
-    assert store.inner.batch_exists(r.tree.storage_keys(tuple(new))) == 3
+    assert store.inner.batch_exists(r.tree.l3.storage_keys(tuple(old))) == 4
+    assert store.inner.batch_exists(r.tree.l3.storage_keys(tuple(new))) == 3

@@ -52,7 +52,7 @@ class SchedulePolicy:
             # recompute: a request whose prefix was evicted while it waited keeps its place)
             waiting.sort(key=lambda r: (0, r.created, 0) if aged(r) else (
                 1, r.rid in deprioritized,
-                -max(len(r.prefix_indices) + r.host_hit_length, r.l3.hit)))
+                -max(len(r.prefix_indices) + r.host_hit_length, self.tree_cache.l3_hit(r))))
         elif policy == "dfs-weight":
             self._sort_dfs_weight(waiting)
             # stable: keeps DFS order among the young

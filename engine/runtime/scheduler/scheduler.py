@@ -4,8 +4,9 @@ One thread owns every cache structure; other threads talk to it only through the
 The loop never spins: when a step does nothing it blocks on the inbox, which new requests,
 aborts, admin calls and every cache-copy acknowledgement (``wake``) feed, with a timeout for
 prefetch deadlines. A waiting request's prefix match is computed on arrival and again only
-when the tree changed (``tree_cache.version``); its L3 prefetch starts on arrival, and again
-if its prefix was evicted while it waited (``l3_admission``).
+when the tree changed (``tree_cache.version``). The cache decides its L3 prefetch (the
+``l3_*`` calls: start on arrival, again if its prefix was evicted while it waited, whether it
+may be admitted while the prefetch runs).
 
 With overlap (``ServerArgs.overlap_enabled``), forwards run on a ``ForwardWorker`` thread: a step launches its
 batch, then handles the previous batch's results while that forward runs (``overlap``).
@@ -32,7 +33,6 @@ from engine.runtime.request import FinishReason, Req
 from engine.runtime.scheduler import invariants
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
 from engine.runtime.scheduler.inbox import Abort, Arrival, Call, Inbox
-from engine.runtime.scheduler.l3_admission import L3Admission
 from engine.runtime.scheduler.oom import OomAction, OomRecovery
 from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
@@ -101,7 +101,6 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.event_log = tree_cache.event_log
         self.admin_pins = PinTable()  # admin / tenant pins (cache_admin.pin)
-        self.l3 = L3Admission(tree_cache, self._match)
         self._step_hooks: dict[int, StepHook] = {}  # run in registration order
         self._hook_ids = itertools.count(1)
         self.add_step_hook(expire_pins)  # pins past their TTL are released at the next step
@@ -335,7 +334,7 @@ class Scheduler:
         """A new request: its match, its L3 prefetch."""
         self.waiting.append(req)
         self._match(req)
-        self.l3.start(req)
+        self.tree_cache.l3_start(req)
 
     def _match(self, req: Req) -> None:
         """The request's L1 + L2 prefix match, recomputed only when the tree changed. A match
@@ -351,11 +350,7 @@ class Scheduler:
         req.host_hit_length = res.host_hit_length
         req.match_result = res
         req.match_version = self.tree_cache.version  # after the match: it may drain acks
-        matched = len(res.device_indices) + req.host_hit_length
-        if matched < req.l3.matched_seen:
-            # NOTE: its prefix was evicted while it waited: L3 may still hold it
-            self.l3.start(req)
-        req.l3.matched_seen = max(req.l3.matched_seen, matched)
+        self.tree_cache.l3_matched(req)  # its prefix evicted while it waited: L3 may hold it
 
     def get_new_batch_prefill(self) -> list[Req] | None:
         if not self.waiting and self.chunked_req is None:
@@ -386,7 +381,7 @@ class Scheduler:
                     continue
                 if self.oom.prefill_cap is not None and len(adder.can_run) >= self.oom.prefill_cap:
                     break
-                if not self.l3.ready(req, self.waiting[i + 1:]):
+                if not self.tree_cache.l3_ready(req, self.waiting[i + 1:], self._match):
                     continue  # its L3 prefetch policy says wait; later requests may go
                 self._match(req)  # an earlier admission or the prefetch may have changed it
                 res = adder.add_one_req(req, num_running=len(self.running),
@@ -427,14 +422,14 @@ class Scheduler:
         if req.hit_counted:
             return  # a chunk of an admitted request, or a retracted one coming back
         req.hit_counted = True
-        self.l3.admitted(req)
+        from_l3 = self.tree_cache.l3_admitted(req)
         if req.last_node is not None:
             self.tree_cache.record_hit(req.last_node)
         res = req.match_result
         per_tier = res.tier_tokens if res is not None else None
         tiers = dict(per_tier or {"l1": len(req.prefix_indices)})
         # NOTE: a prefetch lands in L2, so the match sees those tokens as L2: they came from L3
-        moved = min(req.l3.tokens, tiers.get("l2", 0))
+        moved = min(from_l3, tiers.get("l2", 0))
         tiers["l2"] = tiers.get("l2", 0) - moved
         tiers["l3"] = tiers.get("l3", 0) + moved
         for tier, n in tiers.items():
@@ -479,7 +474,7 @@ class Scheduler:
         if action is OomAction.FAIL:
             req = reqs[0]
             self.waiting.remove(req)
-            self.l3.cancel(req)
+            self.tree_cache.l3_forget(req)
             req.finished_reason = FinishReason(
                 "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
             req.emit()
@@ -513,6 +508,7 @@ class Scheduler:
 
     def _retire(self, req: Req) -> None:
         """A finished request's KV goes to the tree once no launched forward writes it."""
+        self.tree_cache.l3_forget(req)
         if req.num_pending:
             req.release_deferred = True
             self.deferred.append(req)
@@ -590,7 +586,7 @@ class Scheduler:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                self.l3.cancel(req)
+                self.tree_cache.l3_forget(req)
                 req.finished_reason = FinishReason("abort", message="aborted by the client")
                 req.emit()
                 return
@@ -640,7 +636,7 @@ class Scheduler:
             if req.last_node is not None and req.req_pool_idx is None:
                 req.last_node = None  # matched but never locked
             try:
-                self.l3.cancel(req)
+                self.tree_cache.l3_forget(req)
             except Exception:
                 log.exception("cancelling the prefetch of %s failed", req.rid)
             req.finished_reason = FinishReason("abort", message=message)
