@@ -15,6 +15,10 @@ Objects are ``S`` = ``object_size`` tokens, aligned from the root of the token p
              The request's turn (``poll_prefetch``) or the read's end inserts what landed.
     repair   L3 lost objects that L2 still holds (deleted, corrupt): the next match of that
              prefix backs them up again.
+    events   ``l3_index`` (hicache.l3_blocks) keeps the objects known stored, for routers' KV
+             events: one call where a backup is acknowledged, an exists check answers, a
+             prefetch read lands, objects are deleted or L3 is cleared (a file L3 reports its
+             own changes: these calls are then no-ops).
 
 NOTE: a pending prefetch holds ``host_ref`` on its anchor node (the end of the tree match, then
 the inserted node), so host eviction cannot take the path it will hang from.
@@ -34,6 +38,7 @@ import torch
 from hicache.base_prefix_cache import MatchResult, PrefetchStart
 from hicache.controller import HiCacheController
 from hicache.host_pool import MHATokenToKVPoolHost
+from hicache.l3_blocks import L3Index
 from hicache.radix_cache import RadixCache, TreeNode
 from hicache.storage_io import BackupJob, PrefetchOperation, StorageIO
 
@@ -82,6 +87,7 @@ class StorageMixin(RadixCache):
         self.prefetch_threshold = threshold
         self.storage_io = self.controller.storage_io
         self.object_size = self.storage_io.object_size if self.storage_io is not None else 0
+        self.l3_index = self._new_l3_index()
         self.ongoing_prefetch: dict[str, PrefetchState] = {}
         self._prefetch_by_op: dict[int, PrefetchState] = {}
         self.ongoing_backup: dict[int, tuple[BackupJob, list[TreeNode], str | None]] = {}
@@ -102,6 +108,20 @@ class StorageMixin(RadixCache):
         if self.storage_io is None:
             raise RuntimeError("no L3 backend is attached")
         return self.storage_io
+
+    @property
+    def _l3(self) -> L3Index:
+        """The attached L3's index; NOTE: only called while L3 is attached."""
+        if self.l3_index is None:
+            raise RuntimeError("no L3 backend is attached")
+        return self.l3_index
+
+    def _new_l3_index(self) -> L3Index | None:
+        io = self.storage_io
+        return None if io is None else L3Index(io.storage, io.fingerprint, io.object_size)
+
+    def l3_objects(self) -> L3Index | None:
+        return self.l3_index
 
     # ---- keys --------------------------------------------------------------------------------
     def storage_keys(self, key: tuple[int, ...]) -> list[str]:
@@ -127,7 +147,10 @@ class StorageMixin(RadixCache):
         if self.storage_io is None:
             return 0
         full = self._align(self.key_of(key, namespace))
-        return self.storage_hit(self.storage_keys(full)) * self.object_size
+        keys = self.storage_keys(full)
+        hit = self.storage_hit(keys)
+        self._l3.found(namespace, key, keys, hit)
+        return hit * self.object_size
 
     # ---- backup (L2 -> L3) -------------------------------------------------------------------
     def backup_to_storage(self, node: TreeNode) -> bool:
@@ -239,6 +262,7 @@ class StorageMixin(RadixCache):
         S = self.object_size
         matched = len(match.device_indices) + match.host_hit_length
         hit = self.storage_hit(keys)
+        self._l3.found(namespace, token_ids, keys, hit)
         in_l3 = hit * S
         if hit < matched // S and keys[hit] not in self._repairing:
             self._repair(key, hit, matched // S, keys[hit])
@@ -451,8 +475,10 @@ class StorageMixin(RadixCache):
             if job.failed == 0:
                 for n in nodes:
                     n.in_storage = True
+            self._l3.stored(job.namespace, job.path_tokens, job.keys, job.landed)
         self._submit_deferred()
         for op in self._io.drain_prefetch_acks():
+            self._l3.read(op.keys, op.completed, op.missed)
             self.host_pool.release(op.host_indices)
             st = self._prefetch_by_op.pop(id(op), None)
             if st is not None and not st.collected:
@@ -535,6 +561,7 @@ class StorageMixin(RadixCache):
         not wait on a stalled store)."""
         self._settle_storage(timeout)
         self.storage.clear()
+        self._l3.cleared()
         for n in self._all_nodes():
             n.in_storage = False
         self._bump()
@@ -555,6 +582,7 @@ class StorageMixin(RadixCache):
             key = tuple(t for n in path for t in n.key)
             for k in self.storage_keys(key)[(len(key) - len(node.key)) // S:]:
                 self.storage.delete(k)
+                self._l3.lost(k)
                 deleted += 1
             node.in_storage = False
         self._bump()
@@ -571,6 +599,7 @@ class StorageMixin(RadixCache):
                              f"{self.page_size}")
         self.storage_io = self.controller.attach_storage(storage, object_size)
         self.storage, self.object_size = storage, object_size
+        self.l3_index = self._new_l3_index()
         for n in self._all_nodes():
             n.in_storage = False
         self._bump()
@@ -592,6 +621,8 @@ class StorageMixin(RadixCache):
         if not self.controller.detach_storage(0.0):
             raise AssertionError("L3 work was queued while detaching")
         storage, self.storage, self.storage_io = self.storage, None, None
+        self._l3.close()
+        self.l3_index = None
         for n in self._all_nodes():
             n.in_storage = False
         self._repairing.clear()
