@@ -3,8 +3,9 @@
 A router (SMG, llm-d, Dynamo) indexes a worker's cache as chains of blocks: `block_size`
 tokens each, aligned at multiples of `block_size` from the start of the sequence, every block
 named by a hash chained on its parent's. `BlockView.snapshot(tree)` lists, for each tier, the
-blocks whose every token has its KV in that tier now; publishers diff two snapshots into
-stored / removed events (engine/server/kv_events.py).
+blocks whose every token has its KV in that tier (L1, L2) now; publishers diff two snapshots into
+stored / removed events (engine/server/kv_events.py). L3's blocks come from the objects the cache
+knows are stored (hicache.l3_blocks), cut with ``chain_blocks`` as here.
 
     positions   0 ........ 16 ........ 32 ...... 40
     path        [ node A (0-20)    ][ node B (20-40)      ]
