@@ -143,6 +143,19 @@ def test_changes_follow_writes_evictions_losses_and_clear(tmp_path):
                                                {"disk": [], "external": []})
 
 
+def test_a_rescan_drops_what_vanished_and_adopts_what_another_process_wrote(tmp_path):
+    mine, theirs = list(range(16)), list(range(400, 416))
+    store = FileStorageBackend(tmp_path, 1 << 20, reconcile_interval_s=None)
+    index = L3Index(store, FP, 8)
+    keys = _write(store, mine, 8)
+    other = FileStorageBackend(tmp_path, 1 << 20, reconcile_interval_s=None)  # same directory
+    _write(other, theirs, 8)
+    assert _hashes(index) == _reference(mine)  # not seen yet
+    os.remove(store._path(keys[1]))
+    store.reconcile()
+    assert sorted(_hashes(index)) == sorted(_reference(mine)[:2] + _reference(theirs))
+
+
 def test_restart_publishes_what_is_on_disk_and_nothing_else(tmp_path):
     """A new backend on the same directory (a restarted daemon) publishes the same blocks. Not
     published: another model's objects, objects written without their tokens (files older
