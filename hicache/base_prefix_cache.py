@@ -26,6 +26,7 @@ from hicache.eviction_plan import EvictionPlan, StalePlanError, eviction_order
 
 if TYPE_CHECKING:
     from hicache.events import CacheEventLog
+    from hicache.l3_blocks import L3Index
     from hicache.radix_cache import TreeNode
 
 R = TypeVar("R", bound=CacheRequest)
@@ -286,6 +287,10 @@ class BasePrefixCache(ABC):
 
     def detach_storage(self, timeout: float) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no L3 tier")
+
+    def l3_objects(self) -> L3Index | None:
+        """The L3 objects this cache knows are stored (routers' KV events); None without L3."""
+        return None
 
     def storage_info(self) -> dict[str, Any]:
         """What L3 the cache uses: {"attached": False} or the backend's describe() plus

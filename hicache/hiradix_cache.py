@@ -33,6 +33,7 @@ from hicache.base_prefix_cache import HostReads, MatchResult
 from hicache.cache_request import CacheRequest
 from hicache.controller import HiCacheController
 from hicache.eviction_plan import EvictionPlan
+from hicache.l3_blocks import L3Index
 from hicache.l3_tier import STORAGE_SETTLE_S, L3Tier
 from hicache.radix_cache import RadixCache, TreeNode
 from hicache.storage.base import StorageBackend
@@ -664,6 +665,9 @@ class HiRadixCache(RadixCache):
 
     def prefetch_deadline(self) -> float | None:
         return self.l3.prefetch.prefetch_deadline()
+
+    def l3_objects(self) -> L3Index | None:
+        return self.l3.l3_index
 
     # ---- L3Tree: the tree operations the L3 tier calls (``hicache.l3_tree``) ---------------------
     def tree_key(self, token_ids: list[int] | tuple[int, ...], namespace: str | None

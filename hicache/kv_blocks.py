@@ -3,8 +3,9 @@
 A router (SMG, llm-d, Dynamo) indexes a worker's cache as chains of blocks: `block_size`
 tokens each, aligned at multiples of `block_size` from the start of the sequence, every block
 named by a hash chained on its parent's. `BlockView.snapshot(tree)` lists, for each tier, the
-blocks whose every token has its KV in that tier now; publishers diff two snapshots into
-stored / removed events (engine/server/kv_events.py).
+blocks whose every token has its KV in that tier (L1, L2) now; publishers diff two snapshots into
+stored / removed events (engine/server/kv_events.py). L3's blocks come from the objects the cache
+knows are stored (hicache.l3_blocks), cut with ``chain_blocks`` as here.
 
     positions   0 ........ 16 ........ 32 ...... 40
     path        [ node A (0-20)    ][ node B (20-40)      ]
@@ -27,6 +28,7 @@ import hashlib
 import hmac
 import struct
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,7 +36,11 @@ import xxhash
 
 from hicache.radix_cache import RadixCache
 
-TIERS = ("l1", "l2")  # NOTE: L3 objects outlive the tree's nodes: not derivable from the tree
+# The tiers of KV events: the tree's two (TREE_TIERS, this module) and L3's, named by where its
+# objects live (L3_TIERS, hicache.l3_blocks: L3 objects outlive the tree's nodes)
+TREE_TIERS = ("l1", "l2")
+L3_TIERS = ("disk", "external")  # a file L3 on this machine; a server other daemons may share
+TIERS = TREE_TIERS + L3_TIERS
 
 
 @dataclass(frozen=True)
@@ -65,13 +71,32 @@ def namespace_salt(key: bytes, namespace: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
-class _Chain:
-    """What a walk carries into a node: the tokens before it, the last full block's hash, the
-    tokens since that block (fewer than block_size)."""
+class Chain:
+    """What a walk carries into a node (or an L3 object): the tokens before it, the last full
+    block's hash, the tokens since that block (fewer than block_size)."""
 
     pos: int
     last_hash: int | None
     pending: tuple[int, ...]
+
+
+ROOT = Chain(0, None, ())
+
+
+def chain_blocks(chain: Chain, salt: str | None, tokens: Iterable[int],
+                 block_size: int) -> tuple[list[Block], Chain]:
+    """The blocks that ``tokens`` (following ``chain``) complete, and the chain after them."""
+    blocks: list[Block] = []
+    pending, last, n = list(chain.pending), chain.last_hash, 0
+    for t in tokens:
+        n += 1
+        pending.append(t)
+        if len(pending) == block_size:
+            ids = tuple(pending)
+            h = block_hash(last, salt, ids)
+            blocks.append(Block(h, last, ids, salt))
+            pending, last = [], h
+    return blocks, Chain(chain.pos + n, last, tuple(pending))
 
 
 class BlockChanges(NamedTuple):
@@ -90,22 +115,27 @@ class BlockView:
         self.block_size = block_size
         self.salt_key = salt_key
         # node -> (chain in, key length, blocks completed inside the node, chain out)
-        self._cache: weakref.WeakKeyDictionary[Any, tuple[_Chain, int, list[Block], _Chain]] = (
+        self._cache: weakref.WeakKeyDictionary[Any, tuple[Chain, int, list[Block], Chain]] = (
             weakref.WeakKeyDictionary()
         )
         self._salts: dict[str | None, str | None] = {}
         self._published: dict[str, set[int]] | None = None  # the block hashes changes() gave
+
+    @property
+    def fresh(self) -> bool:
+        """Has changes() not been called yet (its first call gives the whole state)?"""
+        return self._published is None
 
     def changes(self, tree: RadixCache | Any, reset: bool = False) -> BlockChanges:
         """The blocks stored and removed per tier since the last call. NOTE: the diff is made
         here, next to the tree: a look moves only what changed, never the whole state."""
         now = self.snapshot(tree)
         full = reset or self._published is None
-        before = {t: set() for t in TIERS} if full else self._published
+        before = {t: set() for t in TREE_TIERS} if full else self._published
         assert before is not None
-        stored = {t: [b for b in now[t] if b.block_hash not in before[t]] for t in TIERS}
-        hashes = {t: {b.block_hash for b in now[t]} for t in TIERS}
-        removed = {t: [h for h in before[t] if h not in hashes[t]] for t in TIERS}
+        stored = {t: [b for b in now[t] if b.block_hash not in before[t]] for t in TREE_TIERS}
+        hashes = {t: {b.block_hash for b in now[t]} for t in TREE_TIERS}
+        removed = {t: [h for h in before[t] if h not in hashes[t]] for t in TREE_TIERS}
         self._published = hashes
         return BlockChanges(stored, removed, full)
 
@@ -114,37 +144,27 @@ class BlockView:
             self._salts[namespace] = namespace_salt(self.salt_key, namespace)
         return self._salts[namespace]
 
-    def _blocks_in(self, tree: Any, node: Any, chain: _Chain) -> tuple[list[Block], _Chain]:
+    def _blocks_in(self, tree: Any, node: Any, chain: Chain) -> tuple[list[Block], Chain]:
         hit = self._cache.get(node)
         if hit is not None and hit[0] == chain and hit[1] == len(node.key):
             return hit[2], hit[3]
         namespace, tokens = tree.split_key(node.key)
-        salt = self._salt(namespace)
-        blocks: list[Block] = []
-        pending, last = list(chain.pending), chain.last_hash
-        for t in tokens:
-            pending.append(t)
-            if len(pending) == self.block_size:
-                ids = tuple(pending)
-                h = block_hash(last, salt, ids)
-                blocks.append(Block(h, last, ids, salt))
-                pending, last = [], h
-        out = _Chain(chain.pos + len(tokens), last, tuple(pending))
+        blocks, out = chain_blocks(chain, self._salt(namespace), tokens, self.block_size)
         self._cache[node] = (chain, len(node.key), blocks, out)
         return blocks, out
 
     def snapshot(self, tree: RadixCache | Any) -> dict[str, list[Block]]:
         """tier -> its blocks, every parent before its children. `tree`: a RadixCache or
         HiRadixCache (a tree without nodes, e.g. ChunkCache, has no blocks)."""
-        out: dict[str, list[Block]] = {t: [] for t in TIERS}
+        out: dict[str, list[Block]] = {t: [] for t in TREE_TIERS}
         if not isinstance(tree, RadixCache):  # a ChunkCache keeps no prefixes
             return out
         root = tree.root_node
-        start = _Chain(0, None, ())
+        start = ROOT
         # (node, chain into it, per tier: where the run of nodes in the tier that ends at its
         # parent began, None when the parent is not in the tier); the root is in every tier
-        stack: list[tuple[Any, _Chain, dict[str, int | None]]] = [
-            (child, start, {t: 0 for t in TIERS}) for child in root.children.values()
+        stack: list[tuple[Any, Chain, dict[str, int | None]]] = [
+            (child, start, {t: 0 for t in TREE_TIERS}) for child in root.children.values()
         ]
         while stack:
             node, chain, since_in = stack.pop()
@@ -152,12 +172,12 @@ class BlockView:
             since = {
                 t: (chain.pos if since_in[t] is None else since_in[t]) if _in_tier(node, t)
                 else None
-                for t in TIERS
+                for t in TREE_TIERS
             }
             first = chain.pos - len(chain.pending)  # where the node's first block starts
             for k, b in enumerate(blocks):
                 begin = first + k * self.block_size
-                for t in TIERS:
+                for t in TREE_TIERS:
                     run = since[t]
                     if run is not None and run <= begin:
                         out[t].append(b)

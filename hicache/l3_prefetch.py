@@ -91,6 +91,7 @@ class L3Prefetch:
             return PrefetchStart(0, 0)
         matched = len(match.device_indices) + match.host_hit_length
         hit = self.tier.storage_hit(keys)
+        self.tier.index.found(namespace, token_ids, keys, hit)
         in_l3 = hit * S
         if hit < matched // S:
             self.tier.repair(key, hit, matched // S, keys[hit])
@@ -204,6 +205,7 @@ class L3Prefetch:
         """The prefetch thread is done with ``op`` (its ack): its host slots are no longer read.
         NOTE: collected now, not when the queue scan reaches the request: a waiting request
         sees its tokens in L2 at its next match."""
+        self.tier.index.read(op.keys, op.completed, op.missed)
         self.host_pool.release(op.host_indices)
         st = self._prefetch_by_op.pop(id(op), None)
         if st is not None and not st.collected:

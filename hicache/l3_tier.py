@@ -12,6 +12,10 @@ Objects are ``S`` = ``object_size`` tokens, aligned from the root of the token p
              the host slots of its path (protected until stored) by the backup thread
     repair   L3 lost objects that L2 still holds (deleted, corrupt): the next match of that
              prefix backs them up again.
+    events   ``l3_index`` (hicache.l3_blocks) keeps the objects known stored, for routers' KV
+             events: one call where a backup is acknowledged, an exists check answers, a
+             prefetch read lands, objects are deleted or L3 is cleared (a file L3 reports its
+             own changes: these calls are then no-ops).
 
 The tier reaches the tree only through ``L3Tree`` (``hicache.l3_tree``); with no backend
 attached (``storage_io`` None) it is the "no L3" state: every call answers as an empty tier.
@@ -30,6 +34,7 @@ import torch
 from hicache.controller import HiCacheController
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.l3_admission import L3Admission
+from hicache.l3_blocks import L3Index
 from hicache.l3_prefetch import L3Prefetch
 from hicache.l3_tree import L3Tree
 from hicache.radix_cache import TreeNode
@@ -65,6 +70,7 @@ class L3Tier:
         self.controller = controller
         self.storage_io = controller.storage_io
         self.object_size = self.storage_io.object_size if self.storage_io is not None else 0
+        self.l3_index = self._new_l3_index()
         self.ongoing_backup: dict[int, tuple[BackupJob, list[TreeNode], str | None]] = {}
         self._repairing: set[str] = set()  # first missing key of each repair in flight
         self.deferred_backups: OrderedDict[int, TreeNode] = OrderedDict()  # node id -> node
@@ -92,6 +98,17 @@ class L3Tier:
             raise RuntimeError("no L3 backend is attached")
         return self.storage_io
 
+    @property
+    def index(self) -> L3Index:
+        """The attached L3's index; NOTE: only called while L3 is attached."""
+        if self.l3_index is None:
+            raise RuntimeError("no L3 backend is attached")
+        return self.l3_index
+
+    def _new_l3_index(self) -> L3Index | None:
+        io = self.storage_io
+        return None if io is None else L3Index(io.storage, io.fingerprint, io.object_size)
+
     def has_storage(self) -> bool:
         return self.storage_io is not None
 
@@ -118,8 +135,10 @@ class L3Tier:
         """Tokens of ``key``'s prefix held by L3 (whole objects; admin MatchPrefix)."""
         if self.storage_io is None:
             return 0
-        full = self.tree.tree_key(key, namespace)
-        return self.storage_hit(self.storage_keys(full)) * self.object_size
+        keys = self.storage_keys(self.tree.tree_key(key, namespace))
+        hit = self.storage_hit(keys)
+        self.index.found(namespace, key, keys, hit)
+        return hit * self.object_size
 
     # ---- backup (L2 -> L3) -------------------------------------------------------------------
     def backup_to_storage(self, node: TreeNode) -> bool:
@@ -254,6 +273,7 @@ class L3Tier:
         if job.failed == 0:
             for n in nodes:
                 n.in_storage = True
+        self.index.stored(job.namespace, job.path_tokens, job.keys, job.landed)
 
     def drain_storage(self, timeout: float) -> int:
         """At shutdown (the scheduler stopped): every L3 backup queued or deferred (waiting for
@@ -325,6 +345,7 @@ class L3Tier:
         StorageBusyError when they do not land within ``timeout`` (the scheduler thread must
         not wait on a stalled store)."""
         self._settle_storage(timeout).clear()
+        self.index.cleared()
         for n in self.tree.all_nodes():
             n.in_storage = False
         self.tree.bump_version()
@@ -345,6 +366,7 @@ class L3Tier:
             key = tuple(t for n in path for t in n.key)
             for k in self.storage_keys(key)[(len(key) - len(node.key)) // S:]:
                 storage.delete(k)
+                self.index.lost(k)
                 deleted += 1
             node.in_storage = False
         self.tree.bump_version()
@@ -361,6 +383,7 @@ class L3Tier:
                              f"{self.tree.page_size}")
         self.storage_io = self.controller.attach_storage(storage, object_size)
         self.object_size = object_size
+        self.l3_index = self._new_l3_index()
         for n in self.tree.all_nodes():
             n.in_storage = False
         self.tree.bump_version()
@@ -383,6 +406,8 @@ class L3Tier:
         if not self.controller.detach_storage(0.0):
             raise AssertionError("L3 work was queued while detaching")
         self.storage_io = None
+        self.index.close()
+        self.l3_index = None
         for n in self.tree.all_nodes():
             n.in_storage = False
         self._repairing.clear()

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hicache.storage.base import StorageBackend, object_keys, prefix_hash_seed
+from hicache.storage.base import ObjectContent, StorageBackend, object_keys, prefix_hash_seed
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ class BackupJob:
     node_ids: list[int]  # nodes whose objects these are (``in_storage`` once all stored)
     stored: int = 0  # objects stored (or already present)
     failed: int = 0
+    # set by the backup thread: the path's object keys from the root (``first + num``), and
+    # the indices of the objects it found stored or stored (what the ack tells L3's index)
+    keys: list[str] = field(default_factory=list)
+    landed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -237,11 +241,13 @@ class StorageIO:
         S = self.object_size
         seed = prefix_hash_seed(self.fingerprint, job.namespace)
         chain = object_keys(job.path_tokens, S, seed)  # [first + num] keys, root first
+        job.keys = chain
         num = len(job.host_indices) // S
         keys = chain[job.first: job.first + num]
         parents = [chain[job.first + i - 1] if job.first + i > 0 else None for i in range(num)]
         present = self.storage.exists_mask(keys)
         todo = [i for i in range(num) if not present[i]]
+        job.landed += [job.first + i for i in range(num) if present[i]]
         job.stored += num - len(todo)
         self.stats["backup_skipped_present"] += num - len(todo)
         for start in range(0, len(todo), BACKUP_BATCH_OBJECTS):
@@ -249,8 +255,11 @@ class StorageIO:
             # [2, L, S, H, D] (layer_first) / [2, S, L, H, D] (page_first), contiguous, on host
             values = [self.host_pool.get_flat_data(job.host_indices[i * S: (i + 1) * S])
                       for i in batch]
-            ok = self.storage.batch_set([keys[i] for i in batch], values,
-                                        [parents[i] for i in batch])
+            at = [(job.first + i) * S for i in batch]
+            ok = self.storage.batch_set(
+                [keys[i] for i in batch], values, [parents[i] for i in batch],
+                [ObjectContent.of(job.namespace, job.path_tokens[a: a + S]) for a in at])
+            job.landed += [job.first + i for i, o in zip(batch, ok) if o]
             job.stored += sum(ok)
             job.failed += len(ok) - sum(ok)
             self.stats["backup_objects"] += sum(ok)

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from hicache.storage.base import StorageBackend, StorageValue
+from hicache.storage.base import ObjectContent, StorageBackend, StorageValue, Watcher
 
 
 class Gate:
@@ -61,6 +61,7 @@ class GatedStorage(StorageBackend):
 
     def __init__(self, inner: StorageBackend) -> None:
         self.inner = inner
+        self.medium = inner.medium
         self.writes = Gate()
         self.reads = Gate()
         self.get_calls = 0
@@ -78,10 +79,14 @@ class GatedStorage(StorageBackend):
         return self.inner.batch_get(keys)
 
     def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None) -> list[bool]:
+                  parents: Sequence[str | None] | None = None,
+                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
         self.set_calls += 1
         self.writes.wait()
-        return self.inner.batch_set(keys, values, parents)
+        return self.inner.batch_set(keys, values, parents, contents)
+
+    def watch(self, watcher: Watcher | None) -> bool:
+        return self.inner.watch(watcher)
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)
@@ -106,9 +111,10 @@ def delay_writes(backend: StorageBackend, seconds: float) -> None:
     real = backend.batch_set
 
     def batch_set(keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None) -> list[bool]:
+                  parents: Sequence[str | None] | None = None,
+                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
         time.sleep(seconds)
-        return real(keys, values, parents)
+        return real(keys, values, parents, contents)
 
     backend.batch_set = batch_set  # type: ignore[method-assign]
 
@@ -120,9 +126,10 @@ def gate_writes(backend: StorageBackend) -> Gate:
     real = backend.batch_set
 
     def batch_set(keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None) -> list[bool]:
+                  parents: Sequence[str | None] | None = None,
+                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
         gate.wait()
-        return real(keys, values, parents)
+        return real(keys, values, parents, contents)
 
     backend.batch_set = batch_set  # type: ignore[method-assign]
     return gate

@@ -1,33 +1,44 @@
-"""The scheduler side of KV events: the tree's blocks per tier (hicache.kv_blocks), called as a
-SchedulerCall, in the scheduler process of a split daemon; one BlockView per tree keeps its
-hash cache between calls."""
+"""The scheduler side of KV events: the cache's blocks per tier, called as a SchedulerCall, in
+the scheduler process of a split daemon. L1 and L2 come from the tree (hicache.kv_blocks), L3
+from the objects the cache knows are stored (hicache.l3_blocks); one pair of views per tree
+keeps their hash caches between calls."""
 
 from __future__ import annotations
 
 import weakref
 from typing import Any
 
-from hicache.kv_blocks import Block, BlockChanges, BlockView
+from hicache.kv_blocks import TIERS, Block, BlockChanges, BlockView
+from hicache.l3_blocks import L3BlockView
 
-_VIEWS: weakref.WeakKeyDictionary[Any, BlockView] = weakref.WeakKeyDictionary()
+_VIEWS: weakref.WeakKeyDictionary[Any, tuple[BlockView, L3BlockView]] = (
+    weakref.WeakKeyDictionary())
 
 
-def _view(scheduler: Any, block_size: int, salt_key: bytes) -> BlockView:
+def _views(scheduler: Any, block_size: int, salt_key: bytes) -> tuple[BlockView, L3BlockView]:
     tree = scheduler.tree_cache
-    view = _VIEWS.get(tree)
-    if view is None or view.block_size != block_size or view.salt_key != salt_key:
-        view = _VIEWS[tree] = BlockView(block_size, salt_key)
-    return view
+    views = _VIEWS.get(tree)
+    if views is None or views[0].block_size != block_size or views[0].salt_key != salt_key:
+        views = _VIEWS[tree] = (BlockView(block_size, salt_key),
+                                L3BlockView(block_size, salt_key))
+    return views
 
 
 def kv_blocks(scheduler: Any, block_size: int, salt_key: bytes) -> dict[str, list[Block]]:
-    """tier -> the tree's full blocks in that tier now, parents before children."""
-    return BlockView(block_size, salt_key).snapshot(scheduler.tree_cache)
+    """tier -> the cache's full blocks in that tier now, parents before children."""
+    tree = scheduler.tree_cache
+    return {**BlockView(block_size, salt_key).snapshot(tree),
+            **L3BlockView(block_size, salt_key).snapshot(tree.l3_objects())}
 
 
 def kv_block_changes(scheduler: Any, block_size: int, salt_key: bytes,
                      reset: bool = False) -> BlockChanges:
     """The blocks stored / removed per tier since the last call (reset: the whole state).
-    NOTE: one caller per daemon (its KvEventPublisher): the view remembers what it gave."""
-    view = _view(scheduler, block_size, salt_key)
-    return view.changes(scheduler.tree_cache, reset)
+    NOTE: one caller per daemon (its KvEventPublisher): the views remember what they gave."""
+    tree_view, l3_view = _views(scheduler, block_size, salt_key)
+    reset = reset or tree_view.fresh or l3_view.fresh  # both whole, or both changes
+    ch = tree_view.changes(scheduler.tree_cache, reset)
+    l3_stored, l3_removed = l3_view.changes(scheduler.tree_cache.l3_objects(), reset)
+    stored, removed = {**ch.stored, **l3_stored}, {**ch.removed, **l3_removed}
+    assert set(stored) == set(removed) == set(TIERS)
+    return BlockChanges(stored, removed, reset)

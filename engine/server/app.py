@@ -97,7 +97,8 @@ class Daemon:
         self.port = 0
         self.metrics_port = 0
         # KV events for routers: starts with its first subscriber
-        self.kv_events = KvEventPublisher(self.state, settings.kv_events_block_size)
+        self.kv_events = KvEventPublisher(self.state, settings.kv_events_block_size,
+                                          salt_key=settings.kv_events_salt())
         zmq_config = (KvEventsConfig.parse(settings.kv_events_config)
                       if settings.kv_events_config else None)
         # vLLM-format events over ZMQ (--kv-events-config), from the model's load on

@@ -1,17 +1,18 @@
-"""KV events for routers: the cache's blocks per tier as numbered batches of stored / removed /
-cleared events, with replay and a snapshot for a late subscriber.
+"""KV events for routers: the cache's blocks per tier (L1, L2, and L3 as "disk" or "external")
+as numbered batches of stored / removed / cleared events, with replay and a snapshot for a late
+subscriber.
 
 The publisher starts with its first subscriber (SMG's SubscribeKvEvents, or the ZMQ publisher
 at load) and runs on the daemon's event loop: whenever the cache's event log moves (and at least
-once a second), it asks the scheduler what changed in the tree's blocks per tier since its last
+once a second), it asks the scheduler what changed in the cache's blocks per tier since its last
 look (engine/runtime/kv_block_view.py; the first look, and one after a failed look, get the
 whole state, which is diffed here), and appends one batch with the difference:
 
     batch 1: the blocks at start (Stored per tier)      batch n: Removed / Stored / Cleared
     seq      1 ............................................ n      (ring of `capacity` batches)
 
-Between two looks the tree may store and drop a block; subscribers see the net change, which is
-what routing needs: after every batch, the published state equals the tree's blocks at that
+Between two looks the cache may store and drop a block; subscribers see the net change, which is
+what routing needs: after every batch, the published state equals the cache's blocks at that
 look, tier by tier.
 """
 
@@ -91,24 +92,28 @@ def chains(tier: str, blocks: list[Block]) -> list[Stored]:
 
 
 def diff(old: dict[str, dict[int, Block]], new: dict[str, list[Block]]) -> list[Event]:
-    """The events that turn the published `old` into `new`."""
+    """The events that turn the published `old` into `new` (a tier absent: empty)."""
     if any(old.values()) and not any(new.values()):
         return [Cleared()]
     events: list[Event] = []
     for tier in TIERS:
-        now = {b.block_hash for b in new[tier]}
-        gone = tuple(h for h in old[tier] if h not in now)
+        was, blocks = old.get(tier, {}), new.get(tier, [])
+        now = {b.block_hash for b in blocks}
+        gone = tuple(h for h in was if h not in now)
         if gone:
             events.append(Removed(tier, gone))
-        events += chains(tier, [b for b in new[tier] if b.block_hash not in old[tier]])
+        events += chains(tier, [b for b in blocks if b.block_hash not in was])
     return events
 
 
 class KvEventPublisher:
-    def __init__(self, state: DaemonState, block_size: int, capacity: int = 10_000):
+    def __init__(self, state: DaemonState, block_size: int, capacity: int = 10_000,
+                 salt_key: bytes | None = None):
         self.state = state
         self.block_size = block_size
-        self.salt_key = secrets.token_bytes(32)  # HMAC key of namespaces' salts, this process
+        # the HMAC key of namespaces' salts: configured (every daemon behind one gateway hashes
+        # a namespace's blocks alike), else drawn for this process
+        self.salt_key = salt_key if salt_key is not None else secrets.token_bytes(32)
         self.batches: collections.deque[EventBatch] = collections.deque(maxlen=capacity)
         self.seq = 0
         self.blocks: dict[str, dict[int, Block]] = {t: {} for t in TIERS}

@@ -12,7 +12,8 @@ encode it:
     [ts, [["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
            medium], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]]]
 
-`medium`: "GPU" for L1, "CPU" for L2 (vLLM's words for the device and the host tier). A ROUTER
+`medium`: "GPU" for L1, "CPU" for L2 (vLLM's words for the device and the host tier), "DISK" for
+a file L3 and "EXTERNAL" for a Redis / Valkey L3 (SGLang's, which Dynamo and llm-d read). A ROUTER
 socket on `replay_endpoint` answers a client's 8-byte start sequence with `(seq, payload)` for
 every buffered batch from there on, then `(-1, b"")`. Endpoints bind when they name no host
 (`*`, `::`) or are `ipc://` / `inproc://`, and connect otherwise, as vLLM's do.
@@ -35,7 +36,7 @@ from engine.server.kv_events_config import KvEventsConfig
 
 log = logging.getLogger(__name__)
 
-MEDIUM = {"l1": "GPU", "l2": "CPU"}
+MEDIUM = {"l1": "GPU", "l2": "CPU", "disk": "DISK", "external": "EXTERNAL"}
 
 
 def encode(batch: EventBatch, block_size: int) -> bytes:

@@ -23,6 +23,7 @@ from typing import Any
 from engine.config import ServerArgs
 from engine.server import tenants as tenancy
 from engine.server.kv_events_config import KvEventsConfig
+from engine.server.kv_events_salt import salt_key
 from engine.server.tenants import Tenant
 from hicache.storage.redis_url import redact_url
 
@@ -32,7 +33,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_PREFIX = "HICACHE_"
-_SECRET = ("token", "admin_token")
+_SECRET = ("token", "admin_token", "kv_events_salt_key")
 
 # Engine options whose daemon default differs from ServerArgs' (= Engine()'s) default; they apply
 # below TOML / env / flags. NOTE: the L3 entries apply only when the hierarchy resolves on (L3
@@ -67,6 +68,11 @@ class DaemonSettings:
     kv_events_block_size: int = 16  # tokens per block in the KV events routers subscribe to
     # vLLM-format KV events over ZMQ: vLLM's --kv-events-config JSON (engine/server/kv_events_zmq)
     kv_events_config: str | None = None
+    # the HMAC key of namespaces' salts in KV events (engine/server/kv_events_salt): the key (a
+    # secret) or a file holding it, the same for every daemon behind a gateway; neither: drawn
+    # per process
+    kv_events_salt_key: str | None = None
+    kv_events_salt_key_file: str | None = None
     # "split": scheduler and detokenizer in their own processes (seed 002); "single": one process
     processes: str = "split"
     grace_period_s: float = 10.0
@@ -91,6 +97,11 @@ class DaemonSettings:
             raise ValueError("kv_events_block_size must be >= 1")
         if self.kv_events_config:
             KvEventsConfig.parse(self.kv_events_config)
+        self.kv_events_salt()  # a key that cannot be used fails here, at load
+
+    def kv_events_salt(self) -> bytes | None:
+        """The configured HMAC key of namespaces' salts (None: the publisher draws one)."""
+        return salt_key(self.kv_events_salt_key, self.kv_events_salt_key_file)
 
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for GetServerInfo)."""

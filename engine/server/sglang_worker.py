@@ -56,10 +56,15 @@ from engine.server.validate import ValidationError
 
 TOKENIZER_CHUNK_BYTES = 1 << 20
 VERSION = daemon_version()
-# our tiers as SMG's (and, for `medium`, vLLM's words for the device and host tiers)
-KV_TIER = {"l1": smg_common.KV_CACHE_TIER_DEVICE, "l2": smg_common.KV_CACHE_TIER_HOST}
-KV_MEDIUM = {"l1": "GPU", "l2": "CPU"}
-KV_LEVEL = {"l1": 0, "l2": 1}
+# our tiers as SMG's (and, for `medium`, vLLM's words for the device and host tiers, SGLang's
+# for L3's); a shared server's objects are a pool every daemon on it reads: remote
+KV_TIER = {"l1": smg_common.KV_CACHE_TIER_DEVICE, "l2": smg_common.KV_CACHE_TIER_HOST,
+           "disk": smg_common.KV_CACHE_TIER_DISK, "external": smg_common.KV_CACHE_TIER_EXTERNAL}
+KV_MEDIUM = {"l1": "GPU", "l2": "CPU", "disk": "DISK", "external": "EXTERNAL"}
+KV_LEVEL = {"l1": 0, "l2": 1, "disk": 2, "external": 3}
+KV_LOCALITY = {"l1": smg_common.KV_CACHE_LOCALITY_LOCAL, "l2": smg_common.KV_CACHE_LOCALITY_LOCAL,
+               "disk": smg_common.KV_CACHE_LOCALITY_LOCAL,
+               "external": smg_common.KV_CACHE_LOCALITY_REMOTE}
 
 
 def kv_batch(batch: EventBatch, block_size: int) -> smg_common.KvEventBatch:
@@ -67,14 +72,13 @@ def kv_batch(batch: EventBatch, block_size: int) -> smg_common.KvEventBatch:
     event_id 0)."""
     out = smg_common.KvEventBatch(sequence_number=batch.seq, timestamp=batch.timestamp,
                                   dp_rank=0)
-    local = smg_common.KV_CACHE_LOCALITY_LOCAL
     for i, ev in enumerate(batch.events):
         event_id = 0 if batch.snapshot_blocks is not None else (batch.seq << 16) + i + 1
         msg = out.events.add(event_id=event_id)
         if isinstance(ev, Stored):
             stored = msg.stored
             stored.tier, stored.medium, stored.locality = (
-                KV_TIER[ev.tier], KV_MEDIUM[ev.tier], local)
+                KV_TIER[ev.tier], KV_MEDIUM[ev.tier], KV_LOCALITY[ev.tier])
             if ev.parent_hash is not None:
                 stored.parent_block_hash = ev.parent_hash
             if ev.blocks[0].salt:
@@ -85,7 +89,8 @@ def kv_batch(batch: EventBatch, block_size: int) -> smg_common.KvEventBatch:
         elif isinstance(ev, Removed):
             msg.removed.block_hashes.extend(ev.block_hashes)
             msg.removed.tier, msg.removed.medium = KV_TIER[ev.tier], KV_MEDIUM[ev.tier]
-            msg.removed.cache_level, msg.removed.locality = KV_LEVEL[ev.tier], local
+            msg.removed.cache_level = KV_LEVEL[ev.tier]
+            msg.removed.locality = KV_LOCALITY[ev.tier]
         else:
             assert isinstance(ev, Cleared)
             msg.cleared.SetInParent()

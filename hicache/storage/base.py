@@ -11,14 +11,20 @@ so a key stands for the whole prefix up to its object, and different models / na
 share keys. Token ids are hashed as little-endian int32 bytes; a tail shorter than one object has
 no key (it is never stored). ``key[i-1]`` is ``key[i]``'s *parent*: a backend that loses an
 object also forgets every object after it in its chain (they can no longer be reached).
+
+A backend may keep what each object is of (``ObjectContent``: its namespace and tokens, given to
+``batch_set``) and report the changes of what it holds (``watch``): the KV events' L3 blocks
+(hicache.l3_blocks). One that cannot (a shared server: others write and evict behind its back)
+reports nothing and keeps no content.
 """
 
 from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,6 +65,14 @@ def object_keys(token_ids: Sequence[int], object_size: int, seed: str, start: in
     return out
 
 
+def object_key(parent: str | None, seed: str, tokens: bytes) -> str:
+    """The key of one object: its parent's key (None: the first object, chained from ``seed``)
+    and its tokens as little-endian 32-bit bytes; equal to ``object_keys``' for that object."""
+    h = hashlib.sha256(bytes.fromhex(parent) if parent is not None else seed.encode())
+    h.update(tokens)
+    return h.hexdigest()
+
+
 def page_hashes(token_ids: Sequence[int], page_size: int, seed: str) -> list[str]:
     """``object_keys`` from the start of the path (kept for callers that name pages)."""
     return object_keys(token_ids, page_size, seed)
@@ -84,9 +98,58 @@ class StorageStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ObjectContent:
+    """What an object holds the KV of: a namespace (None: the shared one) and its tokens,
+    packed as little-endian u32 (a large store's index keeps millions of them)."""
+
+    namespace: str | None
+    tokens: bytes
+
+    @classmethod
+    def of(cls, namespace: str | None, token_ids: Sequence[int]) -> ObjectContent:
+        return cls(namespace, np.asarray(token_ids, dtype="<u4").tobytes())
+
+    def token_ids(self) -> list[int]:
+        return np.frombuffer(self.tokens, dtype="<u4").tolist()
+
+
+class StoredObject(NamedTuple):
+    key: str
+    parent: str | None
+    content: ObjectContent | None  # None: not known (an object written without it)
+
+
+@dataclass(frozen=True)
+class ObjectsStored:
+    """Objects the backend holds now (newly, or, first, all it held when watching began)."""
+
+    objects: tuple[StoredObject, ...]
+
+
+@dataclass(frozen=True)
+class ObjectsRemoved:
+    """Objects the backend no longer holds (deleted, evicted, lost on a read or a rescan)."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StoreCleared:
+    """The backend holds nothing any more."""
+
+
+StoreChange = ObjectsStored | ObjectsRemoved | StoreCleared
+Watcher = Callable[[StoreChange], None]
+
+
 class StorageBackend(ABC):
     """An L3 key -> object store. Methods never raise on I/O trouble: they report misses /
     False and count errors. Implementations are safe to call from several threads."""
+
+    # Where the objects live, as routers name it (KV events' medium): "disk" (this machine's
+    # disk, its daemon's own) or "external" (a server other daemons may share)
+    medium: str = "external"
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> int:
@@ -99,9 +162,11 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None) -> list[bool]:
+                  parents: Sequence[str | None] | None = None,
+                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
         """Store each value; True when it is (now or already) stored. ``parents[i]`` is the
-        key chained before ``keys[i]`` (None: the first object of its chain)."""
+        key chained before ``keys[i]`` (None: the first object of its chain); ``contents[i]``
+        what it is of (a backend that reports what it holds keeps it; others ignore it)."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -120,6 +185,14 @@ class StorageBackend(ABC):
         """Make the index agree with what the store really holds (objects removed or damaged
         behind this process's back); returns the objects dropped. Default: nothing to do."""
         return 0
+
+    def watch(self, watcher: Watcher | None) -> bool:
+        """Report every change of the objects this backend holds to ``watcher`` from now on
+        (None: stop), starting with one ObjectsStored of all it holds now, in the order the
+        changes happen, from the thread that makes each. False: this backend cannot (it does
+        not know what its store holds) and reports nothing. NOTE: ``watcher`` may run under the
+        backend's lock: it must be quick and never call the backend."""
+        return False
 
     def describe(self) -> dict[str, str]:
         """What this backend is, for admin output: at least ``backend`` (a short name); where

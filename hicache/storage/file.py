@@ -3,19 +3,26 @@ with an index that tells the truth about the disk.
 
     <dir>/<2-char fan-out>/<name>.kv      name = the key when filename-safe, else blake2b(key)
 
-File = header + payload. Header (little endian, VERSION 3):
+File = header + payload. Header (little endian, VERSION 4):
     magic "HCKV" | version u16 | ndim u8 | kind u8 (0 tensor, 1 bytes) | key_len u32 |
     parent_len u32 (NO_PARENT: first of its chain) | payload_len u64 | xxh3-64(payload) u64 |
-    dtype name 16s | key bytes | parent key bytes | shape ndim x u64
-VERSION 2 files (the same with crc32(payload) u32) are still read. xxh3 as in the redis backend:
+    dtype name 16s | namespace_len u32 (NO_NAMESPACE: the shared one) |
+    token_count u32 (NO_CONTENT: not known) | key bytes | parent key bytes | shape ndim x u64 |
+    namespace bytes | tokens token_count x u32
+The namespace and tokens (what the object is the KV of, ``ObjectContent``) let a restarted
+daemon publish the objects it finds as KV-event blocks (hicache.l3_blocks); they stay on this
+machine (the redis backend keeps none). VERSION 3 files (the same without namespace_len,
+token_count, namespace and tokens) and VERSION 2 files (VERSION 3 with crc32(payload) u32) are
+still read, as objects whose content is not known. xxh3 as in the redis backend:
 crc32 ran at ~1.5 GB/s, so checking a 2,000-token prefix's objects (92 MB of SmolLM2 KV) cost
 ~60 ms of CPU on a read and again on a write, and the backup's checksums took the cores of the
 forwards beside it. Another version, a bad magic/length/checksum/key is *corrupt*: counted in
 ``corrupt``, the file removed, never wrong data. Writes go to a tmp file then ``os.replace``
 (atomic).
 
-The index (in memory, rebuilt from the headers at start) maps key -> (file size, parent) in LRU
-order, plus parent -> children. An object that leaves the index takes its descendants:
+The index (in memory, rebuilt from the headers at start) maps key -> (file size, parent,
+content) in LRU order, plus parent -> children; ``watch`` reports its every change (an object
+indexed, dropped, the index cleared) under the lock, so in the order they happen. An object that leaves the index takes its descendants:
 
     chain   k0 -> k1 -> k2 -> k3          k1 found gone (or corrupt) by a read
     index   k0                            k1..k3 dropped, k2, k3's files removed; vanished += 3
@@ -63,18 +70,30 @@ from typing import BinaryIO, NamedTuple
 import torch
 
 from hicache.storage import codec
-from hicache.storage.base import StorageBackend, StorageStats, StorageValue
+from hicache.storage.base import (
+    ObjectContent,
+    ObjectsRemoved,
+    ObjectsStored,
+    StorageBackend,
+    StorageStats,
+    StorageValue,
+    StoreCleared,
+    StoredObject,
+    Watcher,
+)
 from hicache.storage.codec import Corrupt
 from hicache.storage.outage import OutageLog
 
 logger = logging.getLogger(__name__)
 
-MAGIC, VERSION = b"HCKV", 3
-NO_PARENT = 0xFFFFFFFF
-_FIXED = struct.Struct("<4sHBBIIQQ16s")
+MAGIC, VERSION = b"HCKV", 4
+NO_PARENT = NO_NAMESPACE = NO_CONTENT = 0xFFFFFFFF
+_FIXED = struct.Struct("<4sHBBIIQQ16sII")
+_FIXED_V3 = struct.Struct("<4sHBBIIQQ16s")  # no namespace and tokens
 _FIXED_V2 = struct.Struct("<4sHBBIIQI16s")  # crc32 checksums
 _START = struct.Struct("<4sH")  # magic and version: what says how the rest reads
 _MAX_KEY_LEN = 4096
+_MAX_TOKENS = 1 << 20
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]{3,160}$")
 TMP_MAX_AGE_S = 300.0  # a tmp file this old is a write that never finished
 REARM_QUIET_S = 60.0  # a problem logged once is logged again after this long without it
@@ -85,6 +104,7 @@ class _Entry(NamedTuple):
     parent: str | None
     path: str
     seq: int  # insertion order; reconcile only judges entries older than its scan
+    content: ObjectContent | None  # None: not known (a file older than VERSION 4)
 
 
 class _Header(NamedTuple):
@@ -97,6 +117,7 @@ class _Header(NamedTuple):
     checksum: int
     version: int
     header_len: int
+    content: ObjectContent | None
 
     def matches(self, payload: bytes | memoryview) -> bool:
         """Whether ``payload`` has the checksum the header recorded (crc32 in VERSION 2)."""
@@ -107,6 +128,8 @@ class _Header(NamedTuple):
 
 class FileStorageBackend(StorageBackend):
     """Objects as files in ``directory``; ``capacity_bytes`` caps the files' total size (LRU)."""
+
+    medium = "disk"
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int = 64 << 30,
                  reconcile_interval_s: float | None = 1.0) -> None:
@@ -119,6 +142,7 @@ class FileStorageBackend(StorageBackend):
         self._removing: dict[str, int] = {}  # path -> pending removals (not to be adopted)
         self._unremovable: set[str] = set()  # files we could not remove: never adopt them
         self._problems = OutageLog()  # (operation, errno or kind) logged in this outage
+        self._watcher: Watcher | None = None  # reports the index's changes (watch)
         self._seq = 0
         self._last_reconcile = 0.0
         self._refused = 0  # not stored: parent lost or failed, or the cap full of its chain
@@ -180,12 +204,16 @@ class FileStorageBackend(StorageBackend):
         return out
 
     def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None) -> list[bool]:
+                  parents: Sequence[str | None] | None = None,
+                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
         """A key whose parent failed earlier in the batch is refused (it could never be
-        reached); one whose parent is not stored yet waits for it (see the module docstring)."""
-        if len(values) != len(keys) or (parents is not None and len(parents) != len(keys)):
-            raise ValueError("keys, values and parents differ in length")
+        reached); one whose parent is not stored yet waits for it (see the module docstring).
+        ``contents`` go into the files' headers."""
+        if (len(values) != len(keys) or (parents is not None and len(parents) != len(keys))
+                or (contents is not None and len(contents) != len(keys))):
+            raise ValueError("keys, values, parents and contents differ in length")
         parents = parents if parents is not None else [None] * len(keys)
+        contents = contents if contents is not None else [None] * len(keys)
         batch = set(keys)
         with self._lock:  # the chain we extend is in use: keep eviction off it
             self._touch_locked([p for p in parents if p is not None])
@@ -193,13 +221,13 @@ class FileStorageBackend(StorageBackend):
         failed: set[str] = set()
         ok: list[bool] = []
         trouble: list[tuple[str, object]] = []  # problems met by this call
-        for k, v, p in zip(keys, values, parents):
+        for k, v, p, c in zip(keys, values, parents, contents):
             if p is not None and p in failed:
                 good = False
                 with self._lock:
                     self._refused += 1
             else:
-                good = self._set_one(k, v, p, batch, p in stored, trouble)
+                good = self._set_one(k, v, p, c, batch, p in stored, trouble)
             (stored if good else failed).add(k)
             ok.append(good)
         if trouble:
@@ -221,7 +249,17 @@ class FileStorageBackend(StorageBackend):
             self._children.clear()
             self._stats.objects = self._stats.bytes = 0
             self._mark_removing_locked(paths)
+            if self._watcher is not None:
+                self._watcher(StoreCleared())
         self._remove_files(paths)
+
+    def watch(self, watcher: Watcher | None) -> bool:
+        with self._lock:
+            self._watcher = watcher
+            if watcher is not None:
+                watcher(ObjectsStored(tuple(StoredObject(k, e.parent, e.content)
+                                            for k, e in self._index.items())))
+        return True
 
     def stats(self) -> dict[str, int]:
         """Counters; first a ``reconcile`` when the last is older than ``reconcile_interval_s``
@@ -249,8 +287,9 @@ class FileStorageBackend(StorageBackend):
         return {"backend": "file", "address": self.dir}
 
     # ---- writes ------------------------------------------------------------------------------
-    def _set_one(self, key: str, value: StorageValue, parent: str | None, batch: set[str],
-                 parent_stored: bool, trouble: list[tuple[str, object]]) -> bool:
+    def _set_one(self, key: str, value: StorageValue, parent: str | None,
+                 content: ObjectContent | None, batch: set[str], parent_stored: bool,
+                 trouble: list[tuple[str, object]]) -> bool:
         """Store one object; the problems it meets are appended to ``trouble``."""
         with self._lock:
             entry = self._index.get(key)
@@ -259,21 +298,26 @@ class FileStorageBackend(StorageBackend):
                 self._refused += 1  # lost since this batch stored it
                 return False
         if entry is None:
-            return self._write_one(key, value, parent, batch, had_parent, trouble)
+            return self._write_one(key, value, parent, content, batch, had_parent, trouble)
         if _size_on_disk(entry.path) == entry.size:
+            if entry.content is None and content is not None:
+                with self._lock:  # a file older than VERSION 4: its content is known now
+                    if self._index.get(key) is entry:
+                        self._insert_locked(key, entry.size, entry.parent, entry.path, content)
             return True  # content-addressed: same key, same bytes
         # its file vanished: write it again under the same links
-        if self._write_one(key, value, entry.parent, batch, had_parent, trouble):
+        if self._write_one(key, value, entry.parent, content, batch, had_parent, trouble):
             return True
         # NOTE: not written again: the index must not go on listing it (nor what hangs from it)
         self._lose(key, entry, "vanished")
         return False
 
-    def _write_one(self, key: str, value: StorageValue, parent: str | None, batch: set[str],
-                   had_parent: bool, trouble: list[tuple[str, object]]) -> bool:
+    def _write_one(self, key: str, value: StorageValue, parent: str | None,
+                   content: ObjectContent | None, batch: set[str], had_parent: bool,
+                   trouble: list[tuple[str, object]]) -> bool:
         path = self._path(key)
         try:
-            header, payload = _encode(key, value, parent)
+            header, payload = _encode(key, value, parent, content)
         except (TypeError, RuntimeError, ValueError) as e:
             trouble.append(("encode", type(e).__name__))
             self._error(trouble[-1], "file storage: cannot encode %s: %s",
@@ -310,7 +354,7 @@ class FileStorageBackend(StorageBackend):
                 self._mark_removing_locked([path])
                 paths = [path]
             else:
-                self._insert_locked(key, size, parent, path)
+                self._insert_locked(key, size, parent, path, content)
                 self._stats.bytes_written += size
                 self._rearm_locked("write")
                 paths, _ = self._make_room_locked(0, batch)
@@ -318,19 +362,23 @@ class FileStorageBackend(StorageBackend):
         return path not in paths
 
     # ---- index (all *_locked methods run under self._lock) -----------------------------------
-    def _insert_locked(self, key: str, size: int, parent: str | None, path: str) -> None:
+    def _insert_locked(self, key: str, size: int, parent: str | None, path: str,
+                       content: ObjectContent | None) -> None:
         old = self._index.get(key)
         if old is not None:  # rewritten (or adopted by a rescan meanwhile): keep its links
             self._stats.bytes -= old.size
             parent = old.parent
+            content = content if content is not None else old.content
         else:
             self._stats.objects += 1
             if parent is not None:
                 self._children.setdefault(parent, set()).add(key)
         self._seq += 1
-        self._index[key] = _Entry(size, parent, path, self._seq)
+        self._index[key] = _Entry(size, parent, path, self._seq, content)
         self._index.move_to_end(key)
         self._stats.bytes += size
+        if self._watcher is not None and (old is None or old.content != content):
+            self._watcher(ObjectsStored((StoredObject(key, parent, content),)))
 
     def _drop_tree_locked(self, key: str) -> list[str]:
         """Drop ``key`` and its descendants; their paths, every ancestor before its
@@ -344,17 +392,20 @@ class FileStorageBackend(StorageBackend):
                 siblings.discard(key)
                 if not siblings:
                     del self._children[entry.parent]
-        dropped = [entry]
+        dropped, keys = [entry], [key]
         stack = list(self._children.pop(key, ()))
         while stack:
             e = self._index.pop(k := stack.pop(), None)
             if e is not None:
                 dropped.append(e)
+                keys.append(k)
                 stack.extend(self._children.pop(k, ()))
         self._stats.objects -= len(dropped)
         self._stats.bytes -= sum(e.size for e in dropped)
         paths = [e.path for e in dropped]
         self._mark_removing_locked(paths)
+        if self._watcher is not None:
+            self._watcher(ObjectsRemoved(tuple(keys)))
         return paths
 
     def _make_room_locked(self, need: int, keep: set[str]) -> tuple[list[str], bool]:
@@ -602,7 +653,7 @@ class FileStorageBackend(StorageBackend):
                 recency[p] = max(recency[p], recency[k])
         for k in sorted(order, key=lambda k: (recency[k], -depth[k])):
             h, st, path = pending[k]
-            self._insert_locked(k, st.st_size, h.parent, path)
+            self._insert_locked(k, st.st_size, h.parent, path, h.content)
         # adopted under an object we already held: that chain is in use again
         self._touch_locked([p for k in order if (p := pending[k][0].parent) is not None
                             and p not in pending])
@@ -620,15 +671,24 @@ class FileStorageBackend(StorageBackend):
 
 
 # ---- file format -------------------------------------------------------------------------------
-def _encode(key: str, value: StorageValue, parent: str | None) -> tuple[bytes, memoryview]:
+def _encode(key: str, value: StorageValue, parent: str | None,
+            content: ObjectContent | None = None) -> tuple[bytes, memoryview]:
     """Header bytes and a view of the payload (no copy of a contiguous CPU tensor)."""
     v = codec.encode(value)
     key_b = key.encode()
     parent_b = parent.encode() if parent is not None else b""
+    ns = content.namespace if content is not None else None
+    ns_b = ns.encode() if ns is not None else b""
+    tokens = content.tokens if content is not None else b""
+    if len(tokens) % 4 or len(tokens) // 4 > _MAX_TOKENS:
+        raise ValueError(f"object content of {len(tokens)} token bytes")
     fixed = _FIXED.pack(MAGIC, VERSION, len(v.shape), 0 if v.is_tensor else 1, len(key_b),
                         NO_PARENT if parent is None else len(parent_b), v.payload.nbytes,
-                        codec.checksum(v.payload), v.dtype.encode())
-    return fixed + key_b + parent_b + struct.pack(f"<{len(v.shape)}Q", *v.shape), v.payload
+                        codec.checksum(v.payload), v.dtype.encode(),
+                        NO_NAMESPACE if ns is None else len(ns_b),
+                        NO_CONTENT if content is None else len(tokens) // 4)
+    shape = struct.pack(f"<{len(v.shape)}Q", *v.shape)
+    return fixed + key_b + parent_b + shape + ns_b + tokens, v.payload
 
 
 def _read_header(f: BinaryIO) -> _Header:
@@ -636,21 +696,32 @@ def _read_header(f: BinaryIO) -> _Header:
     if len(start) != _START.size:
         raise Corrupt("short header")
     magic, version = _START.unpack(start)
-    if magic != MAGIC or version not in (2, VERSION):
-        raise Corrupt(f"magic {magic!r} version {version}, not {MAGIC!r} 2 or {VERSION}")
-    fixed = _FIXED if version == VERSION else _FIXED_V2
+    if magic != MAGIC or version not in (2, 3, VERSION):
+        raise Corrupt(f"magic {magic!r} version {version}, not {MAGIC!r} 2, 3 or {VERSION}")
+    fixed = {VERSION: _FIXED, 3: _FIXED_V3, 2: _FIXED_V2}[version]
     raw = start + f.read(fixed.size - _START.size)
     if len(raw) != fixed.size:
         raise Corrupt("short header")
-    _, _, ndim, kind, key_len, parent_len, payload_len, checksum, dtype = fixed.unpack(raw)
+    fields = fixed.unpack(raw)
+    _, _, ndim, kind, key_len, parent_len, payload_len, checksum, dtype = fields[:9]
+    ns_len, n_tokens = fields[9:] if version == VERSION else (NO_NAMESPACE, NO_CONTENT)
     has_parent = parent_len != NO_PARENT
     parent_len = parent_len if has_parent else 0
-    if kind not in (0, 1) or key_len > _MAX_KEY_LEN or parent_len > _MAX_KEY_LEN:
+    has_content, has_ns = n_tokens != NO_CONTENT, ns_len != NO_NAMESPACE
+    n_tokens = n_tokens if has_content else 0
+    ns_len = ns_len if has_ns else 0
+    if (kind not in (0, 1) or key_len > _MAX_KEY_LEN or parent_len > _MAX_KEY_LEN
+            or ns_len > _MAX_KEY_LEN or n_tokens > _MAX_TOKENS):
         raise Corrupt("bad header fields")
-    var = key_len + parent_len + 8 * ndim
+    var = key_len + parent_len + 8 * ndim + ns_len + 4 * n_tokens
     rest = f.read(var)
     if len(rest) != var:
         raise Corrupt("short header")
+    at = key_len + parent_len + 8 * ndim  # the namespace, then the tokens
+    content = None
+    if has_content:
+        ns = rest[at: at + ns_len].decode(errors="replace") if has_ns else None
+        content = ObjectContent(ns, rest[at + ns_len:])
     return _Header(
         key=rest[:key_len].decode(errors="replace"),
         parent=rest[key_len: key_len + parent_len].decode(errors="replace") if has_parent
@@ -658,7 +729,7 @@ def _read_header(f: BinaryIO) -> _Header:
         kind=kind, dtype=dtype.rstrip(b"\0").decode(errors="replace"),
         shape=struct.unpack_from(f"<{ndim}Q", rest, key_len + parent_len),
         payload_len=payload_len, checksum=checksum, version=version,
-        header_len=fixed.size + var)
+        header_len=fixed.size + var, content=content)
 
 
 def _read_object(key: str, path: str) -> tuple[StorageValue, int]:

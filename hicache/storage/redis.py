@@ -60,7 +60,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from hicache.storage import codec
-from hicache.storage.base import StorageBackend, StorageStats, StorageValue
+from hicache.storage.base import ObjectContent, StorageBackend, StorageStats, StorageValue
 from hicache.storage.codec import Corrupt
 from hicache.storage.outage import OutageLog
 from hicache.storage.redis_url import parse_target
@@ -292,10 +292,12 @@ class RedisStorageBackend(StorageBackend):
         return out
 
     def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None) -> list[bool]:
+                  parents: Sequence[str | None] | None = None,
+                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
         """One round trip: per object EXISTS (to count new objects) and one MSET of payload
         and metadata (atomic: a reader sees both or neither). A key whose parent failed is
-        still written (``batch_exists`` stops at the gap anyway)."""
+        still written (``batch_exists`` stops at the gap anyway). ``contents`` are not kept:
+        token ids never reach the shared server."""
         if len(values) != len(keys) or (parents is not None and len(parents) != len(keys)):
             raise ValueError("keys, values and parents differ in length")
         parents = parents if parents is not None else [None] * len(keys)

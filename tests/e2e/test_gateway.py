@@ -235,6 +235,7 @@ TOPICS = [
     "Prefill computes the prompt; decode produces one token at a time.",
 ]
 BLOCK = 16  # the daemons' default --kv-events-block-size
+OBJECT = 64  # their default L3 object (hicache_storage_page_size at page size 1)
 
 
 def _conversation(i: int) -> list[dict[str, str]]:
@@ -244,22 +245,38 @@ def _conversation(i: int) -> list[dict[str, str]]:
             {"role": "user", "content": f"Tell me about number {i}."}]
 
 
-def _device_blocks(daemon: Proc) -> tuple[int, set[int]]:
-    """(sequence number, L1 block hashes) of a snapshot of the daemon's KV events."""
+def _tier_blocks(daemon: Proc, tier: int = smg_common.KV_CACHE_TIER_DEVICE
+                 ) -> tuple[int, set[int]]:
+    """(sequence number, the block hashes in ``tier``) of a snapshot of the daemon's KV
+    events."""
     with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
         stream = sg_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(
             smg_common.SubscribeKvEventsRequest(start_sequence_number=0), timeout=30)
         first = next(iter(stream))
         stream.cancel()
     assert first.HasField("snapshot") and first.events[0].HasField("cleared")
-    device = {b.block_hash for e in first.events if e.HasField("stored")
-              and e.stored.tier == smg_common.KV_CACHE_TIER_DEVICE for b in e.stored.blocks}
-    return first.sequence_number, device
+    blocks = {b.block_hash for e in first.events if e.HasField("stored")
+              and e.stored.tier == tier for b in e.stored.blocks}
+    return first.sequence_number, blocks
 
 
-def _seed(daemon: Proc, i: int, model_dir: str) -> tuple[str, set[int]]:
-    """Conversation i straight to the daemon (no gateway): its reply, and the hashes of its
-    prompt's full blocks, computed here from the token ids."""
+def _device_blocks(daemon: Proc) -> tuple[int, set[int]]:
+    """(sequence number, L1 block hashes) of a snapshot of the daemon's KV events."""
+    return _tier_blocks(daemon)
+
+
+def _chain(ids: list[int]) -> list[int]:
+    """The hashes of the full blocks of ``ids`` (shared namespace), from the root."""
+    hashes, parent = [], None
+    for k in range(len(ids) // BLOCK):
+        parent = block_hash(parent, None, tuple(ids[k * BLOCK:(k + 1) * BLOCK]))
+        hashes.append(parent)
+    return hashes
+
+
+def _seed_ids(daemon: Proc, i: int, model_dir: str) -> tuple[str, list[int]]:
+    """Conversation i straight to the daemon (no gateway): its reply and its prompt's token
+    ids (the chat template applied here)."""
     from transformers import AutoTokenizer
 
     msgs = _conversation(i)
@@ -268,16 +285,20 @@ def _seed(daemon: Proc, i: int, model_dir: str) -> tuple[str, set[int]]:
     ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
         msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert len(ids) == r.usage.prompt_tokens and len(ids) >= 4 * BLOCK
-    hashes, parent = set(), None
-    for k in range(len(ids) // BLOCK):
-        parent = block_hash(parent, None, tuple(ids[k * BLOCK:(k + 1) * BLOCK]))
-        hashes.add(parent)
-    return r.choices[0].message.content or "", hashes
+    return r.choices[0].message.content or "", ids
 
 
-def _gateway_metric(gw: Proc, name: str, worker: str, label: str) -> float:
+def _seed(daemon: Proc, i: int, model_dir: str) -> tuple[str, set[int]]:
+    """Conversation i straight to the daemon (no gateway): its reply, and the hashes of its
+    prompt's full blocks, computed here from the token ids."""
+    reply, ids = _seed_ids(daemon, i, model_dir)
+    return reply, set(_chain(ids))
+
+
+def _gateway_metric(gw: Proc, name: str, worker: str, label: str,
+                    key: str = "disposition") -> float:
     text = httpx2.get(gw.metrics_url, timeout=30).text
-    pattern = rf'^{name}\{{worker="{re.escape(worker)}",disposition="{label}"\}} (\S+)$'
+    pattern = rf'^{name}\{{worker="{re.escape(worker)}",{key}="{label}"\}} (\S+)$'
     m = re.search(pattern, text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
@@ -304,21 +325,28 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
                                                           tiny_llama_dir, tmp_path_factory):
     """Conversations seeded on the daemons directly (the gateway never saw them): only the
     daemons' KV events can tell the gateway where each prefix is. The seeded prompts' blocks,
-    hashed here from the token ids, are in the daemons' published L1 state."""
+    hashed here from the token ids, are in the daemons' published L1 state, and those inside
+    whole L3 objects in their DISK state: SMG takes the stream with its DISK blocks (it indexes
+    L1 and L2 only) without a gap or a resync."""
     seeded: dict[int, tuple[int, str]] = {}
     want: list[set[int]] = [set(), set()]
+    disk_want: list[set[int]] = [set(), set()]
     for i in range(6):
         home = i % 2
-        reply, hashes = _seed(daemons[home], i, tiny_llama_dir)
-        want[home] |= hashes
+        reply, ids = _seed_ids(daemons[home], i, tiny_llama_dir)
+        want[home] |= set(_chain(ids))
+        disk_want[home] |= set(_chain(ids[:len(ids) // OBJECT * OBJECT]))
         seeded[i] = (home, reply)
-    # every seeded block is published as stored in L1 by the daemon that computed it, and no
-    # other daemon claims it
+    # every seeded block is published as stored in L1 (and in L3) by the daemon that computed
+    # it, and no other daemon claims it
     seqs = [0, 0]
     for d in (0, 1):
         def published(d: int = d) -> bool:
-            seqs[d], device = _device_blocks(daemons[d])
-            return want[d] <= device and not want[1 - d] & device
+            seq, device = _device_blocks(daemons[d])
+            seqs[d], disk = _tier_blocks(daemons[d], smg_common.KV_CACHE_TIER_DISK)
+            assert seqs[d] >= seq
+            return (want[d] <= device and not want[1 - d] & device and disk_want[d] <= disk
+                    and not disk_want[1 - d] & disk)
 
         _wait(published, f"daemon {d} to publish its seeded blocks")
     workers = [f"grpc://127.0.0.1:{d.port}" for d in daemons]
@@ -335,6 +363,12 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
 
     assert [_landed(daemons, grpc_gateway, next_turn(i, 1)) for i in seeded] == [
         home for home, _ in seeded.values()]
+    for w in workers:  # every batch applied in order: no resync but the first snapshot
+        assert _gateway_metric(grpc_gateway, "smg_kv_event_resyncs_total", w, "snapshot",
+                               key="reason") == 1
+        for reason in ("data_loss", "gap_cleared", "out_of_range", "publisher_restart"):
+            assert _gateway_metric(grpc_gateway, "smg_kv_event_resyncs_total", w, reason,
+                                   key="reason") == 0, (w, reason)
     # a new gateway knows nothing of its own: the daemons' snapshots tell it
     grpc_gateway.stop()
     log = tmp_path_factory.mktemp("smg_grpc_again") / "smg.log"

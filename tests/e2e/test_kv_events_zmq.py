@@ -22,7 +22,7 @@ from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
 from tests.gateway_process import free_port
 
-MEDIUM = {"l1": "GPU", "l2": "CPU"}
+MEDIUM = {"l1": "GPU", "l2": "CPU", "disk": "DISK", "external": "EXTERNAL"}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_zmq_events_equal_the_tree(daemon):
                 break
             replayed.append((int.from_bytes(seq, "big"), payload))
         assert [s for s, _ in replayed] == list(range(1, len(replayed) + 1))
-        state: dict[str, dict[int, Any]] = {"GPU": {}, "CPU": {}}
+        state: dict[str, dict[int, Any]] = {m: {} for m in MEDIUM.values()}
         for _, payload in replayed:
             _apply(state, payload)
         last = replayed[-1][0]

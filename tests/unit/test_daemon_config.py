@@ -243,3 +243,33 @@ def test_storage_admin_rpcs_are_admin_mutations():
 def test_disable_overlap_is_auto_unless_set(argv, env, want):
     _, e = settings.load(_parse(*argv), env)
     assert e.disable_overlap is want
+
+
+def test_kv_events_salt_key_from_env_toml_or_file_never_shown(tmp_path, capsys):
+    key = "a1b2c3d4e5f60718293a4b5c6d7e8f90"
+    d, _ = settings.load(_parse(), {"HICACHE_KV_EVENTS_SALT_KEY": key})
+    assert d.kv_events_salt() == key.encode()
+    assert d.public_dict()["kv_events_salt_key"] == "***"
+    assert key not in repr(d.public_dict())
+    keyfile = tmp_path / "salt.key"
+    keyfile.write_text(f"{key}\n")
+    cfg = tmp_path / "hicache.toml"
+    cfg.write_text(f'kv_events_salt_key_file = "{keyfile}"\n')
+    d, _ = settings.load(_parse("--config", str(cfg)), {})
+    assert d.kv_events_salt() == key.encode()  # the file's key, its newline stripped
+    assert d.public_dict()["kv_events_salt_key_file"] == str(keyfile)
+    d, _ = settings.load(_parse(), {})
+    assert d.kv_events_salt() is None  # none configured: the publisher draws one
+    for argv, env, match in (
+        ([], {"HICACHE_KV_EVENTS_SALT_KEY": "short"}, "fewer than 16"),
+        (["--kv-events-salt-key-file", str(tmp_path / "missing")], {}, "cannot read"),
+        (["--kv-events-salt-key-file", str(keyfile)], {"HICACHE_KV_EVENTS_SALT_KEY": key},
+         "give one"),
+    ):
+        with pytest.raises(ValueError, match=match) as e:
+            settings.load(_parse(*argv), env)
+        assert key not in str(e.value)
+    # `hicache serve` stops before loading anything, naming the option, never the key
+    assert cli.main(["serve", "--kv-events-salt-key", "0123456789"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "kv_events_salt_key" in err and "0123456789" not in err

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hicache.storage import codec
 from hicache.storage import file as file_mod
 from hicache.storage import redis as redis_mod
+from hicache.storage.base import ObjectContent
 from hicache.storage.codec import Corrupt
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8, torch.int64]
@@ -115,6 +116,18 @@ def test_empty_tensor_round_trips():
 
 # ---- the file backend's framing ------------------------------------------------------------------
 T = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+# written by the format's VERSION 4 (pinned): with content (a namespace and two tokens), with
+# the shared namespace, without content
+FILE_V4_TENSOR = bytes.fromhex(
+    "48434b560400020004000000030000000c00000000000000c389a7a5381e7d4b62666c6f6174313600000000"
+    "0000000004000000020000006b6579307061720200000000000000030000000000000061636d650500000006"
+    "0000000000803f004040408040a040")
+FILE_V4_BYTES = bytes.fromhex(
+    "48434b560400010102000000ffffffff030000000000000050392f89945faf7875696e743800000000000000"
+    "00000000ffffffff010000006b31030000000000000007000000616263")
+FILE_V4_NO_CONTENT = bytes.fromhex(
+    "48434b560400010102000000ffffffff030000000000000050392f89945faf7875696e743800000000000000"
+    "00000000ffffffffffffffff6b310300000000000000616263")
 # written by the format's VERSION 3 (pinned: files already on disk must still read)
 FILE_V3_TENSOR = bytes.fromhex(
     "48434b560300020004000000030000000c00000000000000c389a7a5381e7d4b62666c6f6174313600000000"
@@ -125,23 +138,41 @@ FILE_V3_BYTES = bytes.fromhex(
 
 
 def test_file_format_is_unchanged():
-    head, payload = file_mod._encode("key0", T, "par")
-    assert head + bytes(payload) == FILE_V3_TENSOR
+    head, payload = file_mod._encode("key0", T, "par", ObjectContent.of("acme", [5, 6]))
+    assert head + bytes(payload) == FILE_V4_TENSOR
+    head, payload = file_mod._encode("k1", b"abc", None, ObjectContent.of(None, [7]))
+    assert head + bytes(payload) == FILE_V4_BYTES
     head, payload = file_mod._encode("k1", b"abc", None)
-    assert head + bytes(payload) == FILE_V3_BYTES
+    assert head + bytes(payload) == FILE_V4_NO_CONTENT
 
 
 def test_file_header_reads_back():
+    h = file_mod._read_header(io.BytesIO(FILE_V4_TENSOR))
+    assert (h.key, h.parent, h.kind, h.dtype, h.shape, h.payload_len, h.version) == (
+        "key0", "par", 0, "bfloat16", (2, 3), 12, 4)
+    assert h.content == ObjectContent.of("acme", [5, 6]) and h.content.token_ids() == [5, 6]
+    assert h.matches(FILE_V4_TENSOR[h.header_len:])
+    assert not h.matches(FILE_V4_TENSOR[h.header_len:-1] + b"\0")
+    h = file_mod._read_header(io.BytesIO(FILE_V4_BYTES))
+    assert (h.key, h.parent, h.kind, h.shape, h.content) == (
+        "k1", None, 1, (3,), ObjectContent(None, bytes([7, 0, 0, 0])))
+    h = file_mod._read_header(io.BytesIO(FILE_V4_NO_CONTENT))
+    assert (h.key, h.shape, h.content) == ("k1", (3,), None)
+
+
+def test_version3_file_header_reads_as_before():
+    """Files written before the content (VERSION 3) read as before, their content unknown."""
     h = file_mod._read_header(io.BytesIO(FILE_V3_TENSOR))
     assert (h.key, h.parent, h.kind, h.dtype, h.shape, h.payload_len, h.version) == (
         "key0", "par", 0, "bfloat16", (2, 3), 12, 3)
+    assert h.content is None
     assert h.matches(FILE_V3_TENSOR[h.header_len:])
     assert not h.matches(FILE_V3_TENSOR[h.header_len:-1] + b"\0")
     h = file_mod._read_header(io.BytesIO(FILE_V3_BYTES))
-    assert (h.key, h.parent, h.kind, h.shape) == ("k1", None, 1, (3,))
+    assert (h.key, h.parent, h.kind, h.shape, h.content) == ("k1", None, 1, (3,), None)
 
 
-@pytest.mark.parametrize("version", [0, 1, 4, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, 5, 0xFFFF])
 def test_file_of_another_version_is_corrupt(version):
     raw = FILE_V3_TENSOR[:4] + struct.pack("<H", version) + FILE_V3_TENSOR[6:]
     with pytest.raises(Corrupt, match=f"version {version}"):
@@ -154,9 +185,23 @@ def test_file_with_a_bad_magic_is_corrupt():
 
 
 @pytest.mark.parametrize("cut", [0, 3, 6, 20, 47, 50])
-def test_truncated_file_header_is_corrupt(cut):
+@pytest.mark.parametrize("raw", [FILE_V3_TENSOR, FILE_V4_TENSOR], ids=["v3", "v4"])
+def test_truncated_file_header_is_corrupt(cut, raw):
     with pytest.raises(Corrupt, match="short header"):
-        file_mod._read_header(io.BytesIO(FILE_V3_TENSOR[:cut]))
+        file_mod._read_header(io.BytesIO(raw[:cut]))
+
+
+def test_truncated_file_content_is_corrupt():
+    h = file_mod._read_header(io.BytesIO(FILE_V4_TENSOR))
+    with pytest.raises(Corrupt, match="short header"):
+        file_mod._read_header(io.BytesIO(FILE_V4_TENSOR[:h.header_len - 1]))
+
+
+def test_file_content_beyond_the_limits_is_corrupt():
+    at = file_mod._FIXED.size - 4  # token_count
+    raw = FILE_V4_TENSOR[:at] + struct.pack("<I", 1 << 30) + FILE_V4_TENSOR[at + 4:]
+    with pytest.raises(Corrupt, match="bad header fields"):
+        file_mod._read_header(io.BytesIO(raw))
 
 
 # ---- the redis backend's framing -----------------------------------------------------------------

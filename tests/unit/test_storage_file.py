@@ -644,8 +644,8 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
             store = eng.scheduler.tree_cache.l3.storage
             real_set = store.batch_set
 
-            def spy(keys, values, parents=None):
-                ok = real_set(keys, values, parents)
+            def spy(keys, values, parents=None, contents=None):
+                ok = real_set(keys, values, parents, contents)
                 calls.append(ok)
                 return ok
 

@@ -47,7 +47,7 @@ class _SlowReconcile(StorageBackend):
     def batch_get(self, keys) -> list[StorageValue | None]:
         return [None] * len(keys)
 
-    def batch_set(self, keys, values, parents=None) -> list[bool]:
+    def batch_set(self, keys, values, parents=None, contents=None) -> list[bool]:
         return [False] * len(keys)
 
     def delete(self, key: str) -> None:
