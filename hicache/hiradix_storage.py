@@ -35,6 +35,7 @@ from hicache.base_prefix_cache import MatchResult, PrefetchStart
 from hicache.controller import HiCacheController
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.radix_cache import RadixCache, TreeNode
+from hicache.stats import L3Stats, Moves, l3_stats
 from hicache.storage_io import BackupJob, PrefetchOperation, StorageIO
 
 log = logging.getLogger(__name__)
@@ -610,24 +611,12 @@ class StorageMixin(RadixCache):
         keys = self.storage_keys(key)[start // S:]
         return bool(keys) and all(self.storage.exists_mask(keys))
 
-    def storage_stats(self) -> dict[str, Any]:
-        l3: dict[str, Any] = dict(self.storage.stats())
-        describe = getattr(self.storage, "describe", None)
-        if describe is not None:
-            l3.update(describe())  # backend, address (strings)
-        S, io = self.object_size, self._io
-        object_bytes = S * self.controller.bytes_per_token
-        if "objects" in l3:
-            l3["used_tokens"] = l3["objects"] * S
-        if "capacity_bytes" in l3:
-            l3["capacity_tokens"] = l3["capacity_bytes"] // object_bytes * S
-        l3["object_tokens"] = S
-        l3["prefetch_policy"] = self.prefetch_policy
-        l3.update({k: v for k, v in io.stats.items() if k != "backup_errors"})
-        l3.update(self.l3_counters)
-        l3["pending_backups"] = len(self.ongoing_backup)
-        l3["deferred_backups"] = len(self.deferred_backups)
-        l3["pending_prefetches"] = len(self.ongoing_prefetch)
-        l3["errors"] = (l3.get("errors", 0) + io.stats["backup_errors"]
-                        + io.stats["prefetch_errors"])
-        return l3
+    def storage_stats(self, hit_tokens: int) -> tuple[L3Stats, Moves]:
+        """L3's record and the L2 <-> L3 traffic (reported on L2); ``hit_tokens``: prompt
+        tokens L3 served (the scheduler's count)."""
+        return l3_stats(
+            hit_tokens=hit_tokens, backend=self.storage.stats(), describe=self.storage.describe(),
+            object_tokens=self.object_size, bytes_per_token=self.controller.bytes_per_token,
+            prefetch_policy=self.prefetch_policy, io=self._io.stats, counters=self.l3_counters,
+            pending_backups=len(self.ongoing_backup), deferred_backups=len(self.deferred_backups),
+            pending_prefetches=len(self.ongoing_prefetch))
