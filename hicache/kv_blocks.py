@@ -33,8 +33,9 @@ from typing import Any, NamedTuple
 import xxhash
 
 from hicache.radix_cache import RadixCache
+from hicache.tier import MEMORY_TIERS
 
-TIERS = ("l1", "l2")  # NOTE: L3 objects outlive the tree's nodes: not derivable from the tree
+TIERS = MEMORY_TIERS  # NOTE: L3 objects outlive the tree's nodes: not derivable from the tree
 
 
 @dataclass(frozen=True)
