@@ -42,7 +42,7 @@ _TIER_FAMILIES: tuple[tuple[str, str, bool, Callable[[TierStats], int]], ...] = 
      True, lambda t: t.hit_tokens),
     ("hicache_evicted_tokens_total", "Tokens evicted from the tier", True, lambda t: t.evicted_tokens),
     ("hicache_errors_total",
-     "Failed operations of the tier (l2: host copies and loads; l3: backend calls and jobs)",
+     "Failed operations of the tier (l2: device <-> host copies; l3: backend calls and jobs)",
      True, lambda t: t.errors),
 )
 # the traffic fields, named after the copy: L1 <-> L2 (on l1, while there is an L2) and
