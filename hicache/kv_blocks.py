@@ -35,10 +35,11 @@ from typing import Any, NamedTuple
 import xxhash
 
 from hicache.radix_cache import RadixCache
+from hicache.tier import MEMORY_TIERS
 
 # The tiers of KV events: the tree's two (TREE_TIERS, this module) and L3's, named by where its
 # objects live (L3_TIERS, hicache.l3_blocks: L3 objects outlive the tree's nodes)
-TREE_TIERS = ("l1", "l2")
+TREE_TIERS = MEMORY_TIERS
 L3_TIERS = ("disk", "external")  # a file L3 on this machine; a server other daemons may share
 TIERS = TREE_TIERS + L3_TIERS
 

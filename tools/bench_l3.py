@@ -27,6 +27,7 @@ machine, load average before / after).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -87,7 +88,8 @@ def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
             eng = engine(opts)
             try:
                 step(eng, name, p)
-                samples.setdefault(name + "_stats", []).append(eng.cache_stats()["l3"])
+                samples.setdefault(name + "_stats", []).append(
+                    dataclasses.asdict(eng.cache_stats().l3))
             finally:
                 eng.shutdown()
 

@@ -24,6 +24,7 @@ on the same storage dir). Each hit is checked against cached_tokens_per_tier.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,12 +36,12 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import Engine
-
-TIERS = ("l1", "l2", "l3")
+from hicache.tier import TIERS
 
 
 class _Counter(logging.Handler):
@@ -96,13 +97,18 @@ def run_request(engine: Engine, ids: list[int], max_new: int) -> tuple[float, li
         last.cached_tokens_per_tier or {})
 
 
+def stats_dict(record: Any) -> dict | None:
+    """A stats record (hicache.stats) as JSON-ready dicts; None stays None (a tier not there)."""
+    return dataclasses.asdict(record) if record is not None else None
+
+
 def stats_snapshot(engine: Engine) -> dict:
     s = engine.cache_stats()
     return {
-        **{t: (s.get(t) or {}).get("hit_tokens", 0) for t in TIERS},
-        "miss": s.get("miss_tokens", 0),
-        "prompt": s.get("prompt_tokens", 0),
-        "raw": s,
+        **{t: (tier.hit_tokens if (tier := s.tier(t)) is not None else 0) for t in TIERS},
+        "miss": s.miss_tokens,
+        "prompt": s.prompt_tokens,
+        "raw": dataclasses.asdict(s),
     }
 
 
@@ -110,8 +116,8 @@ def wait_writes(engine: Engine, timeout: float = 20.0) -> None:
     """Wait until the hierarchical cache has no ongoing host writes (best effort)."""
     end = time.time() + timeout
     while time.time() < end:
-        s = engine.cache_stats()
-        if not s.get("l2") or s["l2"].get("ongoing_writes", 0) == 0:
+        l2 = engine.cache_stats().l2
+        if l2 is None or l2.ongoing_writes == 0:
             return
         time.sleep(0.05)
 
@@ -273,7 +279,7 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
             out["checks"].setdefault("l2", []).append(pick(tiers))
         wait_writes(eng)
         time.sleep(1.0)  # let the L3 write-through finish
-        out["l3_stats_before_restart"] = eng.cache_stats().get("l3")
+        out["l3_stats_before_restart"] = stats_dict(eng.cache_stats().l3)
     finally:
         eng.shutdown()
 

@@ -61,7 +61,15 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_TOOLS))
 sys.path.insert(0, _TOOLS)
 
-from bench_multiturn import REQUEUES, TIERS, pct, plot_tier_hits, rand_tokens, stats_snapshot
+from bench_multiturn import (
+    REQUEUES,
+    TIERS,
+    pct,
+    plot_tier_hits,
+    rand_tokens,
+    stats_dict,
+    stats_snapshot,
+)
 
 from engine import Engine
 
@@ -238,7 +246,7 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
             for i in range(a.reps):
                 step(eng, "b_pressure", B if i == 0 else fresh[i])  # pushes A out of L1
                 step(eng, "l2_hit", A)
-            res["l3_before_shutdown"] = eng.cache_stats().get("l3")
+            res["l3_before_shutdown"] = stats_dict(eng.cache_stats().l3)
         finally:
             t0 = time.perf_counter()
             eng.shutdown()  # flushes the pending L3 backups
@@ -251,7 +259,7 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
         try:
             timed_request(eng, WARMUP, 1, a.request_timeout)
             step(eng, "l3_hit", A)
-            res.setdefault("l3_after_hit", []).append(eng.cache_stats().get("l3"))
+            res.setdefault("l3_after_hit", []).append(stats_dict(eng.cache_stats().l3))
         finally:
             eng.shutdown()
 

@@ -16,6 +16,7 @@ import torch
 from engine.detokenizer.text import TextStream
 from engine.runtime.sampling import SamplingParams
 from hicache.base_prefix_cache import MatchResult
+from hicache.tier import TIERS
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class Req:
         self.retractions = 0
         # Accounting (first prefill only)
         self.cached_tokens = 0
-        self.cached_tokens_per_tier: dict[str, int] = {"l1": 0, "l2": 0, "l3": 0}
+        self.cached_tokens_per_tier: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.host_hit_length = 0  # tokens of the match on host (L2), loaded back at admission
         # its hit was counted (admission); NOTE: a retracted request keeps it: counted once
         self.hit_counted = False

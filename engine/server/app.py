@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.config import ServerArgs
 from engine.runtime import cache_admin, tenant_cache
 from engine.runtime.scheduler import SchedulerCall
-from engine.runtime.tenant_cache import TIERS, TenantQuota
+from engine.runtime.tenant_cache import TenantQuota
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
@@ -46,6 +46,8 @@ from engine.server.pb import (
 from engine.server.settings import DaemonSettings, describe_tiers
 from engine.server.sglang_worker import SglangWorkerServicer
 from engine.server.state import DaemonState
+from hicache.stats import CacheStats
+from hicache.tier import TIERS
 
 log = logging.getLogger(__name__)
 SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE, SGLANG_SERVICE)
@@ -169,7 +171,9 @@ class Daemon:
         await self.server.start()
         # NOTE: the HTTP port answers /metrics too, so the figures are kept with either port
         self.state.metrics = (
-            Metrics(self._stats_for_metrics) if s.metrics_port or s.http_port else None
+            Metrics(self._stats_for_metrics, self._tenants_for_metrics if s.tenants else None)
+            if s.metrics_port or s.http_port
+            else None
         )
         if s.metrics_port:
             self.metrics_port = self.state.metrics.serve(s.metrics_port, s.metrics_host)
@@ -188,16 +192,19 @@ class Daemon:
             log.info("cache tiers: %s", describe_tiers(self.server_args.public_dict()))
         return self.port
 
-    def _stats_for_metrics(self) -> dict[str, Any] | None:
+    def _stats_for_metrics(self) -> CacheStats | None:
         engine = self.state.engine
         if engine is None or not self.state.ready:
             return None
-        stats = engine.cache_stats()
-        if self.settings.tenants:
-            stats["tenants"] = engine.call_in_scheduler(
-                SchedulerCall(tenant_cache.tenant_figures, (self.settings.tenants,))
-            )
-        return stats
+        return engine.cache_stats()
+
+    def _tenants_for_metrics(self) -> dict[str, dict[str, dict[str, int]]] | None:
+        engine = self.state.engine
+        if engine is None or not self.state.ready:
+            return None
+        return engine.call_in_scheduler(
+            SchedulerCall(tenant_cache.tenant_figures, (self.settings.tenants,))
+        )
 
     async def _load(self) -> None:
         st = self.state

@@ -35,6 +35,7 @@ from engine.errors import EngineShutdownError
 from engine.runtime.engine import L3_DRAIN_S, SCHEDULER_JOIN_S, EngineFront, RequestHandle
 from engine.runtime.process import SchedulerInfo, scheduler_main
 from engine.tokenizer import Prompt, TokenizerManager
+from hicache.stats import CacheStats
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # model conversion + load on a slow machine
@@ -233,7 +234,8 @@ class SplitEngine(EngineFront):
         a SchedulerCall of one with plain arguments)."""
         return self._call(ipc.InScheduler(fn, timeout), timeout=timeout)
 
-    def cache_stats(self) -> dict[str, Any]:
+    def cache_stats(self) -> CacheStats:
+        """The scheduler process's record (pickled across)."""
         return self._call(ipc.CacheStats())
 
     def model_info(self) -> dict[str, Any]:

@@ -96,8 +96,8 @@ def test_backups_beyond_their_share_of_l2_wait_and_go_as_earlier_ones_land(gated
         _land_writes(r)
     assert l3.backup_host_tokens == 32 <= share
     assert len(l3.ongoing_backup) == 2 and list(l3.deferred_backups) == [_node(r, keys[2]).id]
-    assert l3.storage_stats()["backup_deferred"] == 1
-    assert l3.storage_stats()["deferred_backups"] == 1
+    assert l3.storage_stats(0)[0].backup_deferred == 1
+    assert l3.storage_stats(0)[0].deferred_backups == 1
     store.writes.open()
     r.settle()  # the first two land, the deferred one is submitted ...
     r.settle()  # ... and lands
