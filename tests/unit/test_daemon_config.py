@@ -243,3 +243,15 @@ def test_storage_admin_rpcs_are_admin_mutations():
 def test_disable_overlap_is_auto_unless_set(argv, env, want):
     _, e = settings.load(_parse(*argv), env)
     assert e.disable_overlap is want
+
+
+@pytest.mark.parametrize("argv,device,want", [
+    ([], "cpu", 0),  # auto: every L3 hit is read on the CPU
+    ([], "cuda", 256),  # SGLang's default on CUDA
+    ([], "cuda:1", 256),
+    (["--hicache-prefetch-threshold", "256"], "cpu", 256),
+    (["--hicache-prefetch-threshold", "0"], "cuda", 0),
+])
+def test_prefetch_threshold_is_auto_by_device_unless_set(argv, device, want):
+    _, e = settings.load(_parse(*argv, "--device", device), {})
+    assert e.hicache_prefetch_threshold == want
