@@ -231,12 +231,13 @@ def test_default_object_size_and_threshold(tiny_llama_dir, tmp_path):
 
 def test_default_threshold_reads_l3_beyond_a_shared_header(tiny_llama_dir, tmp_path):
     """A conversation's next turn whose own history is in L3 and whose first tokens (a chat
-    template's header, a system prompt) another conversation keeps in L1: with the defaults on
-    the CPU its L3 hit is read, not recomputed, however few tokens it adds beyond that header
-    (here 224: under SGLang's threshold of 256)."""
+    template's header, a system prompt) another conversation keeps in L1: with the default
+    threshold on the CPU its L3 hit is read, not recomputed, however few tokens it adds beyond
+    that header (here 224: under SGLang's threshold of 256)."""
     header, a_own, b_own = _prompts(3, seed=9, length=240)
     a, b = header[:32] + a_own, header[:32] + b_own[:100]  # 272 tokens: 4 objects in L3
-    opts = _opts(tmp_path, max_total_tokens=1024)
+    # (wait_complete: what is read does not depend on how fast the read thread runs)
+    opts = _opts(tmp_path, max_total_tokens=1024, hicache_storage_prefetch_policy="wait_complete")
     for k in ("hicache_storage_page_size", "hicache_prefetch_threshold"):
         opts.pop(k)
     with Engine(tiny_llama_dir, **opts) as eng:
