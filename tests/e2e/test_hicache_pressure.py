@@ -206,8 +206,9 @@ def test_l3_index_repairs_itself(tiny_llama_dir, tmp_path, damage):
 
 
 def test_default_object_size_and_threshold(tiny_llama_dir, tmp_path):
-    """Defaults: 64-token objects, a prefetch only for an L3 hit of 256 tokens or more, the
-    timeout policy."""
+    """Defaults: 64-token objects, the timeout policy, and on the CPU a prefetch of any L3 hit
+    beyond the L1 + L2 match; with SGLang's threshold (256, CUDA's default) a hit of fewer
+    tokens is recomputed."""
     prompt = _prompts(1, seed=6, length=400)[0]
     opts = _opts(tmp_path, max_total_tokens=1024)
     for k in ("hicache_storage_page_size", "hicache_prefetch_threshold"):
@@ -216,15 +217,39 @@ def test_default_object_size_and_threshold(tiny_llama_dir, tmp_path):
         first = eng.generate(prompt, GREEDY)
         short = eng.generate(prompt[:250], GREEDY)
     with Engine(tiny_llama_dir, **opts) as eng:
-        short2 = eng.generate(prompt[:250], GREEDY)  # 3 objects (192 tokens) in L3: too few
+        assert eng.server_args.hicache_prefetch_threshold == 0
+        short2 = eng.generate(prompt[:250], GREEDY)  # 3 objects (192 tokens) in L3
+    with Engine(tiny_llama_dir, **opts, hicache_prefetch_threshold=256) as eng:
+        short3 = eng.generate(prompt[:250], GREEDY)  # too few for this threshold
     with Engine(tiny_llama_dir, **opts) as eng:
         assert eng.server_args.hicache_storage_prefetch_policy == "timeout"
         again = eng.generate(prompt, GREEDY)
         l3 = _l3_stats(eng)
-    assert short2.token_ids == short.token_ids and short2.cached_tokens == 0
+    assert short2.token_ids == short.token_ids and short2.cached_tokens_per_tier["l3"] == 192
+    assert short3.token_ids == short.token_ids and short3.cached_tokens == 0
     assert again.token_ids == first.token_ids
     assert again.cached_tokens_per_tier["l3"] == 384  # (400 - 1) // 64 * 64
     assert l3.object_tokens == 64 and l3.used_tokens == 384
+
+
+def test_default_threshold_reads_l3_beyond_a_shared_header(tiny_llama_dir, tmp_path):
+    """A conversation's next turn whose own history is in L3 and whose first tokens (a chat
+    template's header, a system prompt) another conversation keeps in L1: with the default
+    threshold on the CPU its L3 hit is read, not recomputed, however few tokens it adds beyond
+    that header (here 224: under SGLang's threshold of 256)."""
+    header, a_own, b_own = _prompts(3, seed=9, length=240)
+    a, b = header[:32] + a_own, header[:32] + b_own[:100]  # 272 tokens: 4 objects in L3
+    # (wait_complete: what is read does not depend on how fast the read thread runs)
+    opts = _opts(tmp_path, max_total_tokens=1024, hicache_storage_prefetch_policy="wait_complete")
+    for k in ("hicache_storage_page_size", "hicache_prefetch_threshold"):
+        opts.pop(k)
+    with Engine(tiny_llama_dir, **opts) as eng:
+        first = eng.generate(a, GREEDY)  # shutdown stores its objects
+    with Engine(tiny_llama_dir, **opts) as eng:
+        eng.generate(b, GREEDY)  # the shared header is in L1 now
+        again = eng.generate(a, GREEDY)
+    assert again.token_ids == first.token_ids
+    assert again.cached_tokens_per_tier == {"l1": 32, "l2": 0, "l3": 256 - 32}
 
 
 def test_abort_while_prefetching_frees_everything(tiny_llama_dir, tmp_path, gated):
