@@ -30,6 +30,7 @@ import torch
 
 from engine.detokenizer.text import TextStream
 from engine.runtime.sampling import SamplingParams
+from hicache.tier import TIERS
 
 if TYPE_CHECKING:
     from hicache.base_prefix_cache import MatchResult
@@ -120,7 +121,7 @@ class KVState:
 
 
 def _no_tier_hits() -> dict[str, int]:
-    return {"l1": 0, "l2": 0, "l3": 0}
+    return dict.fromkeys(TIERS, 0)
 
 
 @dataclass(eq=False)
