@@ -372,6 +372,23 @@ class BasePrefixCache(ABC):
         (its match counts them as L2: they came from L3)."""
         return 0
 
+    def admit(self, req: CacheRequest) -> dict[str, int]:
+        """The request was admitted (call once): its hit counts (``record_hit``) and its L3
+        prefetch is done with (``l3_admitted``). Returns its prefix tokens per tier, the tokens
+        its own prefetch put in the tree counted as L3, not as the L2 its match saw."""
+        kv = req.kv
+        from_l3 = self.l3_admitted(req)
+        if kv.last_node is not None:
+            self.record_hit(kv.last_node)
+        res = kv.match_result
+        if res is None or res.tier_tokens is None:
+            return {Tier.L1.value: len(kv.prefix_indices)}
+        tiers = dict(res.tier_tokens)
+        moved = min(from_l3, tiers.get(Tier.L2.value, 0))
+        tiers[Tier.L2.value] = tiers.get(Tier.L2.value, 0) - moved
+        tiers[Tier.L3.value] = tiers.get(Tier.L3.value, 0) + moved
+        return tiers
+
     def l3_forget(self, req: CacheRequest) -> None:
         """The request went away (finished, aborted, failed): stop its prefetch, drop what the
         cache knows of it."""

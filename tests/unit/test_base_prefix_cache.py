@@ -69,6 +69,8 @@ def test_single_tier_caches_answer_optional_calls_neutrally(make):
     tree.l3_matched(req)
     assert tree.l3_ready(req, [], lambda r: pytest.fail("no re-match without L3"))
     assert tree.l3_admitted(req) == 0 and tree.prefetch_deadline() is None
+    kv.last_node = res.last_device_node
+    assert tree.admit(req) == {"l1": len(res.device_indices)}
     tree.l3_forget(req)
     assert tree.pending_layer_wait() is None and tree.host_reads() is None
     indices, node = tree.init_load_back(res.last_device_node, res)

@@ -346,7 +346,10 @@ def test_admission_waits_for_the_prefetch_and_counts_its_tokens_as_l3(gated):
     rematch(tree, req)
     assert req.kv.host_hit_length == 32  # the read landed in L2
     assert tree.l3_ready(req, [], lambda q: pytest.fail("no re-match needed"))
-    assert tree.l3_admitted(req) == 32 and not tree.l3.prefetch.has_prefetch("a")
+    assert req.kv.match_result.tier_tokens == {"l1": 0, "l2": 32, "l3": 0}
+    # the 32 tokens its match sees in L2 came from L3: admission counts them there
+    assert tree.admit(req) == {"l1": 0, "l2": 0, "l3": 32}
+    assert not tree.l3.prefetch.has_prefetch("a")
     assert calls == [1]  # its object keys were hashed once
     assert tree.l3_hit(req) == 32  # kept (a retracted request comes back with it) ...
     tree.l3_forget(req)

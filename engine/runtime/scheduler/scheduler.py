@@ -415,24 +415,13 @@ class Scheduler:
         self.tree_cache.wait_pending_loads()
 
     def _count_hit(self, req: Req) -> None:
-        """Admission: the hit counts once (tree access times / hit counts, and our tiers)."""
-        adm, kv = req.admission, req.kv
+        """Admission: the hit counts once (the tree's ``admit``) in the request and here."""
+        adm = req.admission
         if adm.hit_counted:
             return  # a chunk of an admitted request, or a retracted one coming back
         adm.hit_counted = True
-        from_l3 = self.tree_cache.l3_admitted(req)
-        if kv.last_node is not None:
-            self.tree_cache.record_hit(kv.last_node)
-        res = kv.match_result
-        per_tier = res.tier_tokens if res is not None else None
-        tiers = dict(per_tier or {"l1": len(kv.prefix_indices)})
-        # NOTE: a prefetch lands in L2, so the match sees those tokens as L2: they came from L3
-        moved = min(from_l3, tiers.get("l2", 0))
-        tiers["l2"] = tiers.get("l2", 0) - moved
-        tiers["l3"] = tiers.get("l3", 0) + moved
-        for tier, n in tiers.items():
-            adm.cached_tokens_per_tier[tier] = n
-        adm.cached_tokens = len(kv.prefix_indices)
+        adm.cached_tokens_per_tier.update(self.tree_cache.admit(req))
+        adm.cached_tokens = len(req.kv.prefix_indices)
         self.counters.record_match(
             adm.cached_tokens_per_tier, len(req.origin_input_ids) - adm.cached_tokens
         )
