@@ -1,4 +1,4 @@
-"""HiCacheController: the only code that moves KV bytes between tiers (seed 001).
+"""HiCacheController: the only code that moves KV bytes between tiers.
 
     tree --write(device_indices)--> write_queue --start_writing--> write worker: D->H all
          (host slots allocated+protected)                          layers --> ack_write_queue

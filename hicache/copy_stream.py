@@ -1,4 +1,4 @@
-"""CopyStream: where the controller's KV copies run, off the compute stream (seed 001).
+"""CopyStream: where the controller's KV copies run, off the compute stream.
 
     compute stream  ──forward──●ready──────────────wait(ev[0])─attn L0──wait(ev[1])─attn L1──
                                │                      ▲                    ▲

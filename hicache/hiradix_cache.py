@@ -1,4 +1,4 @@
-"""HiRadixCache: the radix tree over three tiers (seed 001). The tree decides *what* moves; the
+"""HiRadixCache: the radix tree over three tiers. The tree decides *what* moves; the
 HiCacheController moves bytes and acknowledges.
 
 A node's KV lives on device (``value``), on host (``host_value``) or both:

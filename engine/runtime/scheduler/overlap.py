@@ -1,4 +1,4 @@
-"""Overlap scheduling (seed 002's overlap loop; SGLang's future token ids).
+"""Overlap scheduling (SGLang's future token ids).
 
 The forward of step N runs on the ``ForwardWorker`` thread while the scheduler thread builds
 step N+1 and handles step N's results once N+1 is on its way:

@@ -1,4 +1,4 @@
-"""SchedulePolicy: the order in which waiting requests are considered (seed 004).
+"""SchedulePolicy: the order in which waiting requests are considered.
 
 Aging (``lpm``, ``dfs-weight``): cache-aware orders serve well-cached requests first, which
 wins on the median but, without aging, lets follow-up turns overtake a first turn forever. A

@@ -1,4 +1,4 @@
-"""PrefillAdder: decides which waiting requests fit the next prefill batch (seed 004)."""
+"""PrefillAdder: decides which waiting requests fit the next prefill batch."""
 
 from __future__ import annotations
 

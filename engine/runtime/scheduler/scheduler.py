@@ -1,4 +1,4 @@
-"""Scheduler: waiting queue -> prefill/decode batches -> results (seeds 000, 002, 004).
+"""Scheduler: waiting queue -> prefill/decode batches -> results.
 
 One thread owns every cache structure; other threads talk to it only through the inbox.
 The loop never spins: when a step does nothing it blocks on the inbox, which new requests,
