@@ -158,8 +158,13 @@ def run_inside(args: argparse.Namespace, project: Project) -> int:
         failed = _up_and_check(stack, args.nonce)
     finally:
         say("down ...")
-        stack.down()
+        # a service SIGKILLed at the end of its stop_grace_period lost what it had to finish
+        # (a daemon: its queued L3 backups)
+        unclean = [n for n, status in stack.down().items() if status not in (0, None)]
         forwarders.stop()
+    if unclean:
+        say(f"FAIL down: not a clean exit: {unclean}")
+        failed.append("down")
     for name, run in stack.running.items():
         if failed:
             say(f"--- {name} log ({run.log}):\n{run.output(3000)}")

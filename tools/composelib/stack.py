@@ -101,8 +101,10 @@ class Stack:
         """`docker compose stop NAME`."""
         return self.running[name].stop()
 
-    def down(self) -> None:
-        """Every service stopped (dependents first) and its container removed."""
+    def down(self) -> dict[str, int | None]:
+        """Every service stopped (dependents first) and its container removed; returns each
+        started service's exit status (-9: SIGKILLed after its stop_grace_period)."""
+        statuses: dict[str, int | None] = {}
         for wave in reversed(self.project.start_order()):
             for name in wave:
                 run = self.running.get(name)
@@ -110,9 +112,11 @@ class Stack:
                     continue
                 if run.popen is not None:  # else created, never started
                     secs, status = run.stop()
+                    statuses[name] = status
                     self.say(f"{name}: stopped in {secs:.1f} s, status {status}")
                 left = kill_inside(self.net.netns(name))
                 if left:
                     self.say(f"{name}: killed processes left in its namespace: {left}")
                 if isinstance(run, ContainerService):
                     run.remove()
+        return statuses
