@@ -305,14 +305,19 @@ def _evict_args(ns: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serve_options: bool = True) -> argparse.ArgumentParser:
+    """`serve_options=False` leaves out `serve`'s options: their definitions import the engine's
+    settings and with them torch, seconds of CPU that a client command does not need (the
+    daemon image's healthcheck runs `hicache health` every 15-30 s)."""
     from engine.client.cli_args import add_client_commands
-    from engine.server.settings import add_arguments
 
     p = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the gRPC daemon")
-    add_arguments(serve)
+    if serve_options:
+        from engine.server.settings import add_arguments
+
+        add_arguments(serve)
     serve.set_defaults(func=_serve)
     add_client_commands(
         sub,
@@ -371,7 +376,8 @@ def _hoist_global_flags(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
-    ns = build_parser().parse_args(argv)
+    client = bool(argv) and not argv[0].startswith("-") and argv[0] != "serve"
+    ns = build_parser(serve_options=not client).parse_args(argv)
     if ns.command != "serve":
         ns.addr = ns.addr or os.environ.get("HICACHE_ADDR", "127.0.0.1:50051")
         ns.token = ns.token or os.environ.get("HICACHE_TOKEN")

@@ -130,3 +130,21 @@ def test_silu_mul_equals_torch(rows, inter):
     lib.silu_mul(gate_up.data_ptr(), rows, inter, act.data_ptr(), cpu_kernels.threads())
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_a_cached_build_is_used_without_a_compiler(tmp_path, monkeypatch):
+    """The daemon image compiles the kernels at build time into HICACHE_KERNEL_CACHE and ships
+    no compiler: the cached build must be found before a compiler is looked for."""
+    built = cpu_kernels.cached_path()  # what this process loaded
+    assert built.is_file()
+    monkeypatch.setenv("HICACHE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_kernels._build()
+    target = cpu_kernels.cached_path()
+    assert target.parent == tmp_path / "kernels" and target.name == built.name
+    target.parent.mkdir()
+    target.write_bytes(built.read_bytes())
+    assert cpu_kernels._build() == target
+    assert cpu_kernels._load(target).rms_norm_residual is not None

@@ -125,22 +125,30 @@ def _cflags() -> list[str]:
     return _CFLAGS + _ISA_FLAGS[isa()]
 
 
+def cached_path() -> Path:
+    """Where the build for these sources and flags is kept: ``$HICACHE_KERNEL_CACHE`` (else
+    ``~/.cache/hicache``) ``/kernels/cpu_kernels-<hash of sources + flags>.so``."""
+    sources = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]")))
+    digest = hashlib.sha256(sources + " ".join(_cflags()).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("HICACHE_KERNEL_CACHE") or Path.home() / ".cache" / "hicache")
+    return root / "kernels" / f"cpu_kernels-{digest}.so"
+
+
 def _build() -> Path:
-    """Compile the source once per sources + flags into the user cache (atomic rename)."""
+    """Compile the source once per sources + flags into the user cache (atomic rename).
+    NOTE: a cached build needs no compiler: the daemon image compiles at build time and ships
+    without one (docker/Dockerfile)."""
     if os.environ.get("HICACHE_NO_CPU_KERNEL"):
         raise RuntimeError("HICACHE_NO_CPU_KERNEL is set")
     if not _cpu_has_avx2():
         raise RuntimeError("the CPU lacks AVX2/FMA/F16C")
+    target = cached_path()
+    if target.is_file():
+        return target
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    sources = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]")))
     flags = _cflags()
-    digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("HICACHE_KERNEL_CACHE") or Path.home() / ".cache" / "hicache")
-    target = root / "kernels" / f"cpu_kernels-{digest}.so"
-    if target.is_file():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
