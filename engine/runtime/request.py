@@ -8,13 +8,13 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine.detokenizer.text import TextStream
-from engine.runtime.sampling import SamplingParams
+from engine.front import FinishKind, SamplingParams, StreamChunk
 from hicache.base_prefix_cache import MatchResult
 
 log = logging.getLogger(__name__)
@@ -24,23 +24,9 @@ _rid_counter = itertools.count()
 
 @dataclass
 class FinishReason:
-    kind: str  # "stop" (EOS / stop token / stop string) | "length" | "abort"
+    kind: FinishKind
     matched: int | str | None = None  # the stop token id or stop string
     message: str = ""
-
-
-@dataclass
-class StreamChunk:
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    cached_tokens_per_tier: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
 
 
 class Req:
@@ -95,7 +81,7 @@ class Req:
         self.finished_reason: FinishReason | None = None
         self.to_abort = False
         # Streaming
-        self.chunks: queue.Queue[StreamChunk] = queue.Queue()
+        self.chunks: queue.Queue[StreamChunk | BaseException] = queue.Queue()
         self.sink = sink or self.chunks.put
         text_tokenizer = tokenizer if sink is None or params.stop else None
         self.text = TextStream(text_tokenizer, params.skip_special_tokens, params.stop)
