@@ -35,8 +35,9 @@ _TIER_GAUGES = {
                                      "Cached tokens locked by running requests or pins"),
 }
 # evicted tokens per tier: (stats key, its unit in tokens: 1 or the stats key holding it)
-_EVICTED = {"l1": ("evicted_tokens", 1), "l2": ("evictions", 1),
-            "l3": ("evictions", "object_tokens")}  # NOTE: L3 counts objects
+_EVICTED: dict[str, tuple[str, int | str]] = {
+    "l1": ("evicted_tokens", 1), "l2": ("evictions", 1),
+    "l3": ("evictions", "object_tokens")}  # NOTE: L3 counts objects
 # tier -> transfers between tiers: name -> (stats key, its unit in tokens as in _EVICTED, help)
 _TRANSFERS: dict[str, dict[str, tuple[str, int | str, str]]] = {
     "l2": {

@@ -17,7 +17,6 @@ import grpc
 
 from engine.errors import EngineShutdownError, NotIdleError, QueueFullError, TierUnavailableError
 from engine.front import EngineFront, EventLogReader, Prompt, RequestHandle, StreamChunk
-from engine.runtime.scheduler import SchedulerCall
 from engine.server.auth import bearer, tenant_of
 from engine.server.tenants import PermissionDeniedError, Principal, TenantTable
 from engine.server.validate import ValidationError
@@ -49,7 +48,7 @@ class DaemonState:
 
     settings: DaemonSettings
     pool: ThreadPoolExecutor
-    engine: Any = None  # EngineFront | None
+    engine: EngineFront | None = None
     ready: bool = False
     draining: bool = False
     start_time: float = field(default_factory=time.time)
@@ -103,14 +102,6 @@ class DaemonState:
         except ValueError as e:
             raise ValidationError(str(e)) from e
 
-    async def in_scheduler(
-        self, fn: Callable[..., T], *args: Any, timeout: float = 30.0, **kwargs: Any
-    ) -> T:
-        """fn(scheduler, *args, **kwargs) on the scheduler thread (in the scheduler process of
-        a split daemon: fn must be module-level, the arguments and result plain data)."""
-        call = fn if isinstance(fn, SchedulerCall) else SchedulerCall(fn, args, kwargs)
-        return await self.run(self.engine.call_in_scheduler, call, timeout)
-
     async def require_engine(self, context: grpc.aio.ServicerContext,
                              while_draining: bool = False) -> EngineFront:
         """The engine, or the call ends UNAVAILABLE: still loading, or draining (new work is
@@ -119,7 +110,6 @@ class DaemonState:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if not self.ready or self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        assert self.engine is not None, "abort() raises"
         return self.engine
 
 

@@ -1,5 +1,6 @@
 """The engine boundary (engine/front.py): both engines implement all of EngineFront with its
-signatures, and the boundary module loads neither torch nor the runtime."""
+signatures, and neither the boundary nor the API server's modules load torch or the runtime
+(tests/e2e/test_daemon_process.py checks the running API server process)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ def _loaded_after(code: str) -> set[str]:
 def test_the_boundary_loads_neither_torch_nor_the_runtime():
     assert _loaded_after("import engine.front, engine.admin_records, engine.ipc, "
                          "engine.tokenizer, engine.server.split_engine") == set()
+
+
+def test_the_api_server_loads_neither_torch_nor_the_runtime():
+    """What the split daemon's API server process imports: the daemon, every servicer, the
+    HTTP API, the settings; the runtime only ever in the scheduler process."""
+    assert _loaded_after("import engine.server.app, engine.server.settings, "
+                         "engine.server.split_engine\n"
+                         "from engine.server.settings import load\n"
+                         "load(env={})") == set()
+
+
+def test_the_probe_sees_torch_when_it_is_loaded():
+    assert {"torch", "engine.runtime"} <= _loaded_after("import engine.runtime.engine")
