@@ -86,7 +86,13 @@ class ServerArgs:
     hicache_storage_prefetch_policy: str = "timeout"
     hicache_prefetch_timeout_base: float = 1.0  # seconds
     hicache_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1,024 prefetched tokens
-    hicache_prefetch_threshold: int = 256  # minimum L3 hit (tokens) worth a prefetch
+    # Fewest tokens an L3 hit must add beyond the L1 + L2 match to be prefetched (fewer are
+    # recomputed). None (auto): 256 on CUDA (SGLang's default, where a short prefill is cheap;
+    # not measured here), 0 elsewhere: on a CPU reading a hit back is never slower than
+    # recomputing it (as fast at 16 tokens, 5x faster at 224), and a prefix shared with other
+    # prompts (a chat template's header, a system prompt) sitting in L1 would otherwise keep a
+    # conversation's first 256 tokens in L3 from being read (docs/benchmarks.md, Gateway).
+    hicache_prefetch_threshold: int | None = None
     # Debug
     debug_check_invariants: bool = False  # KV accounting + tree integrity after every step
 
@@ -147,6 +153,8 @@ class ServerArgs:
                              f"({self.page_size}), got {sps}")
         if self.hicache_prefetch_timeout_base < 0 or self.hicache_prefetch_timeout_per_ki_token < 0:
             raise ValueError("hicache_prefetch_timeout_base / _per_ki_token must be >= 0")
+        if self.hicache_prefetch_threshold is None:
+            self.hicache_prefetch_threshold = 256 if self.device.startswith("cuda") else 0
         if self.hicache_prefetch_threshold < 0:
             raise ValueError("hicache_prefetch_threshold must be >= 0")
 

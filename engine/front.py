@@ -7,7 +7,7 @@ that cross it. The daemon's handlers type against `EngineFront` only; two classe
                                                 call a message to the scheduler process
 
 NOTE: torch-free, like everything it imports (engine.config, engine.errors, engine.tokenizer,
-engine.admin_records, hicache.events / kv_blocks / tier): the split daemon's API server process
+engine.admin_records, hicache.events / kv_blocks / stats / tier): the split daemon's API server process
 never loads torch or engine.runtime (tests/unit/test_engine_boundary.py).
 """
 
@@ -32,6 +32,7 @@ from engine.config import ServerArgs
 from engine.errors import EngineShutdownError
 from hicache.events import CacheEvent
 from hicache.kv_blocks import BlockChanges
+from hicache.stats import CacheStats
 
 if TYPE_CHECKING:
     from engine.tokenizer import TokenizerManager
@@ -292,8 +293,8 @@ class EngineFront(ABC):
 
     # --- the cache: figures and events -------------------------------------------------------
     @abstractmethod
-    def cache_stats(self) -> dict[str, Any]:
-        """Every tier's figures ({"l1": {...}, "l2": ..., "l3": ...}) and the request counters."""
+    def cache_stats(self) -> CacheStats:
+        """Every tier's figures and the scheduler's request counters (hicache/stats.py)."""
 
     @abstractmethod
     def event_log(self) -> EventLogReader:

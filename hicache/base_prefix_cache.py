@@ -15,7 +15,7 @@ these methods; they never probe a cache for attributes. The requests they pass a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -23,8 +23,11 @@ import torch
 
 from hicache.cache_request import CacheRequest
 from hicache.eviction_plan import EvictionPlan, StalePlanError, eviction_order
+from hicache.stats import L1Stats, Moves, TierSet
+from hicache.tier import Tier
 
 if TYPE_CHECKING:
+    from hicache.allocator import TokenToKVPoolAllocator
     from hicache.events import CacheEventLog
     from hicache.l3_blocks import L3Index
     from hicache.radix_cache import TreeNode
@@ -79,6 +82,7 @@ class BasePrefixCache(ABC):
 
     page_size: int
     disable: bool  # True: nothing is shared between requests (ChunkCache)
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator  # L1: the device slots
     device: torch.device
     root_node: TreeNode
     version: int  # changes whenever the cached tokens or their tiers change
@@ -272,9 +276,30 @@ class BasePrefixCache(ABC):
             return self.evict(1 << 62)
         raise ValueError(f"tier {tier!r} is not enabled")
 
-    def tier_stats(self) -> dict[str, dict[str, Any]]:
-        """Figures of the tiers beyond L1 ({"l2": {...}, "l3": {...}}); {} without them."""
-        return {}
+    def tier_stats(self, hit_tokens: Mapping[str, int], held_tokens: int) -> TierSet:
+        """Each tier's record. ``hit_tokens`` (prompt tokens each tier served, by tier name) and
+        ``held_tokens`` (device tokens running requests hold outside the tree) are the
+        scheduler's figures."""
+        return TierSet(self.l1_stats(hit_tokens[Tier.L1], held_tokens, Moves()))
+
+    def l1_stats(self, hit_tokens: int, held_tokens: int, moves: Moves) -> L1Stats:
+        """L1's record; ``moves``: the L1 <-> L2 traffic (none without a host tier)."""
+        alloc = self.token_to_kv_pool_allocator
+        return L1Stats(
+            capacity_tokens=alloc.size,
+            used_tokens=alloc.size - alloc.available_size(),
+            evictable_tokens=self.evictable_size(),
+            pinned_tokens=self.protected_size(),
+            hit_tokens=hit_tokens,
+            evicted_tokens=self.evicted_tokens,
+            promoted_tokens=moves.promoted_tokens,
+            demoted_tokens=moves.demoted_tokens,
+            bytes_in=moves.bytes_in,
+            bytes_out=moves.bytes_out,
+            errors=0,
+            cached_tokens=self.total_size(),
+            held_by_requests_tokens=held_tokens,
+        )
 
     # ---- L3 ----------------------------------------------------------------------------------
     @property
@@ -328,7 +353,7 @@ class BasePrefixCache(ABC):
     # The scheduler tells the cache where a waiting request is; the cache decides when its L3
     # prefetch starts and whether the request may be admitted. A cache without L3 admits at once.
     def l3_start(self, req: CacheRequest) -> int:
-        """A request arrived (``req.match_result`` set): start reading what L3 holds beyond its
+        """A request arrived (``req.kv.match_result`` set): start reading what L3 holds beyond its
         match into L2; returns the tokens that read will add."""
         return 0
 

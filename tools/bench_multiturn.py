@@ -24,10 +24,10 @@ on the same storage dir). Each hit is checked against cached_tokens_per_tier.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -35,12 +35,21 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import Engine
-
-TIERS = ("l1", "l2", "l3")
+from hicache.tier import TIERS
+from tools.benchlib import (
+    Header,
+    markdown_table,
+    median,
+    percentile,
+    save_figure,
+    subplots,
+    write_json,
+)
 
 
 class _Counter(logging.Handler):
@@ -60,15 +69,6 @@ _sched_log = logging.getLogger("engine.runtime.scheduler.scheduler")
 _sched_log.addHandler(REQUEUES)
 _sched_log.propagate = False
 TOK_LO, TOK_HI = 1000, 40000  # "random-ish" ordinary vocabulary ids, no special tokens
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * p
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def rand_tokens(rng: random.Random, n: int) -> list[int]:
@@ -96,22 +96,37 @@ def run_request(engine: Engine, ids: list[int], max_new: int) -> tuple[float, li
         last.cached_tokens_per_tier or {})
 
 
+def stats_dict(record: Any) -> dict | None:
+    """A stats record (hicache.stats) as JSON-ready dicts; None stays None (a tier not there)."""
+    return dataclasses.asdict(record) if record is not None else None
+
+
 def stats_snapshot(engine: Engine) -> dict:
     s = engine.cache_stats()
     return {
-        **{t: (s.get(t) or {}).get("hit_tokens", 0) for t in TIERS},
-        "miss": s.get("miss_tokens", 0),
-        "prompt": s.get("prompt_tokens", 0),
-        "raw": s,
+        **{t: (tier.hit_tokens if (tier := s.tier(t)) is not None else 0) for t in TIERS},
+        "miss": s.miss_tokens,
+        "prompt": s.prompt_tokens,
+        "raw": dataclasses.asdict(s),
     }
+
+
+def tier_hits(before: dict, after: dict, prompt_tokens: int = 0) -> dict:
+    """Hit and miss tokens per tier between two ``stats_snapshot``s, and the hit rates: hit
+    tokens / the prompt tokens the cache counted (``prompt_tokens`` when it counted none)."""
+    d = {k: after[k] - before[k] for k in (*TIERS, "miss", "prompt")}
+    prompt = d["prompt"] or prompt_tokens or 1
+    return {"hit_tokens": {t: d[t] for t in TIERS}, "miss_tokens": d["miss"],
+            "hit_rate": {t: d[t] / prompt for t in TIERS},
+            "hit_rate_total": sum(d[t] for t in TIERS) / prompt}
 
 
 def wait_writes(engine: Engine, timeout: float = 20.0) -> None:
     """Wait until the hierarchical cache has no ongoing host writes (best effort)."""
     end = time.time() + timeout
     while time.time() < end:
-        s = engine.cache_stats()
-        if not s.get("l2") or s["l2"].get("ongoing_writes", 0) == 0:
+        l2 = engine.cache_stats().l2
+        if l2 is None or l2.ongoing_writes == 0:
             return
         time.sleep(0.05)
 
@@ -190,11 +205,9 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
     finally:
         engine.shutdown()
 
-    d = {k: after[k] - before[k] for k in (*TIERS, "miss", "prompt")}
     ttfts = [r["ttft_s"] for r in records]
     ptoks = sum(r["prompt_tokens"] for r in records)
     otoks = sum(r["output_tokens"] for r in records)
-    prompt_d = d["prompt"] or ptoks or 1
     res = {
         "config": name,
         "timed_out": timed_out,
@@ -207,11 +220,8 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
         "throughput_tok_s": (ptoks + otoks) / wall,
         "output_tok_s": otoks / wall,
         "ttft_mean_s": statistics.mean(ttfts) if ttfts else float("nan"),
-        "ttft_p90_s": pct(ttfts, 0.9),
-        "hit_tokens": {t: d[t] for t in TIERS},
-        "miss_tokens": d["miss"],
-        "hit_rate": {t: d[t] / prompt_d for t in TIERS},
-        "hit_rate_total": sum(d[t] for t in TIERS) / prompt_d,
+        "ttft_p90_s": percentile(ttfts, 90),
+        **tier_hits(before, after, ptoks),
         "per_request_cached_tiers_sum": {
             t: sum(r["cached_per_tier"].get(t, 0) for r in records) for t in TIERS},
         "final_stats": {k: v for k, v in after["raw"].items()},
@@ -273,7 +283,7 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
             out["checks"].setdefault("l2", []).append(pick(tiers))
         wait_writes(eng)
         time.sleep(1.0)  # let the L3 write-through finish
-        out["l3_stats_before_restart"] = eng.cache_stats().get("l3")
+        out["l3_stats_before_restart"] = stats_dict(eng.cache_stats().l3)
     finally:
         eng.shutdown()
 
@@ -289,8 +299,8 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
         finally:
             eng.shutdown()
 
-    med = statistics.median
-    out["ttft_s"] = {"recompute": med(rec), "l1": med(l1), "l2": med(l2), "l3": med(l3)}
+    out["ttft_s"] = {"recompute": median(rec), "l1": median(l1), "l2": median(l2),
+                     "l3": median(l3)}
     out["ttft_all_s"] = {"recompute": rec, "l1": l1, "l2": l2, "l3": l3}
     r = out["ttft_s"]
     out["targets"] = {
@@ -305,30 +315,25 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 def md_multiturn(rows: list[dict]) -> str:
-    lines = [("| config | wall (s) | throughput (tok/s) | output tok/s | mean TTFT (s) | "
-             "p90 TTFT (s) | L1 hit | L2 hit | L3 hit | total hit | requests done | "
-             "KV requeues |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        h = r["hit_rate"]
-        lines.append(
-            f"| {r['config']} | {r['wall_s']:.1f} | {r['throughput_tok_s']:.0f} | "
-            f"{r['output_tok_s']:.1f} | {r['ttft_mean_s']:.2f} | {r['ttft_p90_s']:.2f} | "
-            f"{h['l1']:.1%} | {h['l2']:.1%} | {h['l3']:.1%} | {r['hit_rate_total']:.1%} | "
-            f"{r['requests']}{' (TIMED OUT)' if r['timed_out'] else ''} | "
-            f"{r['kv_requeue_warnings']} |")
-    return "\n".join(lines)
+    header = ["config", "wall (s)", "throughput (tok/s)", "output tok/s", "mean TTFT (s)",
+              "p90 TTFT (s)", "L1 hit", "L2 hit", "L3 hit", "total hit", "requests done",
+              "KV requeues"]
+    return markdown_table(header, [
+        [r["config"], f"{r['wall_s']:.1f}", f"{r['throughput_tok_s']:.0f}",
+         f"{r['output_tok_s']:.1f}", f"{r['ttft_mean_s']:.2f}", f"{r['ttft_p90_s']:.2f}",
+         *(f"{r['hit_rate'][t]:.1%}" for t in TIERS), f"{r['hit_rate_total']:.1%}",
+         f"{r['requests']}{' (TIMED OUT)' if r['timed_out'] else ''}",
+         r["kv_requeue_warnings"]] for r in rows])
 
 
 def md_ttft(t: dict) -> str:
     r = t["ttft_s"]
-    lines = ["| served from | TTFT median (ms) | x recompute | x L1 hit | cached_tokens_per_tier |",
-             "|---|---|---|---|---|"]
-    for k, label in (("recompute", "recompute (fresh)"), ("l1", "L1 hit"), ("l2", "L2 hit"),
-                     ("l3", "L3 hit (after restart)")):
-        lines.append(f"| {label} | {r[k] * 1e3:.1f} | {r[k] / r['recompute']:.3f} | "
-                     f"{r[k] / r['l1']:.2f} | {t['checks'][k][0]} |")
-    return "\n".join(lines)
+    labels = (("recompute", "recompute (fresh)"), ("l1", "L1 hit"), ("l2", "L2 hit"),
+              ("l3", "L3 hit (after restart)"))
+    return markdown_table(
+        ["served from", "TTFT median (ms)", "x recompute", "x L1 hit", "cached_tokens_per_tier"],
+        [[label, f"{r[k] * 1e3:.1f}", f"{r[k] / r['recompute']:.3f}", f"{r[k] / r['l1']:.2f}",
+          t["checks"][k][0]] for k, label in labels])
 
 
 def plot_tier_hits(ax, names: list, rows: list[dict]) -> None:
@@ -342,15 +347,10 @@ def plot_tier_hits(ax, names: list, rows: list[dict]) -> None:
     ax.set_ylim(0, 100)
 
 
-def plot_multiturn(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_multiturn(rows: list[dict], path: str) -> str:
     names = [r["config"] for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(1, 4, figsize=(16, 4))
+    fig, ax = subplots(1, 4, figsize=(16, 4))
     ax[0].bar(x, [r["throughput_tok_s"] for r in rows], color="tab:blue")
     ax[0].set_title("throughput (prompt+output tok/s)")
     ax[1].bar(x, [r["ttft_mean_s"] for r in rows], color="tab:orange")
@@ -362,27 +362,20 @@ def plot_multiturn(rows: list[dict], path: str) -> None:
     for a_ in ax:
         a_.set_xticks(list(x))
         a_.set_xticklabels(names, rotation=15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return save_figure(fig, path)
 
 
-def plot_ttft(t: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_ttft(t: dict, path: str) -> str:
     keys = ["recompute", "l1", "l2", "l3"]
     v = [t["ttft_s"][k] * 1e3 for k in keys]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     ax.bar(keys, v, color=["tab:gray", "tab:green", "tab:purple", "tab:brown"])
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (ms, log)")
     ax.set_title(f"TTFT of a {t['prompt_tokens']}-token prompt by serving tier")
     for i, y in enumerate(v):
         ax.text(i, y, f"{y:.0f}", ha="center", va="bottom")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return save_figure(fig, path)
 
 
 def main() -> None:
@@ -419,9 +412,9 @@ def main() -> None:
     ap.add_argument("--ttft-png", default="docs/bench_ttft_tiers.png")
     a = ap.parse_args()
 
-    result: dict = {"args": vars(a), "machine": {
-        "platform": platform.platform(), "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg()}}
+    header = Header.now()
+    result: dict = {"args": vars(a)}
+    plots: list[str | None] = []
     tmp = tempfile.mkdtemp(prefix="hicache_bench_")
     try:
         if not a.only_ttft:
@@ -439,7 +432,7 @@ def main() -> None:
             result["multiturn"] = rows
             print("\n" + md_multiturn(rows) + "\n", flush=True)
             if a.png:
-                plot_multiturn(rows, a.png)
+                plots.append(plot_multiturn(rows, a.png))
         if not a.no_ttft:
             t = run_ttft(a, os.path.join(tmp, "ttft_l3"))
             result["ttft_by_tier"] = t
@@ -448,10 +441,10 @@ def main() -> None:
                 print(f"target {k}: ratio {v['ratio']:.3f} -> {'met' if v['met'] else 'NOT met'}")
             print("checks:", json.dumps(t["checks"]))
             if a.ttft_png:
-                plot_ttft(t, a.ttft_png)
-        result["machine"]["loadavg_end"] = os.getloadavg()
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+                plots.append(plot_ttft(t, a.ttft_png))
+        result.update(header.record(plots))
+        write_json(a.json, result)
+        print(header.markdown(plots))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

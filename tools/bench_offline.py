@@ -14,7 +14,7 @@ gate/up split back to HF names, into a transformers model built from the same co
 directory without a tokenizer (e.g. tools/configs/llama3-8b) gets seeded random token-id
 prompts of similar lengths. On CUDA every clock read follows ``torch.cuda.synchronize()``.
 
-Usage: python tools/bench_offline.py [--out docs/bench_offline.json]
+Usage: python tools/bench_offline.py [--out docs/bench_offline.json] [--plot docs/bench_offline.png]
        python tools/bench_offline.py --device cuda --dtype bfloat16 \\
            [--model tools/configs/llama3-8b --load-format dummy] --out docs/bench_offline_gpu.json
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -39,6 +38,8 @@ from engine.runtime.layers.linear import MergedLinear
 from engine.runtime.model_runner import resolve_dtype
 from engine.runtime.models.llama import FUSED_SHARDS
 from engine.runtime.models.loader import LOAD_FORMATS, load_model, load_tokenizer, resolve_model_dir
+from tools.benchlib import Header, write_json
+from tools.plot_bench import plot
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "How do bees make honey?",
@@ -194,6 +195,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write results JSON here")
+    ap.add_argument("--plot", default=None, help="and its figure here (tools/plot_bench.py)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -214,6 +216,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = args.attention_backend or default_backend(device, dtype)
+    header = Header.now()
     torch.set_num_threads(os.cpu_count() or 2)
     # transformers first: with dummy weights it briefly holds a second copy of the model,
     # and on CUDA the engine sizes its KV pool from the memory left
@@ -230,11 +233,7 @@ def main() -> None:
         eos = model.config.eos_token_id
         pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
     n_new = args.new_tokens
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-               f"torch {torch.__version__}")
-    if device.type == "cuda":
-        machine = f"{torch.cuda.get_device_name(device)}, {machine}"
-    res: dict = {"machine": machine, "device": args.device, "dtype": str(dtype).split(".")[-1],
+    res: dict = {"device": args.device, "dtype": str(dtype).split(".")[-1],
                  "model": args.model or "embedded SmolLM2-135M-Instruct",
                  "load_format": args.load_format, "attention_backend": backend,
                  "weights": same,
@@ -290,10 +289,13 @@ def main() -> None:
     res["b"] = {"prompt_tokens": len(shared[0]), "engine_s": t_eng_b, "hf_s": t_hf_b,
                 "speedup_vs_hf": t_hf_b / t_eng_b, "cached_tokens": cached}
     eng.shutdown()
+    res.update(header.record([args.plot]))
+    if args.plot:
+        plot(res, args.plot)
     print(json.dumps(res, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json(args.out, res, indent=2)
+    print(header.markdown(res["plots"]))
 
 
 if __name__ == "__main__":

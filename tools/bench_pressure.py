@@ -40,16 +40,12 @@ failed (it is reported with its error; the tool goes on with the next one).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
-import platform
 import queue
 import random
-import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -61,9 +57,28 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_TOOLS))
 sys.path.insert(0, _TOOLS)
 
-from bench_multiturn import REQUEUES, TIERS, pct, plot_tier_hits, rand_tokens, stats_snapshot
+from bench_multiturn import (
+    REQUEUES,
+    TIERS,
+    plot_tier_hits,
+    rand_tokens,
+    stats_dict,
+    stats_snapshot,
+    tier_hits,
+)
 
 from engine import Engine
+from tools.benchlib import (
+    Header,
+    cell,
+    markdown_table,
+    median,
+    parse_options,
+    percentile,
+    save_figure,
+    subplots,
+    write_json,
+)
 
 NAN = float("nan")
 WARMUP = rand_tokens(random.Random(7), 16)
@@ -155,21 +170,9 @@ def tiers_str(t: dict) -> str:
     return ",".join(f"{k}={t.get(k, 0)}" for k in TIERS)
 
 
-def med(xs: list[float]) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return statistics.median(xs) if xs else NAN
-
-
 def extra_opts(a: argparse.Namespace) -> dict:
     """--model / --device / --opt KEY=VALUE: passed to every Engine."""
-    opts: dict[str, Any] = {"model": a.model, "device": a.device}
-    for kv in a.opt:
-        k, _, v = kv.partition("=")
-        try:
-            opts[k] = json.loads(v)
-        except json.JSONDecodeError:
-            opts[k] = v
-    return opts
+    return {"model": a.model, "device": a.device, **parse_options(a.opt)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,7 +241,7 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
             for i in range(a.reps):
                 step(eng, "b_pressure", B if i == 0 else fresh[i])  # pushes A out of L1
                 step(eng, "l2_hit", A)
-            res["l3_before_shutdown"] = eng.cache_stats().get("l3")
+            res["l3_before_shutdown"] = stats_dict(eng.cache_stats().l3)
         finally:
             t0 = time.perf_counter()
             eng.shutdown()  # flushes the pending L3 backups
@@ -251,7 +254,7 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
         try:
             timed_request(eng, WARMUP, 1, a.request_timeout)
             step(eng, "l3_hit", A)
-            res.setdefault("l3_after_hit", []).append(eng.cache_stats().get("l3"))
+            res.setdefault("l3_after_hit", []).append(stats_dict(eng.cache_stats().l3))
         finally:
             eng.shutdown()
 
@@ -281,8 +284,8 @@ def check_sequence(res: dict, opts: dict) -> None:
     n, P = res["prompt_tokens"], res["page_size"]
     S = opts.get("hicache_storage_page_size") or -(-64 // P) * P
     unit = {"l1": P, "l2": P, "l3": S}
-    ttft = {s: med([x["ttft_s"] for x in res["samples"][s] if not x["error"]]) for s in STEPS}
-    total = {s: med([x["total_s"] for x in res["samples"][s] if not x["error"]]) for s in STEPS}
+    ttft = {s: median(x["ttft_s"] for x in res["samples"][s] if not x["error"]) for s in STEPS}
+    total = {s: median(x["total_s"] for x in res["samples"][s] if not x["error"]) for s in STEPS}
     flags = []
     for s in STEPS:
         xs = res["samples"][s]
@@ -317,10 +320,6 @@ def check_sequence(res: dict, opts: dict) -> None:
         "l3_le_0.2x_recompute": ratio("l3_hit", "a_cold", 0.2)})
 
 
-def ms(x: float) -> str:
-    return "—" if math.isnan(x) else f"{x * 1e3:.0f}"
-
-
 def fmt_target(t: dict) -> str:
     if math.isnan(t["ratio"]):
         return "— (n/a)"
@@ -328,30 +327,20 @@ def fmt_target(t: dict) -> str:
 
 
 def md_sequence(rows: list[dict]) -> str:
-    lines = [("| page | A cold | L1 hit | B | B no pressure | L2 hit | L3 hit | B / B no press. "
-             "(<=1.3) | L2 / L1 (<=1.2) | L2 / cold (<=0.05) | L3 / cold (<=0.2) | flags |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t, g = r["ttft_s"], r["targets"]
-        flags = "; ".join(r["flags"]) or "ok"
-        lines.append(f"| {r['page_size']} | " + " | ".join(ms(t[s]) for s in STEPS) + " | "
-                     + " | ".join(fmt_target(v) for v in g.values()) + f" | {flags} |")
-    lines += ["", "Total time per request (TTFT + decode), ms:", "",
-              "| page | " + " | ".join(STEP_LABEL[s] for s in STEPS) + " |",
-              "|---|" + "---|" * len(STEPS)]
-    for r in rows:
-        lines.append(f"| {r['page_size']} | " + " | ".join(ms(r["total_s"][s]) for s in STEPS)
-                     + " |")
-    return "\n".join(lines)
+    header = ["page", "A cold", "L1 hit", "B", "B no pressure", "L2 hit", "L3 hit",
+              "B / B no press. (<=1.3)", "L2 / L1 (<=1.2)", "L2 / cold (<=0.05)",
+              "L3 / cold (<=0.2)", "flags"]
+    ttft = markdown_table(header, [
+        [r["page_size"], *(cell(r["ttft_s"][s], ".0f", 1e3) for s in STEPS),
+         *(fmt_target(v) for v in r["targets"].values()), "; ".join(r["flags"]) or "ok"]
+        for r in rows])
+    total = markdown_table(["page", *(STEP_LABEL[s] for s in STEPS)], [
+        [r["page_size"], *(cell(r["total_s"][s], ".0f", 1e3) for s in STEPS)] for r in rows])
+    return f"{ttft}\n\nTotal time per request (TTFT + decode), ms:\n\n{total}"
 
 
-def plot_sequence(rows: list[dict], path: str, n: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+def plot_sequence(rows: list[dict], path: str, n: int) -> str:
+    fig, ax = subplots(figsize=(10, 4.5))
     w = 0.8 / max(1, len(rows))
     for i, r in enumerate(rows):
         v = [r["ttft_s"][s] * 1e3 for s in STEPS]
@@ -368,9 +357,7 @@ def plot_sequence(rows: list[dict], path: str, n: int) -> None:
     ax.set_ylabel("TTFT (ms, log)")
     ax.set_title(f"A / A / B / A / restart+A under pressure ({n}-token prompts)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return save_figure(fig, path)
 
 
 def run_sequence_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
@@ -388,8 +375,8 @@ def run_sequence_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
         shutil.rmtree(os.path.join(tmp, f"l3_page{P}_nopressure"), ignore_errors=True)
     result["sequence"] = rows
     result["markdown"] = md_sequence(rows)
-    result["png"] = os.path.join(a.out_dir, "bench_pressure_sequence.png")
-    plot_sequence(rows, result["png"], a.prompt_len)
+    result["plots"] = [plot_sequence(rows, os.path.join(a.out_dir, "bench_pressure_sequence.png"),
+                                     a.prompt_len)]
     return any(r["errors"] for r in rows)
 
 
@@ -462,12 +449,10 @@ def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> d
         recs = sorted(records, key=lambda r: r["start_s"])
     ok = [r for r in recs if not r["error"]]
     wall = max([r["end_s"] for r in recs] + [duration])
-    d = {k: after[k] - before[k] for k in (*TIERS, "miss", "prompt")}
     ttfts = [r["ttft_s"] for r in ok]
     e2e = [r["e2e_s"] for r in ok]
     ptoks = sum(r["prompt_tokens"] for r in ok)
     otoks = sum(r["output_tokens"] for r in ok)
-    prompt_d = d["prompt"] or 1
     errors: dict[str, int] = {}
     for r in recs:
         if r["error"]:
@@ -477,15 +462,12 @@ def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> d
                                         if k != "hicache_storage_dir"},
         "duration_s": duration, "wall_s": wall, "requests": len(recs), "ok": len(ok),
         "failed": len(recs) - len(ok) + stuck, "stuck_clients": stuck, "errors": errors,
-        "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9),
-        "ttft_p99_s": pct(ttfts, 0.99), "ttft_max_s": max(ttfts, default=NAN),
-        "e2e_p50_s": pct(e2e, 0.5), "e2e_p99_s": pct(e2e, 0.99),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99), "ttft_max_s": max(ttfts, default=NAN),
+        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "prompt_tokens": ptoks, "output_tokens": otoks,
         "throughput_tok_s": (ptoks + otoks) / wall, "requests_s": len(ok) / wall,
-        "hit_tokens": {t: d[t] for t in TIERS}, "miss_tokens": d["miss"],
-        "stats_prompt_tokens": d["prompt"],
-        "hit_rate": {t: d[t] / prompt_d for t in TIERS},
-        "hit_rate_total": sum(d[t] for t in TIERS) / prompt_d,
+        **tier_hits(before, after), "stats_prompt_tokens": after["prompt"] - before["prompt"],
         **log_summary(), "final_stats": after["raw"], "records": recs,
     }
 
@@ -517,20 +499,11 @@ def tier_configs(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
                                          "hicache_storage_dir": os.path.join(tmp, "tiers_l3")})]
 
 
-def s2(x: float) -> str:
-    return "—" if math.isnan(x) else f"{x:.2f}"
-
-
-def md_table(header: list[str], rows: list[dict], row_fn: Any) -> str:
-    """A markdown table: one line per row (``row_fn(row)`` -> its cells after the config);
-    a failed config gets one FAILED cell."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['config']} | FAILED: {r['error']} |" + " |" * (len(header) - 2))
-        else:
-            lines.append(f"| {r['config']} | {row_fn(r)} |")
-    return "\n".join(lines)
+def md_rows(header: list[str], rows: list[dict], cells: Any) -> str:
+    """A markdown table: ``[row["config"], *cells(row)]`` per row; a failed config gets one
+    FAILED cell."""
+    return markdown_table(header, [[r["config"], f"FAILED: {r['error']}"] if "error" in r
+                                   else [r["config"], *cells(r)] for r in rows])
 
 
 def md_load(rows: list[dict]) -> str:
@@ -538,16 +511,16 @@ def md_load(rows: list[dict]) -> str:
               "e2e p50 (s)", "tok/s", "req/s", "L1 / L2 / L3 hit", "KV requeues",
               "warnings / errors logged"]
 
-    def row(r: dict) -> str:
+    def cells(r: dict) -> list[object]:
         h = r["hit_rate"]
-        return (
-            f"{r['ok']} | {r['failed']} | {s2(r['ttft_p50_s'])} | "
-            f"{s2(r['ttft_p90_s'])} | {s2(r['ttft_p99_s'])} | {s2(r['ttft_max_s'])} | "
-            f"{s2(r['e2e_p50_s'])} | {r['throughput_tok_s']:.0f} | {r['requests_s']:.2f} | "
-            f"{h['l1']:.0%} / {h['l2']:.0%} / {h['l3']:.0%} | {r['kv_requeue_warnings']} | "
-            f"{r['logged_warnings']} / {r['logged_errors']}")
+        return [r["ok"], r["failed"],
+                *(cell(r[k], ".2f") for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                                              "ttft_max_s", "e2e_p50_s")),
+                f"{r['throughput_tok_s']:.0f}", f"{r['requests_s']:.2f}",
+                f"{h['l1']:.0%} / {h['l2']:.0%} / {h['l3']:.0%}", r["kv_requeue_warnings"],
+                f"{r['logged_warnings']} / {r['logged_errors']}"]
 
-    return md_table(header, rows, row)
+    return md_rows(header, rows, cells)
 
 
 def load_targets(rows: list[dict]) -> dict:
@@ -568,27 +541,21 @@ def md_tiers(rows: list[dict]) -> str:
               "L1 hit", "L2 hit", "L3 hit", "total hit", "KV requeues",
               "warnings / errors logged"]
 
-    def row(r: dict) -> str:
-        h = r["hit_rate"]
-        return (
-            f"{r['ok']} | {r['failed']} | {r['throughput_tok_s']:.0f} | "
-            f"{r['requests_s']:.2f} | {s2(r['ttft_p50_s'])} | {s2(r['ttft_p99_s'])} | "
-            f"{h['l1']:.1%} | {h['l2']:.1%} | {h['l3']:.1%} | {r['hit_rate_total']:.1%} | "
-            f"{r['kv_requeue_warnings']} | {r['logged_warnings']} / {r['logged_errors']}")
+    def cells(r: dict) -> list[object]:
+        return [r["ok"], r["failed"], f"{r['throughput_tok_s']:.0f}", f"{r['requests_s']:.2f}",
+                cell(r["ttft_p50_s"], ".2f"), cell(r["ttft_p99_s"], ".2f"),
+                *(f"{r['hit_rate'][t]:.1%}" for t in TIERS), f"{r['hit_rate_total']:.1%}",
+                r["kv_requeue_warnings"], f"{r['logged_warnings']} / {r['logged_errors']}"]
 
-    return md_table(header, rows, row)
+    return md_rows(header, rows, cells)
 
 
-def plot_load(rows: list[dict], tiers: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
+def plot_load(rows: list[dict], tiers: list[dict], path: str) -> str:
     ok = [r for r in rows if "error" not in r]
     tok = [r for r in tiers if "error" not in r]
-    fig, ax = plt.subplots(1, 4 if tiers else 2, figsize=(18 if tiers else 10, 4))
+    fig, ax = subplots(1, 4 if tiers else 2, figsize=(18 if tiers else 10, 4))
+    import matplotlib.ticker
+
     for r in ok:
         xs = sorted(x["ttft_s"] for x in r["records"] if not x["error"])
         ax[0].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["config"])
@@ -615,23 +582,24 @@ def plot_load(rows: list[dict], tiers: list[dict], path: str) -> None:
         ax[3].legend()
         for x in ax[2:]:
             x.tick_params(axis="x", labelrotation=15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return save_figure(fig, path)
 
 
 def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
     per_conv = a.first_len + (a.rounds - 1) * (a.output_len + a.question_len) + a.output_len
     result["workload"] = {"max_context_tokens": per_conv, "working_set_tokens":
                           a.clients * per_conv, "device_tokens": a.device_tokens}
+
+    def run_or_fail(name: str, opts: dict, duration: float) -> dict:
+        try:
+            return run_load(name, opts, a, duration)
+        except Exception as e:  # noqa: BLE001 - recorded; the next config still runs
+            return failed_run(name, opts, e)
+
     rows = []
     for name, opts in load_configs(a, tmp):
         print(f"[load] {name}: {a.clients} clients, {a.duration:.0f} s", flush=True)
-        try:
-            r = run_load(name, opts, a, a.duration)
-        except Exception as e:  # noqa: BLE001
-            r = failed_run(name, opts, e)
-        rows.append(r)
+        rows.append(r := run_or_fail(name, opts, a.duration))
         if "error" not in r:
             print(f"  [{name}] {r['ok']} ok, {r['failed']} failed, TTFT p50 "
                   f"{r['ttft_p50_s']:.2f} s max {r['ttft_max_s']:.2f} s, "
@@ -653,35 +621,15 @@ def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
         result["workload"]["tiers_l1_plus_l2_tokens"] = l1l2
         for name, opts in tier_configs(a, tmp):
             print(f"[tiers] {name}: {a.tier_duration:.0f} s", flush=True)
-            try:
-                r = run_load(name, opts, a, a.tier_duration)
-            except Exception as e:  # noqa: BLE001
-                r = failed_run(name, opts, e)
-            tiers.append(r)
+            tiers.append(run_or_fail(name, opts, a.tier_duration))
         result["tiers"] = tiers
         md += ["", f"Tier configs ({note}; L2 = {a.tier_l2_ratio} x L1):", "", md_tiers(tiers)]
     result["markdown"] = "\n".join(md)
-    result["png"] = os.path.join(a.out_dir, "bench_pressure_load.png")
-    plot_load(rows, tiers, result["png"])
+    result["plots"] = [plot_load(rows, tiers, os.path.join(a.out_dir, "bench_pressure_load.png"))]
     return any("error" in r or r["failed"] or r["logged_errors"] for r in rows + tiers)
 
 
 # ----------------------------------------------------------------------------------------------
-def machine_header() -> tuple[dict[str, Any], str]:
-    """{"command", "machine"} of this run (printed now) and a header line for the report."""
-    import torch
-
-    command = " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable)] + sys.argv)
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
-               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-               "loadavg_start": os.getloadavg()}
-    print(f"Command: `{command}`\nMachine: {machine['platform']}, {machine['cpus']} CPUs, torch "
-          f"{machine['torch']}; load average at start {machine['loadavg_start']}", flush=True)
-    header = (f"Command: `{command}`  \nMachine: {machine['platform']}, {machine['cpus']} CPUs, "
-              f"torch {machine['torch']} ({machine['torch_threads']} threads)")
-    return {"command": command, "machine": machine}, header
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -729,23 +677,17 @@ def main() -> int:
     a.l2_ratio = a.l2_ratio or (3.0 if seq else 2.0)
     os.makedirs(a.out_dir, exist_ok=True)
 
-    result, _ = machine_header()
-    result["args"] = vars(a)
-    command, machine = result["command"], result["machine"]
+    header = Header.now()
+    print(header.markdown(end=False), flush=True)
+    result: dict[str, Any] = {"args": vars(a)}
     tmp = tempfile.mkdtemp(prefix="hicache_pressure_")
     try:
         failed = (run_sequence_mode if seq else run_load_mode)(a, result, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    machine["loadavg_end"] = os.getloadavg()
-    path = os.path.join(a.out_dir, f"bench_pressure_{a.mode}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    la0 = ", ".join(f"{x:.2f}" for x in machine["loadavg_start"])
-    la1 = ", ".join(f"{x:.2f}" for x in machine["loadavg_end"])
-    print(f"\nCommand: `{command}`  \nMachine: {machine['platform']}, {machine['cpus']} CPUs, "
-          f"torch {machine['torch']} ({machine['torch_threads']} threads); load average (1/5/15 "
-          f"min) {la0} before, {la1} after. Results: `{path}`, plot `{result['png']}`.\n")
+    result.update(header.record(result["plots"]))
+    path = write_json(os.path.join(a.out_dir, f"bench_pressure_{a.mode}.json"), result)
+    print(f"\n{header.markdown(result['plots'])}  \nResults: `{path}`\n")
     print(result["markdown"] + "\n", flush=True)
     if failed:
         print("SOME STEPS / CONFIGS FAILED (see the table and the JSON)", flush=True)

@@ -10,7 +10,8 @@ for a warm-up and then --duration-s; every request is a fresh random ~--prompt-t
 prompt (seeded; little prefix sharing, so the cache does not make it trivial) and streams
 --max-new-tokens tokens, greedy, ignore_eos. Measured (tools/servinglib.py has the exact
 windows): output tok/s, requests/s, TTFT and inter-token latency percentiles, errors; the load
-average before each run and the machine go into the JSON as well.
+average before each run and the run's header (tools/benchlib/header.py) go into the JSON as
+well.
 
 Both modes see the same prompts; each mode gets a fresh daemon and a fresh L3 directory. The
 clients run on the same machine as the daemon: on a small machine they take CPU from it.
@@ -25,15 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +38,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.client import AsyncHicacheClient
 from tools import servinglib as sl
+from tools.benchlib import (
+    Header,
+    cell,
+    describe_machine,
+    markdown_table,
+    save_figure,
+    subplots,
+    write_json,
+)
 
 FULL = {"concurrency": "1,16,64", "duration_s": 30.0, "warmup_s": 5.0, "max_new_tokens": 64}
 QUICK = {"concurrency": "1,4", "duration_s": 5.0, "warmup_s": 2.0, "max_new_tokens": 16}
@@ -79,28 +84,6 @@ def parse_args() -> argparse.Namespace:
     if set(a.transports) - {"grpc", "http"} or set(a.modes) - set(MODES):
         p.error(f"--transports takes grpc,http and --modes {','.join(MODES)}")
     return a
-
-
-def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=sl.ROOT, capture_output=True, text=True,
-                                  timeout=10, check=False).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"cpu_count": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": metadata.version("torch"),
-            "grpcio": metadata.version("grpcio"), "git_commit": git("rev-parse", "HEAD"),
-            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 async def one_run(d: sl.Daemon, transport: str, c: int, a: argparse.Namespace,
@@ -161,20 +144,18 @@ HEADER = ["mode", "transport", "conc", "out tok/s", "req/s", "TTFT p50 ms", "TTF
           "ITL p50 ms", "ITL p99 ms", "errors"]
 
 
-def _f(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+def cells(r: dict[str, Any]) -> list[str]:
+    return [r["mode"], r["transport"], str(r["concurrency"]), cell(r["out_tok_s"]),
+            cell(r["req_s"], ".2f"), cell(r["ttft_ms"]["p50"]), cell(r["ttft_ms"]["p99"]),
+            cell(r["itl_ms"]["p50"]), cell(r["itl_ms"]["p99"]), str(r["errors"])]
 
 
 def row(r: dict[str, Any]) -> str:
-    cells = [r["mode"], r["transport"], str(r["concurrency"]), _f(r["out_tok_s"]),
-             _f(r["req_s"], 2), _f(r["ttft_ms"]["p50"]), _f(r["ttft_ms"]["p99"]),
-             _f(r["itl_ms"]["p50"]), _f(r["itl_ms"]["p99"]), str(r["errors"])]
-    return "| " + " | ".join(cells) + " |"
+    return "| " + " | ".join(cells(r)) + " |"
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    return "\n".join(lines + [row(r) for r in runs])
+    return markdown_table(HEADER, [cells(r) for r in runs])
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -197,11 +178,11 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ratio_table(rs: list[dict[str, Any]]) -> str:
-    cols = ["mode", "transport", "conc", "out tok/s", "TTFT p50", "ITL p50"]
-    lines = ["| " + " | ".join(cols) + " |  (mode / single)", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['transport']} | {r['concurrency']} | {_f(r['out_tok_s'], 2)} | "
-              f"{_f(r['ttft_p50'], 2)} | {_f(r['itl_p50'], 2)} |" for r in rs]
-    return "\n".join(lines)
+    """Each mode over single (the ratios)."""
+    return markdown_table(["mode", "transport", "conc", "out tok/s / single", "TTFT p50 / single",
+                           "ITL p50 / single"],
+                          [[r["mode"], r["transport"], r["concurrency"], cell(r["out_tok_s"], ".2f"),
+                            cell(r["ttft_p50"], ".2f"), cell(r["itl_p50"], ".2f")] for r in rs])
 
 
 # a color per mode, a line style per transport
@@ -211,15 +192,11 @@ STYLES = {"grpc": "-", "http": "--"}
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
     panels = [("out_tok_s", None, "output tok/s"), ("ttft_ms", "p50", "TTFT p50 (ms)"),
               ("itl_ms", "p50", "ITL p50 (ms)")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = subplots(1, 3, figsize=(15, 4.5))
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
     series = sorted({(r["mode"], r["transport"]) for r in result["runs"]})
     for ax, (key, sub, title) in zip(axes, panels, strict=True):
         for mode, transport in series:
@@ -242,47 +219,39 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.yaxis.set_major_formatter(ScalarFormatter())
             ax.yaxis.set_minor_formatter(NullFormatter())
     axes[0].legend()
-    m, cfg = result["machine"], result["config"]
+    cfg = result["config"]
     fig.suptitle(f"hicache serve, SmolLM2-135M: {cfg['prompt_tokens']}-token prompts, "
                  f"{cfg['max_new_tokens']} new tokens, {cfg['duration_s']:g} s per point; "
-                 f"{m['cpu_count']} x {m['cpu_model']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+                 f"{describe_machine(result['machine'])}", fontsize=10)
+    save_figure(fig, path)
 
 
 def main() -> int:
     a = parse_args()
+    header = Header.now()
     result: dict[str, Any] = {
-        "command": [sys.executable, *sys.argv],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "loadavg_at_start": os.getloadavg(),
+        **header.record(),
         "config": {k: getattr(a, k) for k in ("modes", "transports", "concurrency", "duration_s",
                                               "warmup_s", "prompt_tokens", "max_new_tokens",
                                               "seed", "quick")},
         "daemons": [],
         "runs": [],
     }
-    if os.path.dirname(a.out):
-        os.makedirs(os.path.dirname(a.out), exist_ok=True)
 
     def save() -> None:
+        result.update(header.record([a.plot] if result["runs"] else []))
         result["ratios_over_single"] = ratios(result["runs"])
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(a.out, result)
 
     for mode in a.modes:
         bench_mode(mode, a, result, save)
-    save()
-    print("\n" + table(result["runs"]))
-    if result["ratios_over_single"]:
-        print("\n" + ratio_table(result["ratios_over_single"]))
-    print(f"\nload average at start {result['loadavg_at_start']}; wrote {a.out}", end="")
     if result["runs"] and a.plot:
         plot(result, a.plot)
-        print(f" and {a.plot}", end="")
-    print()
+    save()
+    print("\n" + header.markdown(result["plots"]) + "\n\n" + table(result["runs"]))
+    if result["ratios_over_single"]:
+        print("\n" + ratio_table(result["ratios_over_single"]))
+    print(f"\nwrote {a.out}" + (f" and {a.plot}" if result["plots"] else ""))
     failed = [d["mode"] for d in result["daemons"] if "error" in d]
     return 1 if failed or any(r["errors"] for r in result["runs"]) else 0
 

@@ -38,21 +38,24 @@ alternately with every cell. Target: kernel H2D >= 0.9x that peak.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+# run as a script (python tools/bench_transfer.py): the repo root is not on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.kernels import transfer_all_layer
 from hicache.kernels.transfer import IO_BACKENDS, LAYOUTS
 from hicache.kv_pool import MHATokenToKVPool
+from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
 
 
 class Geometry(NamedTuple):
@@ -130,7 +133,7 @@ def paired_median_seconds(
     for _ in range(reps):
         t_ref.append(once(ref))
         t_fn.append(once(fn))
-    return statistics.median(t_fn), statistics.median(t_ref)
+    return median(t_fn), median(t_ref)
 
 
 def scattered_slots(num_tokens: int, page_size: int, first_page: int, g: torch.Generator):
@@ -334,38 +337,37 @@ def run_device(
 
 
 def print_table(cells: dict[Cell, tuple[float, float]], ratio: str) -> None:
-    head = " | ".join(f"{p} GB/s | {ratio}" for p in PATTERNS)
-    print(f"\n| path | host layout | page size | {head} |\n|---|---|---|" + "---|---|" * 3)
+    header = ["path", "host layout", "page size"]
+    for p in PATTERNS:
+        header += [f"{p} GB/s", ratio]
+    rows = []
     for name, layout, page_size in dict.fromkeys(k[:3] for k in cells):  # in run order
         by = [cells[(name, layout, page_size, p)] for p in PATTERNS]
-        print(f"| {name} | {layout} | {page_size} | "
-              + " | ".join(f"{gbps:.1f} | {r:.2f}" for gbps, r in by) + " |")
+        rows.append([name, layout, page_size,
+                     *(f"{v:.{d}f}" for gbps, r in by for v, d in ((gbps, 1), (r, 2)))])
+    print("\n" + markdown_table(header, rows))
 
 
-def write_json(path: str, meta: dict, cells: dict[Cell, tuple[float, float]], runs: dict) -> None:
+def save_json(path: str, meta: dict, cells: dict[Cell, tuple[float, float]], runs: dict) -> None:
     res = dict(meta)
     res["mean_joint_run_tokens"] = [{"pattern": p, "page_size": ps, "tokens": r}
                                     for (p, ps), r in runs.items()]  # fmt: skip
     res["cells"] = [{"path": n, "layout": lay, "page_size": ps, "pattern": pat, "gbps": g,
                      "x_ref": r} for (n, lay, ps, pat), (g, r) in cells.items()]  # fmt: skip
-    with open(path, "w") as f:
-        json.dump(res, f, indent=2)
-    print(f"wrote {path}")
+    print(f"wrote {write_json(path, res, indent=2)}")
 
 
 def plot(path: str, cells: dict[Cell, tuple[float, float]], title: str, ref: str,
-         target: float) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no {path}")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+         target: float) -> bool:
+    """The ratios per cell and pattern; False (and a line said) without matplotlib, which a
+    GPU machine's python may lack."""
     rows = list(dict.fromkeys(k[:3] for k in cells))
     height = 0.8 / len(PATTERNS)
-    fig, ax = plt.subplots(figsize=(10, 1.5 + 0.3 * len(rows)))
+    try:
+        fig, ax = subplots(figsize=(10, 1.5 + 0.3 * len(rows)))
+    except ImportError:
+        print(f"matplotlib is not installed: no {path}")
+        return False
     for i, pattern in enumerate(PATTERNS):
         ax.barh([r + i * height for r in range(len(rows))],
                 [cells[(*row, pattern)][1] for row in rows], height=height, label=pattern)
@@ -376,9 +378,8 @@ def plot(path: str, cells: dict[Cell, tuple[float, float]], title: str, ref: str
     ax.set_xlabel(f"x {ref}")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    print(f"wrote {save_figure(fig, path)}")
+    return True
 
 
 def main() -> None:
@@ -406,6 +407,7 @@ def main() -> None:
         ap.error(f"--device cuda: no CUDA device here (torch {torch.__version__}, "
                  "torch.cuda.is_available() is False)")
     geom = GEOMETRIES[args.geometry]
+    header = Header.now()
     if args.threads:
         # NOTE: on a busy 2-core machine, intra-op threads that wait on each other can be 10x slower
         torch.set_num_threads(args.threads)
@@ -414,7 +416,7 @@ def main() -> None:
             "kv_heads": geom.heads, "head_dim": geom.head_dim, "dtype": str(geom.dtype),
             "tokens": args.tokens, "bytes_per_op": nbytes, "page_sizes": list(page_sizes),
             "io_backends": list(backends), "reps": args.reps, "rounds": args.rounds,
-            "torch": torch.__version__, "target_x_ref": TARGET[args.device]}  # fmt: skip
+            "target_x_ref": TARGET[args.device]}  # fmt: skip
     if args.device == "cuda":
         device = torch.device("cuda")
         passes = [run_device(args.tokens, args.reps, page_sizes, geom, backends, device)
@@ -454,11 +456,12 @@ def main() -> None:
     print("mean joint run (tokens): "
           + ", ".join(f"{p} page {ps}: {r:.1f}" for (p, ps), r in by_page))
     print_table(cells, ratio)
+    plotted = bool(args.png) and plot(args.png, cells, f"{geom.name}, {args.tokens} tokens, "
+                                      f"{args.device}", ref, TARGET[args.device])
+    meta.update(header.record([args.png] if plotted else []))
     if args.json:
-        write_json(args.json, meta, cells, runs)
-    if args.png:
-        plot(args.png, cells, f"{geom.name}, {args.tokens} tokens, {args.device}", ref,
-             TARGET[args.device])
+        save_json(args.json, meta, cells, runs)
+    print("\n" + header.markdown(meta["plots"]))
 
 
 if __name__ == "__main__":

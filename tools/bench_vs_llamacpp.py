@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +42,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.runtime.models.loader import default_model_path
 from tools import servinglib as sl
-from tools.bench_serving import machine
+from tools.benchlib import (
+    Header,
+    describe_machine,
+    markdown_table,
+    median,
+    save_figure,
+    subplots,
+    write_json,
+)
 
 httpx = sl.httpx
 VOCAB_LO, VOCAB_HI = 200, 49000  # plain tokens of SmolLM2's 49,152 (specials sit below 20)
@@ -138,8 +144,8 @@ async def run_all(urls: dict[str, str], seed: str, repeat: int,
                     print(f"  {side} {name} #{i}: {runs[side][-1]}", flush=True)
             for side, rs in runs.items():
                 out[side][name] = {"runs": rs,
-                                   "out_tok_s": statistics.median(r["out_tok_s"] for r in rs),
-                                   "wall_s": statistics.median(r["wall_s"] for r in rs)}
+                                   "out_tok_s": median(r["out_tok_s"] for r in rs),
+                                   "wall_s": median(r["wall_s"] for r in rs)}
         return out
 
 
@@ -160,29 +166,23 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
 
 
 def table(result: dict[str, Any]) -> str:
-    rs = ratios(result)
-    lines = ["| workload | hicache | llama-server | hicache / llama.cpp | target |",
-             "|---|---|---|---|---|"]
-    for name, r in rs.items():
+    rows = []
+    for name, r in ratios(result).items():
         h, ll = result["hicache"][name], result["llama_server"][name]
         if name in ("single", "batch16"):
-            cells = f"{h['out_tok_s']:.1f} tok/s | {ll['out_tok_s']:.1f} tok/s"
+            cells = [f"{h['out_tok_s']:.1f} tok/s", f"{ll['out_tok_s']:.1f} tok/s"]
         else:
-            cells = f"{h['wall_s']:.1f} s | {ll['wall_s']:.1f} s"
+            cells = [f"{h['wall_s']:.1f} s", f"{ll['wall_s']:.1f} s"]
         ok = "met" if r >= TARGETS[name] else "not met"
-        lines.append(f"| {name} | {cells} | **{r:.2f}x** | >= {TARGETS[name]:g}x ({ok}) |")
-    return "\n".join(lines)
+        rows.append([name, *cells, f"**{r:.2f}x**", f">= {TARGETS[name]:g}x ({ok})"])
+    return markdown_table(["workload", "hicache", "llama-server", "hicache / llama.cpp",
+                           "target"], rows)
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rs = ratios(result)
     names = list(rs)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = subplots(figsize=(8, 4.5))
     bars = ax.bar(names, [rs[n] for n in names], color="tab:blue")
     ax.scatter(names, [TARGETS[n] for n in names], marker="_", s=900, color="tab:red",
                zorder=3, label="target")
@@ -192,13 +192,10 @@ def plot(result: dict[str, Any], path: str) -> None:
                     ha="center", va="bottom")
     ax.set_yscale("log")
     ax.set_ylabel("hicache / llama-server (higher = hicache better)")
-    m = result["machine"]
     ax.set_title(f"SmolLM2-135M Q4_1 GGUF, {result['config']['threads']} threads each; "
-                 f"{m['cpu_count']} x {m['cpu_model']}", fontsize=9)
+                 f"{describe_machine(result['machine'])}", fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -218,8 +215,8 @@ def main() -> int:
         p.error(f"unknown workloads {sorted(unknown)}; known: {list(WORKLOADS)}")
     binary = Path(a.llama_server) if a.llama_server else sl.build_llama_server()
     gguf = default_model_path()
+    header = Header.now()
     result: dict[str, Any] = {
-        "machine": machine(), "load_avg_start": os.getloadavg(),
         "config": {"threads": a.threads, "gguf": Path(gguf).name, "repeat": a.repeat,
                    "hicache_args": a.hicache_args, "llama_server": str(binary)}}
     work = Path(tempfile.mkdtemp(prefix="bench-vs-llamacpp-"))
@@ -243,12 +240,11 @@ def main() -> int:
             ls.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result["load_avg_end"] = os.getloadavg()
-    result["ratios"] = ratios(result)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    plot(result, a.plot)
-    print(table(result))
-    print(f"load average start {result['load_avg_start']}, end {result['load_avg_end']}")
+    result.update(header.record([a.plot]), ratios=ratios(result))
+    if a.plot:
+        plot(result, a.plot)
+    write_json(a.out, result)
+    print(header.markdown(result["plots"]) + "\n\n" + table(result))
     return 0
 
 

@@ -1,23 +1,30 @@
-"""Plots tools/bench_offline.py's JSON into a PNG for docs/benchmarks.md."""
+"""Plots tools/bench_offline.py's JSON into a PNG for docs/benchmarks.md (bench_offline.py
+--plot draws the same figure).
+
+    python tools/plot_bench.py docs/bench_offline.json docs/bench_offline.png
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from typing import Any
 
-import matplotlib
+# run as a script (python tools/plot_bench.py): the repo root is not on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from tools.benchlib import describe_machine, save_figure, subplots
 
 
-def main(src: str, out: str) -> None:
-    with open(src) as f:
-        res = json.load(f)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+def plot(res: dict[str, Any], out: str) -> None:
+    fig, axes = subplots(1, 2, figsize=(10, 4))
     a = res["a"]
-    names = ["hicache", "transformers", "F.linear\nmatmul floor"]
-    values = [a["engine_tok_s"], a["hf_tok_s"], a["floor_tok_s"]]
+    names = ["hicache", "transformers"]
+    values = [a["engine_tok_s"], a["hf_tok_s"]]
+    if "floor_tok_s" in a:  # the matmul floors are CPU-only
+        names.append("F.linear\nmatmul floor")
+        values.append(a["floor_tok_s"])
     if "onednn_floor_step_ms" in a:
         names.append("oneDNN\nmatmul floor")
         values.append(a["floor_tok_s"] * a["floor_step_ms"] / a["onednn_floor_step_ms"])
@@ -27,9 +34,14 @@ def main(src: str, out: str) -> None:
     axes[1].bar(["hicache", "transformers"], [b["engine_s"], b["hf_s"]],
                 color=["tab:blue", "tab:gray"])
     axes[1].set_title(f"(b) 16 x shared {b['prompt_tokens']}-token prompt (s, lower is better)")
-    fig.suptitle(f"SmolLM2-135M fp32 on {res['machine']}")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    model = f"{res.get('model', 'SmolLM2-135M')} {res.get('dtype', 'fp32')}"  # older JSON: neither
+    fig.suptitle(f"{model} on {describe_machine(res['machine'])}")
+    save_figure(fig, out)
+
+
+def main(src: str, out: str) -> None:
+    with open(src) as f:
+        plot(json.load(f), out)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -42,6 +40,7 @@ except ImportError:  # the venv has httpx2 (the openai client's fork), same API
 
 from engine.client import AsyncHicacheClient, HicacheClient
 from engine.server.pb import gen_pb2
+from tools.benchlib import daemon_env, free_port, stop_process, summary, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST_TIMEOUT_S = 600.0
@@ -70,12 +69,6 @@ WORDS = tuple(dict.fromkeys(_WORDS_TEXT.split()))  # distinct, in order
 
 
 # --- the daemon -------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Daemon:
     """`hicache serve --processes MODE` on free gRPC and HTTP ports; L3 (file) and the log live
     in `work_dir`. The model is the daemon's default unless `extra_args` says otherwise."""
@@ -94,41 +87,19 @@ class Daemon:
     def start(self, timeout_s: float = 600.0) -> float:
         """Starts the daemon; seconds until health says SERVING. RuntimeError (with the log's
         tail) if it exits or times out first."""
-        # NOTE: the user's HICACHE_* settings would change what is measured; the model cache
-        # stays (the converted GGUF).
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
-        env.update(XDG_CACHE_HOME=str(self.work_dir / "xdg"), HICACHE_LOG_LEVEL="warning",
-                   PYTHONUNBUFFERED="1")
-        t0 = time.monotonic()
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=daemon_env(self.work_dir),
+                                         stdout=out, stderr=subprocess.STDOUT)
         with HicacheClient(self.addr, timeout=5) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the daemon exited ({self.proc.returncode}):\n"
-                                       f"{self.log_tail()}")
-                try:
-                    if c.health() == "SERVING":
-                        return time.monotonic() - t0
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() - t0 > timeout_s:
-                    raise RuntimeError(f"not SERVING after {timeout_s:.0f}s:\n{self.log_tail()}")
-                time.sleep(0.2)
+            try:
+                return wait_until(lambda: c.health() == "SERVING", "the daemon", timeout_s,
+                                  interval_s=0.2, proc=self.proc, retry_on=(grpc.RpcError,))
+            except (RuntimeError, TimeoutError) as e:
+                raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM (a drain), then wait; killed after timeout_s (returns None then)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return None
+        return stop_process(self.proc, timeout_s)
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
@@ -272,14 +243,6 @@ async def closed_loop(send: Sender, concurrency: int, warmup_s: float, duration_
     return records, w0, w1
 
 
-def _pcts(xs: list[float], scale: float = 1000.0) -> dict[str, float | None]:
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    a = np.asarray(xs) * scale
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(a.mean())}
-
-
 def summarize(records: list[Record], w0: float, w1: float, max_new: int) -> dict[str, Any]:
     """Per-run numbers (see the module docstring); times in ms."""
     window = w1 - w0
@@ -298,9 +261,9 @@ def summarize(records: list[Record], w0: float, w1: float, max_new: int) -> dict
         "requests_measured": len(measured),
         "out_tok_s": tokens / window,
         "req_s": sum(1 for r in ok if w0 <= r.end < w1) / window,
-        "ttft_ms": _pcts([r.events[0][0] - r.start for r in measured]),
-        "itl_ms": _pcts(itl),
-        "latency_ms": _pcts([r.end - r.start for r in measured]),
+        "ttft_ms": summary([r.events[0][0] - r.start for r in measured], 1000.0),
+        "itl_ms": summary(itl, 1000.0),
+        "latency_ms": summary([r.end - r.start for r in measured], 1000.0),
         "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in ok])) if ok else None,
         "mean_tokens_per_chunk": sum(r.tokens for r in ok) / chunks if chunks else None,
         "short_requests": sum(1 for r in ok if r.tokens < max_new),
@@ -351,23 +314,11 @@ class LlamaServer:
     def start(self, timeout_s: float = 120.0) -> None:
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited:\n{self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("llama-server not healthy in time")
+        try:
+            wait_until(lambda: httpx.get(f"{self.url}/health", timeout=2).status_code == 200,
+                       "llama-server", timeout_s, proc=self.proc, retry_on=(httpx.HTTPError,))
+        except (RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"{e}:\n{self.log.read_text()[-2000:]}") from None
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)

@@ -55,7 +55,6 @@ This file runs the rounds and prints the summary; the parts live in tools/soakli
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -73,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpc
 
 from engine.client import HicacheClient
+from tools.benchlib import Header, write_json
 from tools.soaklib.checks import (
     check_round,
     greedy_outputs,
@@ -320,12 +320,13 @@ def main(argv: list[str] | None = None) -> int:
                   max_new_tokens=a.max_new_tokens, extra_args=tuple(a.daemon_arg),
                   rss_tolerance_mb=a.rss_tolerance_mb,
                   rss_tolerance_frac=a.rss_tolerance_frac, work_dir=a.work_dir)
+    header = Header.now()
     res = run_soak(cfg)
-    res["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    res.update(header.record([a.plot]))
     if a.plot:
         plot_rounds(res, a.plot)
+    if a.out:
+        write_json(a.out, res)
     print(format_summary(res))
     return 0 if res["passed"] else 1
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_RPC, EXIT_AUTH = 0, 1, 2, 3, 4, 5
-TIERS = ("l1", "l2", "l3")
 
 
 def _serve(ns: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+# NOTE: hicache.tier.TIERS, copied: importing the hicache package loads torch, which the client
+# does not need (tests/unit/test_stats.py keeps the two equal)
 TIERS = ("l1", "l2", "l3")
 EVENT_KINDS = ("stored", "removed", "demoted", "promoted", "cleared")
 

@@ -94,14 +94,15 @@ _STAT_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
     ("demoted_tokens", "demoted_tokens", number),
     ("bytes_in", "bytes_in", human_bytes),
     ("bytes_out", "bytes_out", human_bytes),
-    ("bandwidth", "bandwidth_bytes_per_s", lambda v: human_bytes(v) + "/s"),
+    ("errors", "errors", number),
 ]
 
 
 def stats_report(resp: admin_pb2.GetCacheStatsResponse, out: TextIO = sys.stdout) -> None:
     """GetCacheStatsResponse as one table: a row per figure, a column per tier (l1, l2, l3).
-    The engine's other counters (``extra``) and facts (``info``) follow, one row each; a tier
-    without the figure shows ``-``, a disabled tier ``off``."""
+    Each tier's own figures (``extra``) and facts (``info``) follow, one row each; a tier
+    without the figure shows ``-``, a disabled tier ``off``. The engine's counters follow the
+    table."""
     tiers = list(resp.tiers)
     names = [enum_short(Tier.Name(t.tier)) for t in tiers]
 
@@ -112,7 +113,8 @@ def stats_report(resp: admin_pb2.GetCacheStatsResponse, out: TextIO = sys.stdout
         return lambda t: fmt(getattr(t, fld))
 
     def extra(key: str) -> Callable[[admin_pb2.TierStats], str]:
-        return lambda t: number(t.extra[key]) if key in t.extra else "-"
+        fmt = human_bytes if key == "bytes" or key.endswith("_bytes") else number
+        return lambda t: fmt(t.extra[key]) if key in t.extra else "-"
 
     def info(key: str) -> Callable[[admin_pb2.TierStats], str]:
         return lambda t: t.info.get(key, "-")
@@ -125,8 +127,14 @@ def stats_report(resp: admin_pb2.GetCacheStatsResponse, out: TextIO = sys.stdout
     for key in sorted({k for t in tiers for k in t.info}):
         rows.append(row(key, info(key)))
     table(rows, ["stat", *names], out)
+    hits = resp.prompt_tokens - resp.miss_tokens
+    rate = f" ({hits / resp.prompt_tokens:.1%} hit)" if resp.prompt_tokens else ""
     out.write(
-        f"\nmiss_tokens: {resp.miss_tokens}\n"
+        f"\nprompt_tokens: {resp.prompt_tokens}{rate}\n"
+        f"miss_tokens: {resp.miss_tokens}\n"
+        f"requests: {resp.requests} ({resp.finished_requests} finished, "
+        f"{resp.retractions} retractions; {resp.running_requests} running, "
+        f"{resp.waiting_requests} waiting)\n"
         f"pins: {resp.num_pins} ({resp.admin_pinned_tokens} tokens)\n"
     )
 

@@ -32,8 +32,8 @@ def main() -> None:
             )
         stats = engine.cache_stats()
         print(
-            f"\ncache: {stats['l1']['hit_tokens']} hit tokens, {stats['miss_tokens']} computed, "
-            f"hit rate {stats['hit_rate']:.1%}"
+            f"\ncache: {stats.l1.hit_tokens} hit tokens, {stats.miss_tokens} computed, "
+            f"hit rate {stats.hit_rate:.1%}"
         )
     finally:
         engine.shutdown()

@@ -42,7 +42,7 @@ from engine.tokenizer import TokenizerManager
 from hicache.events import CacheEventLog
 from hicache.hiradix_cache import HiRadixCache
 from hicache.kv_blocks import BlockChanges
-from hicache.tier import TIERS
+from hicache.stats import CacheStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -107,7 +107,7 @@ class Engine(EngineFront):
             raise QueueFullError(
                 f"{self.server_args.max_queued_requests} requests are already queued; retry later"
             )
-        req = Req(
+        req = Req.new(
             rid,
             ids,
             params,
@@ -119,7 +119,7 @@ class Engine(EngineFront):
             sink,
         )
         self.scheduler.submit(req)
-        return RequestHandle(req.rid, req.chunks, self._thread.is_alive)
+        return RequestHandle(req.rid, req.stream.chunks, self._thread.is_alive)
 
     def abort(self, rid: str) -> None:
         self.scheduler.request_abort(rid)
@@ -130,7 +130,8 @@ class Engine(EngineFront):
             raise EngineShutdownError("the engine has been shut down")
         return self.scheduler.call(fn).result(timeout)
 
-    def cache_stats(self) -> dict[str, Any]:
+    def cache_stats(self) -> CacheStats:
+        """Every tier's figures and the scheduler's counters (hicache/stats.py)."""
         return self.call_in_scheduler(_collect_stats)
 
     def event_log(self) -> CacheEventLog:
@@ -286,39 +287,21 @@ def _ensure_event_log(scheduler: Scheduler) -> CacheEventLog:
     return scheduler.event_log
 
 
-def _collect_stats(s: Scheduler) -> dict[str, Any]:
-    tree, alloc, c = s.tree_cache, s.runner.allocator, s.counters
-    held = int(s.held_slots().numel())
-    l1 = {
-        "hit_tokens": c.hit_tokens.get("l1", 0),
-        "capacity_tokens": alloc.size,
-        "used_tokens": alloc.size - alloc.available_size(),
-        "free_tokens": alloc.available_size(),
-        "cached_tokens": tree.total_size(),
-        "evictable_tokens": tree.evictable_size(),
-        "protected_tokens": tree.protected_size(),
-        "held_by_requests_tokens": held,
-        "evicted_tokens": tree.evicted_tokens,
-    }
-    stats: dict[str, Any] = {
-        "l1": l1,
-        "miss_tokens": c.miss_tokens,
-        "prompt_tokens": c.prompt_tokens,
-        "requests": c.requests,
-        "finished_requests": c.finished,
-        "retractions": c.retractions,
-        "running_requests": len(s.running),
-        "waiting_requests": len(s.waiting),
-        "page_size": s.page_size,
-    }
-    for tier, d in tree.tier_stats().items():
-        stats.setdefault(tier, {}).update(d)
-    for tier in TIERS:
-        if tier in stats:
-            stats[tier]["hit_tokens"] = c.hit_tokens.get(tier, 0)
-    hits = sum(c.hit_tokens.values())
-    stats["hit_rate"] = hits / c.prompt_tokens if c.prompt_tokens else 0.0
-    return stats
+def _collect_stats(s: Scheduler) -> CacheStats:
+    c = s.counters
+    tiers = s.tree_cache.tier_stats(c.hit_tokens, held_tokens=int(s.held_slots().numel()))
+    return CacheStats(
+        l1=tiers.l1,
+        l2=tiers.l2,
+        l3=tiers.l3,
+        prompt_tokens=c.prompt_tokens,
+        miss_tokens=c.miss_tokens,
+        requests=c.requests,
+        finished_requests=c.finished,
+        retractions=c.retractions,
+        running_requests=len(s.running),
+        waiting_requests=len(s.waiting),
+    )
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

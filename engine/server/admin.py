@@ -28,61 +28,37 @@ from engine.server.settings import ensure_dir
 from engine.server.state import DaemonState, iter_chunks, rpc
 from engine.server.tenants import Principal
 from hicache.errors import StorageBusyError
-from hicache.tier import TIERS
+from hicache.stats import CacheStats, TierStats
+from hicache.tier import Tier
 
-_STAT_FIELDS = {  # TierStats field <- engine cache_stats() keys (first present wins)
-    "capacity_tokens": ("capacity_tokens", "capacity"),
-    "used_tokens": ("used_tokens", "cached_tokens", "used"),
-    "evictable_tokens": ("evictable_tokens",),
-    "pinned_tokens": ("protected_tokens", "pinned_tokens", "locked_tokens"),
-    "hit_tokens": ("hit_tokens", "hits"),
-    "evicted_tokens": ("evicted_tokens", "evictions"),
-    "promoted_tokens": ("promoted_tokens", "loaded_tokens", "load_back_tokens"),
-    "demoted_tokens": ("demoted_tokens", "backup_tokens", "written_tokens"),
-    "bytes_in": ("bytes_in", "bytes_loaded"),
-    "bytes_out": ("bytes_out", "bytes_written"),
-    "bandwidth_bytes_per_s": ("bandwidth_bytes_per_s", "bandwidth"),
-}
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
 DEFAULT_DETACH_TIMEOUT_S = 30.0
 
 
-def tier_stats(tier: str, d: dict[str, Any] | None) -> admin_pb2.TierStats:
-    msg = admin_pb2.TierStats(tier=TIER_TO_ENUM[tier], enabled=isinstance(d, dict))
-    if not isinstance(d, dict):
-        return msg
-    used: set[str] = set()
-    for fld, keys in _STAT_FIELDS.items():
-        key = next((k for k in keys if k in d), None)
-        if key is not None:
-            used.add(key)
-            val = d[key]
-            setattr(msg, fld, float(val) if fld == "bandwidth_bytes_per_s" else int(val))
-    for k, v in d.items():
-        if k not in used and isinstance(v, (int, float)) and not isinstance(v, bool):
-            msg.extra[k] = float(v)
-        elif isinstance(v, str):
-            msg.info[k] = v
-    return msg
+def tier_message(tier: Tier, stats: TierStats | None) -> admin_pb2.TierStats:
+    """One tier's record as the proto: the fields every tier has one for one, the tier's own
+    numbers in ``extra`` and its facts in ``info``; None: the tier is not configured."""
+    if stats is None:
+        return admin_pb2.TierStats(tier=TIER_TO_ENUM[tier], enabled=False)
+    return admin_pb2.TierStats(tier=TIER_TO_ENUM[tier], enabled=True, extra=stats.figures(),
+                               info=stats.facts(), **stats.core())
 
 
-def movements(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """TierStats' movement fields from the tree's counters, which are named after the copy
-    (l2 `promotions` = L2 -> L1 loads, l3 `backup_objects` = L2 -> L3 writes, ...) and kept by
-    the lower tier; L3 counts objects of `object_tokens` tokens."""
-    raw_l2, raw_l3 = stats.get("l2"), stats.get("l3")
-    l2: dict[str, Any] = raw_l2 if isinstance(raw_l2, dict) else {}
-    l3: dict[str, Any] = raw_l3 if isinstance(raw_l3, dict) else {}
-    per_object = int(l3.get("object_tokens", 0) or 0)
-    moves = {
-        "l1": {"promoted_tokens": l2.get("promotions"), "demoted_tokens": l2.get("demotions"),
-               "bytes_in": l2.get("bytes_h2d"), "bytes_out": l2.get("bytes_d2h")},
-        "l2": {"promoted_tokens": l3.get("prefetch_tokens"),
-               "demoted_tokens": l3.get("backup_objects", 0) * per_object if l3 else None,
-               "bytes_in": l3.get("bytes_read"), "bytes_out": l3.get("bytes_written")},
-        "l3": {"evicted_tokens": l3.get("evictions", 0) * per_object if l3 else None},
-    }
-    return {t: {k: int(v) for k, v in d.items() if v is not None} for t, d in moves.items()}
+def stats_message(stats: CacheStats, admin_pinned_tokens: int,
+                  num_pins: int) -> admin_pb2.GetCacheStatsResponse:
+    return admin_pb2.GetCacheStatsResponse(
+        tiers=[tier_message(t, stats.tier(t)) for t in Tier],
+        miss_tokens=stats.miss_tokens,
+        admin_pinned_tokens=admin_pinned_tokens,
+        num_pins=num_pins,
+        timestamp=time.time(),
+        prompt_tokens=stats.prompt_tokens,
+        requests=stats.requests,
+        finished_requests=stats.finished_requests,
+        retractions=stats.retractions,
+        running_requests=stats.running_requests,
+        waiting_requests=stats.waiting_requests,
+    )
 
 
 def storage_info(d: dict[str, Any]) -> admin_pb2.StorageInfo:
@@ -117,20 +93,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         if who.tenant is not None:
             return await self._tenant_stats(engine, who, stats)
         num_pins, pinned = await st.run(engine.pin_summary)
-        tiers = [tier_stats(t, stats.get(t)) for t in TIERS]
-        for msg, t in zip(tiers, TIERS):
-            if msg.enabled:
-                for fld, val in movements(stats)[t].items():
-                    setattr(msg, fld, val)
-        return admin_pb2.GetCacheStatsResponse(
-            tiers=tiers,
-            miss_tokens=int(stats.get("miss_tokens", 0)),
-            admin_pinned_tokens=pinned,
-            num_pins=num_pins,
-            timestamp=time.time(),
-        )
+        return stats_message(stats, pinned, num_pins)
 
-    async def _tenant_stats(self, engine: EngineFront, who: Principal, stats: dict[str, Any]
+    async def _tenant_stats(self, engine: EngineFront, who: Principal, stats: CacheStats
                             ) -> admin_pb2.GetCacheStatsResponse:  # fmt: skip
         """A tenant's view: its namespaces' tokens per tier, its quota as the capacity (the
         tier's without one), its quota evictions, its pins; nothing of anyone else's."""
@@ -138,14 +103,12 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         assert tenant is not None and namespaces is not None
         use, pins, evicted = await self.state.run(engine.tenant_view, tenant.name, namespaces)
         tiers = []
-        for t in TIERS:
-            enabled = isinstance(stats.get(t), dict)
-            msg = admin_pb2.TierStats(tier=TIER_TO_ENUM[t], enabled=enabled)
-            if enabled:
+        for t in Tier:
+            whole = stats.tier(t)
+            msg = admin_pb2.TierStats(tier=TIER_TO_ENUM[t], enabled=whole is not None)
+            if whole is not None:
                 u = use[t]
-                msg.capacity_tokens = tenant.quota(t) or int(
-                    stats[t].get("capacity_tokens", 0) or 0
-                )
+                msg.capacity_tokens = tenant.quota(t) or whole.capacity_tokens
                 msg.used_tokens = u.used_tokens
                 msg.evictable_tokens = u.evictable_tokens
                 msg.pinned_tokens = u.pinned_tokens

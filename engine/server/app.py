@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,6 +44,7 @@ from engine.server.pb import (
 from engine.server.settings import DaemonSettings, describe_tiers
 from engine.server.sglang_worker import SglangWorkerServicer
 from engine.server.state import DaemonState
+from hicache.stats import CacheStats
 from hicache.tier import TIERS
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,11 @@ class Daemon:
             raise OSError(f"cannot bind {addr}")
         await self.server.start()
         # NOTE: the HTTP port answers /metrics too, so the figures are kept with either port
-        metrics = Metrics(self._stats_for_metrics) if s.metrics_port or s.http_port else None
+        metrics = (
+            Metrics(self._stats_for_metrics, self._tenants_for_metrics if self.quotas else None)
+            if s.metrics_port or s.http_port
+            else None
+        )
         self.state.metrics = metrics
         if metrics is not None and s.metrics_port:
             self.metrics_port = metrics.serve(s.metrics_port, s.metrics_host)
@@ -192,14 +196,17 @@ class Daemon:
             log.info("cache tiers: %s", describe_tiers(self.server_args.public_dict()))
         return self.port
 
-    def _stats_for_metrics(self) -> dict[str, Any] | None:
+    def _stats_for_metrics(self) -> CacheStats | None:
         engine = self.state.engine
         if engine is None or not self.state.ready:
             return None
-        stats = engine.cache_stats()
-        if self.quotas:
-            stats["tenants"] = engine.tenant_figures(self.quotas)
-        return stats
+        return engine.cache_stats()
+
+    def _tenants_for_metrics(self) -> dict[str, dict[str, dict[str, int]]] | None:
+        engine = self.state.engine
+        if engine is None or not self.state.ready:
+            return None
+        return engine.tenant_figures(self.quotas)
 
     async def _load(self) -> None:
         st = self.state

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
+
+from hicache.stats import CacheStats
+from hicache.tier import Tier
 
 # `include` sections a caller may ask for (SGLang's, and hicache's `tiers`); "core" is always
 # there. NOTE: "spec" and "lora" are accepted and answered by their absence: the daemon has no
@@ -49,18 +52,15 @@ def parse_include(values: Iterable[str]) -> frozenset[str]:
 
 
 def loads_report(
-    stats: Mapping[str, Any],
+    stats: CacheStats,
     max_running_requests: int,
     version: str,
     include: frozenset[str] = frozenset({"core"}),
 ) -> dict[str, Any]:
     """SGLang's GetLoadsResponse as a dict (proto field names), from cache_stats()."""
     every = "all" in include
-    l1 = stats.get("l1", {})
-    used = int(l1.get("used_tokens", 0))
-    capacity = int(l1.get("capacity_tokens", 0))
-    running = int(stats.get("running_requests", 0))
-    waiting = int(stats.get("waiting_requests", 0))
+    used, capacity = stats.l1.used_tokens, stats.l1.capacity_tokens
+    running, waiting = stats.running_requests, stats.waiting_requests
     usage = used / capacity if capacity else 0.0
     load: dict[str, Any] = {
         "dp_rank": 0,
@@ -72,7 +72,7 @@ def loads_report(
         "num_total_tokens": used,
         "max_total_num_tokens": capacity,
         "token_usage": usage,
-        "cache_hit_rate": float(stats.get("hit_rate", 0.0)),
+        "cache_hit_rate": stats.hit_rate,
         "max_running_requests": int(max_running_requests),
     }
     if every or "queues" in include:
@@ -97,8 +97,8 @@ def loads_report(
     if every or "tiers" in include:
         # hicache's own section: every tier's occupancy, for a router that knows the hierarchy
         report["tiers"] = {
-            tier: {k: int(d[k]) for k in ("capacity_tokens", "used_tokens") if k in d}
-            for tier in ("l1", "l2", "l3")
-            if isinstance(d := stats.get(tier), dict)
+            tier.value: {"capacity_tokens": s.capacity_tokens, "used_tokens": s.used_tokens}
+            for tier in Tier
+            if (s := stats.tier(tier)) is not None
         }
     return report

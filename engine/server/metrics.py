@@ -22,121 +22,158 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from hicache.stats import CacheStats, L3Stats, TierStats
+from hicache.tier import TIERS, Tier
+
 log = logging.getLogger(__name__)
-TIERS = ("l1", "l2", "l3")
 
-# per-tier gauges: name -> (stats key in each tier's dict, help)
-_TIER_GAUGES = {
-    "hicache_max_total_num_tokens": ("capacity_tokens", "Capacity of the tier in tokens"),
-    "hicache_num_used_tokens": ("used_tokens", "Tokens of the tier in use"),
-    "hicache_num_evictable_tokens": ("evictable_tokens",
-                                     "Cached tokens the tier can evict now (unlocked leaves)"),
-    "hicache_num_protected_tokens": ("protected_tokens",
-                                     "Cached tokens locked by running requests or pins"),
+TenantFigures = dict[str, dict[str, dict[str, int]]]  # tenant_cache.tenant_figures
+
+# one family per TierStats field, label tier: (name, help, counter?, the field)
+_TIER_FAMILIES: tuple[tuple[str, str, bool, Callable[[TierStats], int]], ...] = (
+    ("hicache_max_total_num_tokens", "Capacity of the tier in tokens", False,
+     lambda t: t.capacity_tokens),
+    ("hicache_num_used_tokens", "Tokens of the tier in use", False, lambda t: t.used_tokens),
+    ("hicache_num_evictable_tokens", "Cached tokens the tier can evict now (unlocked leaves)",
+     False, lambda t: t.evictable_tokens),
+    ("hicache_num_protected_tokens", "Cached tokens locked by running requests or pins", False,
+     lambda t: t.pinned_tokens),
+    ("hicache_prefix_cache_hits_total", "Prompt tokens found cached, by the tier that served them",
+     True, lambda t: t.hit_tokens),
+    ("hicache_evicted_tokens_total", "Tokens evicted from the tier", True, lambda t: t.evicted_tokens),
+    ("hicache_errors_total",
+     "Failed operations of the tier (l2: device <-> host copies; l3: backend calls and jobs)",
+     True, lambda t: t.errors),
+)
+# the traffic fields, named after the copy: L1 <-> L2 (on l1, while there is an L2) and
+# L2 <-> L3 (on l2, while an L3 is attached)
+_TRAFFIC: dict[Tier, tuple[tuple[str, str, Callable[[TierStats], int]], ...]] = {
+    Tier.L1: (
+        ("hicache_load_back_tokens_total", "Tokens loaded L2 -> L1", lambda t: t.promoted_tokens),
+        ("hicache_load_back_bytes_total", "Bytes copied L2 -> L1", lambda t: t.bytes_in),
+        ("hicache_demoted_tokens_total",
+         "L1 tokens evicted with their KV kept in L2 (part of evicted l1)",
+         lambda t: t.demoted_tokens),
+        ("hicache_host_backup_bytes_total", "Bytes copied L1 -> L2", lambda t: t.bytes_out),
+    ),
+    Tier.L2: (
+        ("hicache_prefetched_tokens_total", "Tokens prefetches read L3 -> L2",
+         lambda t: t.promoted_tokens),
+        ("hicache_prefetched_bytes_total", "Bytes read from L3", lambda t: t.bytes_in),
+        ("hicache_backuped_tokens_total", "Tokens written L2 -> L3", lambda t: t.demoted_tokens),
+        ("hicache_backuped_bytes_total", "Bytes written to L3", lambda t: t.bytes_out),
+    ),
 }
-# evicted tokens per tier: (stats key, its unit in tokens: 1 or the stats key holding it)
-_EVICTED: dict[str, tuple[str, int | str]] = {
-    "l1": ("evicted_tokens", 1), "l2": ("evictions", 1),
-    "l3": ("evictions", "object_tokens")}  # NOTE: L3 counts objects
-# tier -> transfers between tiers: name -> (stats key, its unit in tokens as in _EVICTED, help)
-_TRANSFERS: dict[str, dict[str, tuple[str, int | str, str]]] = {
-    "l2": {
-        "hicache_load_back_tokens_total": ("promotions", 1, "Tokens loaded L2 -> L1"),
-        "hicache_load_back_bytes_total": ("bytes_h2d", 1, "Bytes copied L2 -> L1"),
-        "hicache_host_backup_bytes_total": ("bytes_d2h", 1, "Bytes copied L1 -> L2"),
-        "hicache_demoted_tokens_total": (
-            "demotions", 1, "L1 tokens evicted with their KV kept in L2 (part of evicted l1)"),
-    },
-    "l3": {
-        "hicache_backuped_tokens_total": ("backup_objects", "object_tokens",
-                                          "Tokens written L2 -> L3"),
-        "hicache_backuped_bytes_total": ("bytes_written", 1, "Bytes written to L3"),
-        "hicache_prefetched_tokens_total": ("prefetch_tokens", 1,
-                                            "Tokens prefetches read L3 -> L2"),
-        "hicache_prefetched_bytes_total": ("bytes_read", 1, "Bytes read from L3"),
-    },
+# L3's own figures: (name, help, counter?, the field)
+_L3: tuple[tuple[str, str, bool, Callable[[L3Stats], int]], ...] = (
+    ("hicache_l3_prefetch_objects", "L3 objects read by prefetches", True,
+     lambda s: s.prefetch_objects),
+    ("hicache_l3_prefetches", "Prefetches started", True, lambda s: s.prefetch_started),
+    ("hicache_l3_prefetch_cancelled", "Prefetches cancelled", True,
+     lambda s: s.prefetch_cancelled),
+    ("hicache_l3_prefetch_yielded",
+     "Prefetches that gave their L2 room to a request going first", True,
+     lambda s: s.prefetch_yielded),
+    ("hicache_l3_backup_deferred_nodes",
+     "Node backups that waited for room (too many in flight)", True,
+     lambda s: s.backup_deferred),
+    ("hicache_l3_backup_dropped_nodes", "Deferred node backups dropped: the node left L2 first",
+     True, lambda s: s.backup_dropped_nodes),
+    ("hicache_l3_repaired_objects", "Lost objects written again", True,
+     lambda s: s.repaired_objects),
+    ("hicache_l3_errors", "L3 errors", True, lambda s: s.errors),
+    ("hicache_l3_backup_failed_objects", "Objects a backup could not store", True,
+     lambda s: s.backup_failed_objects),
+    ("hicache_l3_vanished_objects", "Objects found gone or damaged", True, lambda s: s.vanished),
+    ("hicache_l3_bytes", "Bytes of the objects in L3", False, lambda s: s.bytes),
+    ("hicache_l3_object_hits", "Objects read", True, lambda s: s.hits),
+    ("hicache_l3_object_misses", "Objects asked for and not there", True, lambda s: s.misses),
+    ("hicache_l3_corrupt_objects", "Objects found damaged (removed)", True, lambda s: s.corrupt),
+    ("hicache_l3_pending_backups", "Backups in flight", False, lambda s: s.pending_backups),
+    ("hicache_l3_pending_prefetches", "Prefetches in flight", False,
+     lambda s: s.pending_prefetches),
+)
+# what a backend reports of itself (L3Stats.backend_figures; Redis): key -> (name, help, counter?)
+_L3_BACKEND = {
+    "read_bytes_per_s": ("hicache_l3_read_bandwidth_bytes_per_second",
+                         "Read bandwidth (payload bytes / time in reads)", False),
+    "write_bytes_per_s": ("hicache_l3_write_bandwidth_bytes_per_second",
+                          "Write bandwidth (payload bytes / time in writes)", False),
+    "rtt_us": ("hicache_l3_round_trip_microseconds", "Round-trip latency to the L3 server",
+               False),
+    "connected": ("hicache_l3_connected", "1 while the L3 server answers", False),
+    "outages": ("hicache_l3_outages", "Times the L3 server became unreachable", True),
 }
 
 
-def _tokens(d: dict[str, Any], key: str, unit: int | str) -> float | None:
-    """``d[key]`` times its unit (1, or ``d[unit]``: tokens per L3 object); None when the tier
-    does not report it."""
-    if key not in d or (isinstance(unit, str) and unit not in d):
-        return None
-    return float(d[key]) * float(d[unit] if isinstance(unit, str) else unit)
+def _family(name: str, doc: str, counter: bool, value: float | None = None,
+            labels: list[str] | None = None) -> Any:
+    cls = CounterMetricFamily if counter else GaugeMetricFamily
+    return cls(name, doc, value=value, labels=labels)
 
 
 class CacheCollector:
-    """Reads the engine's cache stats on every scrape (a cheap call on the scheduler thread)."""
+    """Reads the engine's cache stats on every scrape (a cheap call on the scheduler thread)
+    and, with tenants, their figures."""
 
-    def __init__(self, stats_fn: Callable[[], dict[str, Any] | None]):
+    def __init__(self, stats_fn: Callable[[], CacheStats | None],
+                 tenants_fn: Callable[[], TenantFigures | None] | None = None):
         self.stats_fn = stats_fn
+        self.tenants_fn = tenants_fn
 
     def collect(self) -> Iterator[Any]:
         try:
             stats = self.stats_fn()
+            tenants = self.tenants_fn() if stats is not None and self.tenants_fn else None
         except Exception:
             log.debug("cache stats unavailable for metrics", exc_info=True)
-            stats = None
-        if not stats:
             return
-        tiers = {t: stats[t] for t in TIERS if isinstance(stats.get(t), dict)}
+        if stats is None:
+            return
+        tiers = {t: s for t in Tier if (s := stats.tier(t)) is not None}
         yield from _tier_families(tiers)
         yield CounterMetricFamily(
             "hicache_prefix_cache_queries_total",
             "Prompt tokens looked up in the cache (each admitted request once)",
-            value=float(stats.get("prompt_tokens", 0)),
+            value=float(stats.prompt_tokens),
         )
-        for tier, transfers in _TRANSFERS.items():
-            d = tiers.get(tier)
-            for name, (key, unit, doc) in transfers.items():
-                value = _tokens(d, key, unit) if d is not None else None
-                if value is not None:
-                    yield CounterMetricFamily(name, doc, value=value)
-        yield from _l3_families(tiers.get("l3"))
-        yield from _tenant_families(stats.get("tenants"))
+        for upper, families in _TRAFFIC.items():
+            lower = Tier(TIERS[TIERS.index(upper) + 1])
+            if upper in tiers and lower in tiers:
+                for name, doc, read in families:
+                    yield CounterMetricFamily(name, doc, value=float(read(tiers[upper])))
+        if stats.l3 is not None:
+            yield from _l3_families(stats.l3)
+        yield from _tenant_families(tenants)
         yield GaugeMetricFamily(
             "hicache_num_requests_running",
             "Requests in the running batch",
-            value=float(stats.get("running_requests", 0)),
+            value=float(stats.running_requests),
         )
         yield GaugeMetricFamily(
             "hicache_num_requests_waiting",
             "Requests waiting to be scheduled",
-            value=float(stats.get("waiting_requests", 0)),
+            value=float(stats.waiting_requests),
         )
 
 
-def _tier_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
-    for name, (key, doc) in _TIER_GAUGES.items():
-        g = GaugeMetricFamily(name, doc, labels=["tier"])
-        for tier, d in tiers.items():
+def _tier_families(tiers: dict[Tier, TierStats]) -> Iterator[Any]:
+    for name, doc, counter, read in _TIER_FAMILIES:
+        family = _family(name, doc, counter, labels=["tier"])
+        for tier, s in tiers.items():
             # NOTE: an L3 without a cap (a Redis without maxmemory) reports capacity 0
-            if key in d and not (key == "capacity_tokens" and not d[key]):
-                g.add_metric([tier], float(d[key]))
-        yield g
+            if name != "hicache_max_total_num_tokens" or s.capacity_tokens:
+                family.add_metric([tier.value], float(read(s)))
+        yield family
     usage = GaugeMetricFamily("hicache_token_usage", "Used / capacity tokens of the tier (0-1)",
                               labels=["tier"])
-    for tier, d in tiers.items():
-        if d.get("capacity_tokens") and "used_tokens" in d:
-            usage.add_metric([tier], float(d["used_tokens"]) / float(d["capacity_tokens"]))
+    for tier, s in tiers.items():
+        if s.capacity_tokens:
+            usage.add_metric([tier.value], s.used_tokens / s.capacity_tokens)
     yield usage
-    hits = CounterMetricFamily("hicache_prefix_cache_hits_total",
-                               "Prompt tokens found cached, by the tier that served them",
-                               labels=["tier"])
-    evicted = CounterMetricFamily("hicache_evicted_tokens_total",
-                                  "Tokens evicted from the tier", labels=["tier"])
-    for tier, d in tiers.items():
-        if "hit_tokens" in d:
-            hits.add_metric([tier], float(d["hit_tokens"]))
-        value = _tokens(d, *_EVICTED[tier])
-        if value is not None:
-            evicted.add_metric([tier], value)
-    yield hits
-    yield evicted
 
 
-def _tenant_families(tenants: dict[str, dict[str, dict[str, int]]] | None) -> Iterator[Any]:
+def _tenant_families(tenants: TenantFigures | None) -> Iterator[Any]:
     """Per tenant and tier: cached tokens, quota (0 = none), tokens evicted for the quota."""
     if not tenants:
         return
@@ -159,54 +196,24 @@ def _tenant_families(tenants: dict[str, dict[str, dict[str, int]]] | None) -> It
     yield evicted
 
 
-# the L3 backend's own figures: stats key -> (metric name, help, counter?)
-_L3 = {
-    "prefetch_objects": ("hicache_l3_prefetch_objects", "L3 objects read by prefetches", True),
-    "prefetch_started": ("hicache_l3_prefetches", "Prefetches started", True),
-    "prefetch_cancelled": ("hicache_l3_prefetch_cancelled", "Prefetches cancelled", True),
-    "prefetch_yielded": ("hicache_l3_prefetch_yielded",
-                         "Prefetches that gave their L2 room to a request going first", True),
-    "backup_deferred": ("hicache_l3_backup_deferred_nodes",
-                        "Node backups that waited for room (too many in flight)", True),
-    "backup_dropped_nodes": ("hicache_l3_backup_dropped_nodes",
-                             "Deferred node backups dropped: the node left L2 first", True),
-    "repaired_objects": ("hicache_l3_repaired_objects", "Lost objects written again", True),
-    "errors": ("hicache_l3_errors", "L3 errors", True),
-    "backup_failed_objects": ("hicache_l3_backup_failed_objects",
-                              "Objects a backup could not store", True),
-    "vanished": ("hicache_l3_vanished_objects", "Objects found gone or damaged", True),
-    "bytes": ("hicache_l3_bytes", "Bytes of the objects in L3", False),
-    "hits": ("hicache_l3_object_hits", "Objects read", True),
-    "misses": ("hicache_l3_object_misses", "Objects asked for and not there", True),
-    "corrupt": ("hicache_l3_corrupt_objects", "Objects found damaged (removed)", True),
-    "read_bytes_per_s": ("hicache_l3_read_bandwidth_bytes_per_second",
-                         "Read bandwidth (payload bytes / time in reads)", False),
-    "write_bytes_per_s": ("hicache_l3_write_bandwidth_bytes_per_second",
-                          "Write bandwidth (payload bytes / time in writes)", False),
-    "rtt_us": ("hicache_l3_round_trip_microseconds", "Round-trip latency to the L3 server",
-               False),
-    "connected": ("hicache_l3_connected", "1 while the L3 server answers", False),
-    "outages": ("hicache_l3_outages", "Times the L3 server became unreachable", True),
-    "pending_backups": ("hicache_l3_pending_backups", "Backups in flight", False),
-    "pending_prefetches": ("hicache_l3_pending_prefetches", "Prefetches in flight", False),
-}
-
-
-def _l3_families(l3: dict[str, Any] | None) -> Iterator[Any]:
-    if l3 is None:
-        return
+def _l3_families(l3: L3Stats) -> Iterator[Any]:
     info = GaugeMetricFamily("hicache_l3_backend_info", "The attached L3 backend (value 1)",
                              labels=["backend", "address"])
-    info.add_metric([str(l3.get("backend", "")), str(l3.get("address", ""))], 1.0)
+    info.add_metric([l3.backend, l3.address], 1.0)
     yield info
-    for key, (name, doc, counter) in _L3.items():
-        if key in l3:
-            cls = CounterMetricFamily if counter else GaugeMetricFamily
-            yield cls(name, doc, value=float(l3[key]))
+    for name, doc, counter, read in _L3:
+        yield _family(name, doc, counter, value=float(read(l3)))
+    for key, value in l3.backend_figures.items():
+        if key in _L3_BACKEND:
+            name, doc, counter = _L3_BACKEND[key]
+            yield _family(name, doc, counter, value=float(value))
 
 
 class Metrics:
-    def __init__(self, stats_fn: Callable[[], dict[str, Any] | None]):
+    def __init__(self, stats_fn: Callable[[], CacheStats | None],
+                 tenants_fn: Callable[[], TenantFigures | None] | None = None):
+        """``stats_fn``: the engine's cache stats (None: no engine yet); ``tenants_fn``: the
+        tenants' figures (tenant_cache.tenant_figures), None without tenants."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -242,7 +249,7 @@ class Metrics:
             ["tier"],
             registry=r,
         )
-        r.register(CacheCollector(stats_fn))
+        r.register(CacheCollector(stats_fn, tenants_fn))
         self._server: Any = None
 
     def stream_started(self) -> None:

@@ -55,6 +55,7 @@ from engine.front import (
 from engine.tokenizer import TokenizerManager
 from hicache.events import CacheEvent
 from hicache.kv_blocks import BlockChanges
+from hicache.stats import CacheStats
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # model conversion + load on a slow machine
@@ -262,7 +263,8 @@ class SplitEngine(EngineFront):
         a SchedulerCall of one with plain arguments)."""
         return self._call(ipc.InScheduler(fn, timeout), timeout=timeout)
 
-    def cache_stats(self) -> dict[str, Any]:
+    def cache_stats(self) -> CacheStats:
+        """The scheduler process's record (pickled across)."""
         return self._call(ipc.CacheStats())
 
     def model_info(self) -> dict[str, Any]:

@@ -41,9 +41,9 @@ def test_tiny_pool_retracts_and_evicts_with_same_outputs(llama_dir, page_size):
         # The admission budget reserves decode room, so page_size 16 may never need to retract;
         # page_size 1 admits more requests and must retract.
         if page_size == 1:
-            assert stats["retractions"] > 0
-        assert stats["l1"]["evicted_tokens"] > 0
-        assert stats["l1"]["held_by_requests_tokens"] == 0
+            assert stats.retractions > 0
+        assert stats.l1.evicted_tokens > 0
+        assert stats.l1.held_by_requests_tokens == 0
 
 
 @pytest.mark.parametrize("prompt,params,msg", [
@@ -69,10 +69,10 @@ def test_bad_input_raises_value_error_and_engine_keeps_serving(eng, prompt, para
 
 
 def test_bad_prompt_in_a_batch_queues_nothing(eng):
-    before = eng.cache_stats()["requests"]
+    before = eng.cache_stats().requests
     with pytest.raises(ValueError):
         eng.generate([[5, 6, 7], []], GREEDY)
-    assert eng.cache_stats()["requests"] == before
+    assert eng.cache_stats().requests == before
 
 
 def test_seeded_sampling_is_reproducible(eng):
@@ -137,7 +137,7 @@ def test_abort_frees_kv(eng):
     res = h.result()
     assert res.finish_reason == "abort"
     stats = eng.cache_stats()
-    assert stats["l1"]["held_by_requests_tokens"] == 0 and stats["running_requests"] == 0
+    assert stats.l1.held_by_requests_tokens == 0 and stats.running_requests == 0
 
 
 def test_chat_prompt_and_text(eng):
@@ -153,7 +153,7 @@ def test_disable_radix_cache(llama_dir):
         assert [o.token_ids for o in e.generate(prompts, GREEDY)] == ref
         again = e.generate(prompts, GREEDY)
         assert all(o.cached_tokens == 0 for o in again)
-        assert e.cache_stats()["l1"]["used_tokens"] == 0
+        assert e.cache_stats().l1.used_tokens == 0
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs", "lof", "random"])

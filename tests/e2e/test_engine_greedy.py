@@ -44,8 +44,8 @@ def test_batched_greedy_matches_transformers(model_dir, page_size, chunk):
         for p, o in zip(prompts, again):
             assert o.cached_tokens == (len(p) - 1) // page_size * page_size
         stats = eng.cache_stats()
-        assert stats["l1"]["hit_tokens"] > 0
-        assert stats["l1"]["held_by_requests_tokens"] == 0
+        assert stats.l1.hit_tokens > 0
+        assert stats.l1.held_by_requests_tokens == 0
 
 
 def test_multiturn_prefix_hit(model_dir):

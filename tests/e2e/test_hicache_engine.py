@@ -46,10 +46,10 @@ def test_multiturn_served_from_l2(tiny_llama_dir, page_size, layout, policy, chu
     ref = hf_greedy(tiny_llama_dir, convs + turn2, MAX_NEW)
     assert [f.token_ids for f in first] == ref[:2]
     assert [s.token_ids for s in second] == ref[2:]
-    assert stats["l2"]["hit_tokens"] > 0
-    assert stats["l2"]["demotions"] > 0 and stats["l2"]["promotions"] > 0
+    assert stats.l2.hit_tokens > 0
+    assert stats.l1.demoted_tokens > 0 and stats.l1.promoted_tokens > 0
     assert any(s.cached_tokens_per_tier.get("l2", 0) > 0 for s in second)
-    assert stats["l1"]["held_by_requests_tokens"] == 0
+    assert stats.l1.held_by_requests_tokens == 0
 
 
 def test_restart_hits_l3(tiny_llama_dir, tmp_path):
@@ -64,9 +64,9 @@ def test_restart_hits_l3(tiny_llama_dir, tmp_path):
         second = eng.generate(prompt, GREEDY)
         stats = eng.cache_stats()
     assert first.token_ids == second.token_ids == hf_greedy(tiny_llama_dir, [prompt], MAX_NEW)[0]
-    assert stats["l3"]["hit_tokens"] > 0
+    assert stats.l3.hit_tokens > 0
     assert second.cached_tokens_per_tier.get("l3", 0) == 48  # (50 - 1) // 16 * 16
-    assert stats["l3"]["errors"] == 0
+    assert stats.l3.errors == 0
 
 
 @pytest.mark.parametrize("layout,quantization", [
@@ -176,7 +176,7 @@ def test_prefill_logits_bit_identical_from_l3(tiny_llama_dir, tmp_path, layout, 
         hicache_storage_dir=str(tmp_path / "kv"), hicache_storage_prefetch_policy="wait_complete",
         # objects of one page: L3 then holds exactly what a huge L1 caches (page-aligned)
         hicache_storage_page_size=page_size, hicache_prefetch_threshold=0)
-    assert stats["l3"]["hit_tokens"] > 0 and stats["l3"]["errors"] == 0
+    assert stats.l3.hit_tokens > 0 and stats.l3.errors == 0
     assert big.cached_tokens == l3.cached_tokens > 0
     assert l3.cached_tokens_per_tier.get("l3", 0) == l3.cached_tokens  # none left in L1 or L2
     assert big.cached_tokens_per_tier["l1"] == big.cached_tokens

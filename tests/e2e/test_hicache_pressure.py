@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 from engine import Engine
+from hicache.stats import L3Stats
 from hicache.storage.file import FileStorageBackend
 from tests.storage_fakes import GatedStorage
 from tests.tiny_models import hf_greedy
@@ -55,8 +56,10 @@ def gated(monkeypatch, tmp_path):
         s.release_all()
 
 
-def _l3_stats(eng: Engine) -> dict:
-    return eng.cache_stats()["l3"]
+def _l3_stats(eng: Engine) -> L3Stats:
+    l3 = eng.cache_stats().l3
+    assert l3 is not None
+    return l3
 
 
 def test_blocked_storage_never_stops_eviction_decode_or_admission(tiny_llama_dir, tmp_path,
@@ -72,13 +75,13 @@ def test_blocked_storage_never_stops_eviction_decode_or_admission(tiny_llama_dir
         again = eng.generate(prompts[0], GREEDY)  # demoted: served from L2
         stats = eng.cache_stats()
         # the backup thread is blocked in the store, and the engine kept serving meanwhile
-        assert stats["l3"]["pending_backups"] > 0 and store.writes.wait_blocked(1, 60)
+        assert stats.l3.pending_backups > 0 and store.writes.wait_blocked(1, 60)
         store.release_all()
     ref = hf_greedy(tiny_llama_dir, prompts, MAX_NEW)
     assert [r.token_ids for r in seq + conc] == ref
     assert again.token_ids == ref[0] and again.cached_tokens_per_tier["l2"] > 0
-    assert stats["l2"]["demotions"] > 0
-    assert stats["l1"]["held_by_requests_tokens"] == 0
+    assert stats.l1.demoted_tokens > 0
+    assert stats.l1.held_by_requests_tokens == 0
 
 
 def _write_to_l3(model_dir: str, tmp_path, prompt: list[int]) -> list[int]:
@@ -142,7 +145,7 @@ def test_prefetch_policies_differ(tiny_llama_dir, tmp_path, gated, policy):
     want = {"best_effort": 0, "wait_complete": 192, "timeout": 64}[policy]
     assert out.cached_tokens_per_tier["l3"] == want
     assert out.cached_tokens == want  # nothing else was cached
-    assert stats["l3"]["prefetch_started"] == 1
+    assert stats.l3.prefetch_started == 1
 
 
 def test_load_backs_are_in_the_admission_budget(tiny_llama_dir, tmp_path, caplog):
@@ -161,7 +164,7 @@ def test_load_backs_are_in_the_admission_budget(tiny_llama_dir, tmp_path, caplog
     ref = hf_greedy(tiny_llama_dir, convs + turn2, MAX_NEW)
     assert [f.token_ids for f in firsts] == ref[:6]
     assert [s.token_ids for s in seconds] == ref[6:]
-    assert stats["l2"]["promotions"] > 0
+    assert stats.l1.promoted_tokens > 0
     assert sum(s.cached_tokens_per_tier["l2"] for s in seconds) > 0
 
 
@@ -190,21 +193,22 @@ def test_l3_index_repairs_itself(tiny_llama_dir, tmp_path, damage):
         on_disk = sum(os.path.exists(f) for f in files)
         if damage == "delete":
             # the lost object and everything chained after it left the index
-            assert l3["objects"] == on_disk == 3
+            assert l3.used_tokens == on_disk * l3.object_tokens and on_disk == 3
         second = eng.generate(prompt, GREEDY)
     assert second.token_ids == first.token_ids
     assert second.cached_tokens_per_tier["l3"] == 48  # objects 0..2; the rest recomputed
     assert all(os.path.exists(f) for f in files)  # the recompute stored them again
     with Engine(tiny_llama_dir, **_opts(tmp_path)) as eng:
         third = eng.generate(prompt, GREEDY)
-        assert _l3_stats(eng)["objects"] == 12
+        assert _l3_stats(eng).used_tokens == 12 * S  # 12 objects
     assert third.token_ids == first.token_ids
     assert third.cached_tokens_per_tier["l3"] == 192
 
 
 def test_default_object_size_and_threshold(tiny_llama_dir, tmp_path):
-    """Defaults: 64-token objects, a prefetch only for an L3 hit of 256 tokens or more, the
-    timeout policy."""
+    """Defaults: 64-token objects, the timeout policy, and on the CPU a prefetch of any L3 hit
+    beyond the L1 + L2 match; with SGLang's threshold (256, CUDA's default) a hit of fewer
+    tokens is recomputed."""
     prompt = _prompts(1, seed=6, length=400)[0]
     opts = _opts(tmp_path, max_total_tokens=1024)
     for k in ("hicache_storage_page_size", "hicache_prefetch_threshold"):
@@ -213,15 +217,39 @@ def test_default_object_size_and_threshold(tiny_llama_dir, tmp_path):
         first = eng.generate(prompt, GREEDY)
         short = eng.generate(prompt[:250], GREEDY)
     with Engine(tiny_llama_dir, **opts) as eng:
-        short2 = eng.generate(prompt[:250], GREEDY)  # 3 objects (192 tokens) in L3: too few
+        assert eng.server_args.hicache_prefetch_threshold == 0
+        short2 = eng.generate(prompt[:250], GREEDY)  # 3 objects (192 tokens) in L3
+    with Engine(tiny_llama_dir, **opts, hicache_prefetch_threshold=256) as eng:
+        short3 = eng.generate(prompt[:250], GREEDY)  # too few for this threshold
     with Engine(tiny_llama_dir, **opts) as eng:
         assert eng.server_args.hicache_storage_prefetch_policy == "timeout"
         again = eng.generate(prompt, GREEDY)
         l3 = _l3_stats(eng)
-    assert short2.token_ids == short.token_ids and short2.cached_tokens == 0
+    assert short2.token_ids == short.token_ids and short2.cached_tokens_per_tier["l3"] == 192
+    assert short3.token_ids == short.token_ids and short3.cached_tokens == 0
     assert again.token_ids == first.token_ids
     assert again.cached_tokens_per_tier["l3"] == 384  # (400 - 1) // 64 * 64
-    assert l3["object_tokens"] == 64 and l3["used_tokens"] == 384
+    assert l3.object_tokens == 64 and l3.used_tokens == 384
+
+
+def test_default_threshold_reads_l3_beyond_a_shared_header(tiny_llama_dir, tmp_path):
+    """A conversation's next turn whose own history is in L3 and whose first tokens (a chat
+    template's header, a system prompt) another conversation keeps in L1: with the default
+    threshold on the CPU its L3 hit is read, not recomputed, however few tokens it adds beyond
+    that header (here 224: under SGLang's threshold of 256)."""
+    header, a_own, b_own = _prompts(3, seed=9, length=240)
+    a, b = header[:32] + a_own, header[:32] + b_own[:100]  # 272 tokens: 4 objects in L3
+    # (wait_complete: what is read does not depend on how fast the read thread runs)
+    opts = _opts(tmp_path, max_total_tokens=1024, hicache_storage_prefetch_policy="wait_complete")
+    for k in ("hicache_storage_page_size", "hicache_prefetch_threshold"):
+        opts.pop(k)
+    with Engine(tiny_llama_dir, **opts) as eng:
+        first = eng.generate(a, GREEDY)  # shutdown stores its objects
+    with Engine(tiny_llama_dir, **opts) as eng:
+        eng.generate(b, GREEDY)  # the shared header is in L1 now
+        again = eng.generate(a, GREEDY)
+    assert again.token_ids == first.token_ids
+    assert again.cached_tokens_per_tier == {"l1": 32, "l2": 0, "l3": 256 - 32}
 
 
 def test_abort_while_prefetching_frees_everything(tiny_llama_dir, tmp_path, gated):
@@ -235,8 +263,8 @@ def test_abort_while_prefetching_frees_everything(tiny_llama_dir, tmp_path, gate
                                          s.tree_cache.check()))
         stats = eng.cache_stats()
     assert out.finish_reason == "abort"
-    assert stats["l3"]["prefetch_cancelled"] == 1 and stats["l3"]["pending_prefetches"] == 0
-    assert stats["l2"]["used_tokens"] == stats["l2"]["cached_tokens"]  # no host slot leaked
+    assert stats.l3.prefetch_cancelled == 1 and stats.l3.pending_prefetches == 0
+    assert stats.l2.used_tokens == stats.l2.cached_tokens  # no host slot leaked
 
 
 def test_prefetch_of_a_later_request_gives_its_l2_room(tiny_llama_dir, tmp_path, gated):
@@ -265,5 +293,5 @@ def test_prefetch_of_a_later_request_gives_its_l2_room(tiny_llama_dir, tmp_path,
     ref = hf_greedy(tiny_llama_dir, [a_prompt, b_prompt], MAX_NEW)
     assert [out_a.token_ids, out_b.token_ids] == ref
     assert out_a.cached_tokens_per_tier["l3"] == 416
-    assert stats["l3"]["prefetch_yielded"] == 1
-    assert stats["l2"]["used_tokens"] == stats["l2"]["cached_tokens"]  # no host slot leaked
+    assert stats.l3.prefetch_yielded == 1
+    assert stats.l2.used_tokens == stats.l2.cached_tokens  # no host slot leaked

@@ -108,9 +108,9 @@ def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
         assert kv_start[layer] >= load_end[layer], layer
     assert second.token_ids == first.token_ids
     assert first.token_ids == hf_greedy(model_dir, [prompt], MAX_NEW)[0]
-    assert stats["l2"]["hit_tokens"] > 0
+    assert stats.l2.hit_tokens > 0
     assert second.cached_tokens_per_tier.get("l2", 0) > 0
-    assert stats["l1"]["held_by_requests_tokens"] == 0
+    assert stats.l1.held_by_requests_tokens == 0
 
 
 def test_cpu_prefill_reads_loading_kv_from_host(tmp_path, monkeypatch):
@@ -148,7 +148,7 @@ def test_cpu_prefill_reads_loading_kv_from_host(tmp_path, monkeypatch):
     assert first.token_ids == hf_greedy(model_dir, [prompt], MAX_NEW)[0]
     assert second.token_ids == first.token_ids
     assert third.token_ids == first.token_ids
-    assert stats["l1"]["held_by_requests_tokens"] == 0
+    assert stats.l1.held_by_requests_tokens == 0
 
 
 def test_failed_load_back_leaves_the_prefix_in_l2(tmp_path, monkeypatch):
@@ -181,4 +181,4 @@ def test_failed_load_back_leaves_the_prefix_in_l2(tmp_path, monkeypatch):
     assert tiers["l1"] == 0 and tiers["l2"] > 0
     assert second.cached_tokens_per_tier.get("l2", 0) > 0
     assert second.token_ids == first.token_ids == hf_greedy(model_dir, [prompt], MAX_NEW)[0]
-    assert stats["l1"]["held_by_requests_tokens"] == 0
+    assert stats.l1.held_by_requests_tokens == 0

@@ -163,12 +163,12 @@ def test_overlap_with_the_hierarchy_under_pressure(llama_dir, tmp_path, page_siz
         _settled(eng)
     with Engine(llama_dir, **opts) as eng:  # L3 after a restart
         third = [o.token_ids for o in eng.generate(turn2, params)]
-        l3 = eng.cache_stats()["l3"]["hit_tokens"]
+        l3 = eng.cache_stats().l3.hit_tokens
         _settled(eng)
     ref = hf_greedy(llama_dir, convs + turn2, 8)
     assert first == ref[:4]
     assert second == third == ref[4:]
-    assert stats["l2"]["hit_tokens"] + stats["l3"]["hit_tokens"] > 0
+    assert stats.l2.hit_tokens + stats.l3.hit_tokens > 0
     assert l3 > 0
 
 

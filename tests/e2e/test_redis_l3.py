@@ -37,9 +37,12 @@ OBJECT = 16  # tokens per L3 object in these tests (the tiny model's prompts are
 
 
 def _l3(client: HicacheClient) -> dict:
-    t = client.cache_stats().tiers[2]
+    """L3's figures, and the tokens backed up to it (counted on L2, the tier they leave)."""
+    stats = client.cache_stats()
+    t = stats.tiers[2]
     return {"enabled": t.enabled, **dict(t.extra), **dict(t.info), "hit_tokens": t.hit_tokens,
-            "used_tokens": t.used_tokens}
+            "used_tokens": t.used_tokens, "errors": t.errors,
+            "backed_up_tokens": stats.tiers[1].demoted_tokens}
 
 
 def _wait(cond, timeout: float = 60.0, what: str = "condition") -> None:
@@ -52,7 +55,7 @@ def _wait(cond, timeout: float = 60.0, what: str = "condition") -> None:
 def _settled(client: HicacheClient) -> bool:
     """The daemon's L3 work landed (nothing pending, something stored)."""
     s = _l3(client)
-    return s["pending_backups"] == 0 and s["backup_objects"] > 0
+    return s["pending_backups"] == 0 and s["backed_up_tokens"] > 0
 
 
 # --- in-process: bit-identical prefill logits from Redis ---------------------------------------
@@ -70,8 +73,8 @@ def test_prefill_logits_bit_identical_from_redis(tiny_llama_dir, topology, reque
         enable_hierarchical_cache=True, hicache_storage_backend="redis",
         hicache_storage_url=server.url, hicache_storage_prefetch_policy="wait_complete",
         hicache_storage_page_size=16, hicache_prefetch_threshold=0)
-    assert stats["l3"]["backend"] == ("redis" if topology == "single" else "redis-cluster")
-    assert stats["l3"]["hit_tokens"] > 0 and stats["l3"]["errors"] == 0
+    assert stats.l3.backend == ("redis" if topology == "single" else "redis-cluster")
+    assert stats.l3.hit_tokens > 0 and stats.l3.errors == 0
     assert big.cached_tokens == l3.cached_tokens > 0
     assert l3.cached_tokens_per_tier.get("l3", 0) == l3.cached_tokens
     assert torch.equal(big_logits, l3_logits)
@@ -216,7 +219,7 @@ def test_keys_evicted_by_maxmemory_are_misses(redis_daemon):
     _wait(lambda: _l3(c)["server_evicted_keys"] > 0, what="the idle rescan")
     s = _l3(c)
     assert s["hit_tokens"] > 0 and s["corrupt"] == 0, (s, raw.info("stats"), raw.dbsize())
-    assert s["objects"] < s["backup_objects"]  # what the server still holds
+    assert s["used_tokens"] < s["backed_up_tokens"]  # what the server still holds
     assert c.health() == "SERVING"
 
 

@@ -37,7 +37,7 @@ def test_batch_that_does_not_fit_is_retried_one_at_a_time(eng):
         builder.prepare_extend = real
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert 1 in sizes and sizes.count(2) <= 3  # it stopped retrying the big batch
-    assert eng.cache_stats()["l1"]["held_by_requests_tokens"] == 0
+    assert eng.cache_stats().l1.held_by_requests_tokens == 0
 
 
 def test_request_that_never_fits_is_failed_not_spun(eng):

@@ -91,12 +91,12 @@ def test_greedy_equal_across_tiers_on_cuda(tiny_llama_dir, tmp_path, backend, io
     f1, s1, _ = two_turns(max_total_tokens=8192)  # everything stays in L1
     f2, s2, st2 = two_turns(max_total_tokens=256, enable_hierarchical_cache=True,
                             hicache_io_backend=io_backend)
-    assert st2["l2"]["hit_tokens"] > 0 and s2.cached_tokens == s1.cached_tokens > 0
+    assert st2.l2.hit_tokens > 0 and s2.cached_tokens == s1.cached_tokens > 0
     f3, s3, st3 = two_turns(max_total_tokens=256, enable_hierarchical_cache=True,
                             hicache_io_backend=io_backend, hicache_ratio=1.0,
                             hicache_storage_backend="file",
                             hicache_storage_dir=str(tmp_path / "kv"),
                             hicache_storage_prefetch_policy="wait_complete")
-    assert st3["l3"]["hit_tokens"] > 0
+    assert st3.l3.hit_tokens > 0
     assert f1.token_ids == f2.token_ids == f3.token_ids
     assert s1.token_ids == s2.token_ids == s3.token_ids

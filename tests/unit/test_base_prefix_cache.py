@@ -17,7 +17,10 @@ from hicache.chunk_cache import ChunkCache
 from hicache.hiradix_cache import HiRadixCache
 from hicache.radix_cache import RadixCache
 from hicache.req_to_token import ReqToTokenPool
+from hicache.tier import TIERS
 from tests.unit.test_hiradix_cache import Rig
+
+NO_HITS = dict.fromkeys(TIERS, 0)
 
 
 @pytest.mark.parametrize("cls", [RadixCache, ChunkCache, HiRadixCache])
@@ -54,12 +57,14 @@ def test_single_tier_caches_answer_optional_calls_neutrally(make):
     assert res.tier_tokens is None and res.host_hit_length == 0
     assert not tree.has_host_tier() and not tree.has_storage()
     assert not tree.can_attach_storage()
-    assert tree.tier_stats() == {} and tree.storage_info() == {"attached": False}
+    tiers = tree.tier_stats(NO_HITS, 0)
+    assert (tiers.l2, tiers.l3) == (None, None) and tree.storage_info() == {"attached": False}
     assert tree.storage_prefix_len([1, 2, 3, 4]) == 0
     assert tree.node_in_storage(tree.root_node) is False and not tree.storage_busy()
     assert tree.evict_host(100) == 0 and tree.drain_storage(1.0) == 0
-    req = SimpleNamespace(rid="r", fill_ids=[1, 2, 3], cache_namespace=None, match_result=res,
-                          prefix_indices=res.device_indices, host_hit_length=0)
+    kv = SimpleNamespace(fill_ids=[1, 2, 3], match_result=res, prefix_indices=res.device_indices,
+                         host_hit_length=0)
+    req = SimpleNamespace(rid="r", cache_namespace=None, kv=kv)
     assert tree.l3_start(req) == 0 and tree.l3_hit(req) == 0 and tree.object_size == 0
     tree.l3_matched(req)
     assert tree.l3_ready(req, [], lambda r: pytest.fail("no re-match without L3"))
@@ -92,7 +97,8 @@ def test_match_result_is_frozen_and_hierarchical_match_counts_tiers():
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.host_hit_length = 3  # type: ignore[misc]
     assert rig.tree.has_host_tier() and rig.tree.can_attach_storage()
-    assert not rig.tree.has_storage() and set(rig.tree.tier_stats()) == {"l2"}
+    tiers = rig.tree.tier_stats(NO_HITS, 0)
+    assert not rig.tree.has_storage() and tiers.l2 is not None and tiers.l3 is None
     rig.tree.shutdown()
 
 

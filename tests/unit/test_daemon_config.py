@@ -273,3 +273,15 @@ def test_kv_events_salt_key_from_env_toml_or_file_never_shown(tmp_path, capsys):
     assert cli.main(["serve", "--kv-events-salt-key", "0123456789"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "kv_events_salt_key" in err and "0123456789" not in err
+
+
+@pytest.mark.parametrize("argv,device,want", [
+    ([], "cpu", 0),  # auto: every L3 hit is read on the CPU
+    ([], "cuda", 256),  # SGLang's default on CUDA
+    ([], "cuda:1", 256),
+    (["--hicache-prefetch-threshold", "256"], "cpu", 256),
+    (["--hicache-prefetch-threshold", "0"], "cuda", 0),
+])
+def test_prefetch_threshold_is_auto_by_device_unless_set(argv, device, want):
+    _, e = settings.load(_parse(*argv, "--device", device), {})
+    assert e.hicache_prefetch_threshold == want

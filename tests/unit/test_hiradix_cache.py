@@ -21,7 +21,9 @@ from hicache.events import CacheEventLog
 from hicache.hiradix_cache import HiRadixCache
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.kv_pool import MHATokenToKVPool
+from hicache.stats import TierSet
 from hicache.storage.file import FileStorageBackend
+from hicache.tier import TIERS
 
 L, H, D = 3, 2, 4
 
@@ -52,6 +54,10 @@ class Rig:
                                  prefetch_timeout_base=prefetch_timeout_base,
                                  prefetch_timeout_per_ki_token=0.0)
         self.kv: dict[int, torch.Tensor] = {}  # token id -> [2, L, H, D] bytes written for it
+
+    def tiers(self) -> TierSet:
+        """The tree's tier records (no scheduler: no hits, nothing held by requests)."""
+        return self.tree.tier_stats(dict.fromkeys(TIERS, 0), 0)
 
     def token_kv(self, token: int) -> torch.Tensor:
         if token not in self.kv:
@@ -305,7 +311,7 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
     r.insert(key)
     r.settle()
     S = r.object_size
-    assert r.tree.tier_stats()["l3"]["backup_objects"] == 32 // S
+    assert r.tiers().l2.demoted_tokens == 32  # backed up L2 -> L3: whole objects
     r.tree.flush_tier("l1")
     r.tree.flush_tier("l2")
     r.check_invariants()
@@ -317,11 +323,11 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
     indices, _ = r.tree.init_load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
     r.check_invariants()
-    l3 = r.tree.tier_stats()["l3"]
-    assert l3["prefetch_objects"] == 32 // S and l3["prefetch_tokens"] == 32
+    l2, l3 = r.tiers().l2, r.tiers().l3
+    assert l3.prefetch_objects == 32 // S and l2.promoted_tokens == 32
     # tokens, like the other tiers: 32 tokens stored, capacity whole objects of the byte cap
-    assert l3["used_tokens"] == 32
-    assert l3["capacity_tokens"] > 32 and l3["capacity_tokens"] % S == 0
+    assert l3.used_tokens == 32
+    assert l3.capacity_tokens > 32 and l3.capacity_tokens % S == 0
 
     r2 = rigs(page_size=page_size, storage_dir=d)  # restart: a new cache on the same dir
     r2.kv = r.kv
@@ -357,10 +363,10 @@ def test_events_and_stats(rigs):
     r.tree.init_load_back(res.last_device_node, res)
     kinds = [(e.kind, e.tier) for e in log.since(0)]
     assert kinds == [("stored", "l1"), ("demoted", "l2"), ("promoted", "l1")]
-    l2 = r.tree.tier_stats()["l2"]
-    assert l2["demotions"] == 30 and l2["promotions"] == 30
-    assert l2["bytes_d2h"] == l2["bytes_h2d"] == 30 * r.kv_pool.bytes_per_token()
-    assert "l3" not in r.tree.tier_stats()
+    l1 = r.tiers().l1  # L1 <-> L2 traffic is counted on L1
+    assert l1.demoted_tokens == 30 and l1.promoted_tokens == 30
+    assert l1.bytes_out == l1.bytes_in == 30 * r.kv_pool.bytes_per_token()
+    assert r.tiers().l3 is None
 
 
 def _tiers(tree: HiRadixCache) -> dict[int, tuple[bool, bool]]:

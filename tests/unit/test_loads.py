@@ -6,14 +6,16 @@ import pytest
 
 from engine.server.loads import UnknownSectionError, loads_report, parse_include
 from engine.server.openai_api import model_ids
+from tests import stats_records as rec
 
-STATS = {
-    "l1": {"used_tokens": 300, "capacity_tokens": 1000},
-    "l2": {"used_tokens": 50, "capacity_tokens": 4000},
-    "running_requests": 2,
-    "waiting_requests": 3,
-    "hit_rate": 0.25,
-}
+STATS = rec.cache_stats(
+    l1=rec.l1(used_tokens=300, capacity_tokens=1000),
+    l2=rec.l2(used_tokens=50, capacity_tokens=4000),
+    running_requests=2,
+    waiting_requests=3,
+    prompt_tokens=400,
+    miss_tokens=300,  # a hit rate of 0.25
+)
 
 
 def test_core_report_in_sglang_shape():

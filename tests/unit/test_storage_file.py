@@ -625,7 +625,7 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
         tiny_llama_dir, tmp_path, caplog):
     """Issue 12 (9): an Engine whose L3 directory is read-only except its older fan-out dirs
     (half of the objects cannot be written) logs one warning, counts each failed write call
-    once in cache_stats()["l3"]["errors"], and never believes in an object it did not store."""
+    once in cache_stats().l3.errors, and never believes in an object it did not store."""
     from engine import Engine
 
     d = tmp_path / "kv"
@@ -652,7 +652,7 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
             store.batch_set = spy
             outs = eng.generate(prompts, greedy)
             _settle_l3(eng)
-            stats, first = eng.cache_stats()["l3"], list(calls)
+            stats, first = eng.cache_stats(), list(calls)
             seqs = [(p + o.token_ids)[:-1] for p, o in zip(prompts, outs)]
             chains = [eng.scheduler.tree_cache.l3.storage_io.keys(q, None) for q in seqs]
             # what L3 believes it holds is what is on disk
@@ -662,18 +662,19 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
             eng.call_in_scheduler(lambda s: s.tree_cache.clear(["l1", "l2"]))
             again = eng.generate(prompts, greedy)
             _settle_l3(eng)
-            after = eng.cache_stats()["l3"]
+            after = eng.cache_stats().l3
         warnings = warnings_of(caplog)
     finally:
         undo()
     failed_calls = sum(1 for ok in first if not all(ok))
     assert failed_calls >= 2 and any(True in ok for ok in first)  # failures among successes
     assert len(warnings) == 1 and "cannot write" in warnings[0].getMessage()
-    assert stats["errors"] == failed_calls  # once per failed call, not per layer or object
-    assert stats["backup_failed_objects"] == sum(ok.count(False) for ok in first)
-    assert stats["backup_objects"] == sum(ok.count(True) for ok in first) > 0
+    assert stats.l3.errors == failed_calls  # once per failed call, not per layer or object
+    assert stats.l3.backup_failed_objects == sum(ok.count(False) for ok in first)
+    # objects backed up L2 -> L3, counted on L2 in tokens (objects of 16)
+    assert stats.l2.demoted_tokens == 16 * sum(ok.count(True) for ok in first) > 0
     assert [a.token_ids for a in again] == [o.token_ids for o in outs]
-    assert after["hit_tokens"] > 0 and after["misses"] == 0 and after["prefetch_misses"] == 0
+    assert after.hit_tokens > 0 and after.misses == 0 and after.prefetch_misses == 0
 
 
 def _settle_l3(eng) -> None:

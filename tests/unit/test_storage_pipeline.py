@@ -46,7 +46,7 @@ def test_blocked_l3_never_holds_device_pages(gated_rig):
     assert store.writes.wait_blocked(1)
     node = r.tree.match_prefix(first, touch=False).last_device_node
     assert node.lock_ref == 0 and r.tree.evictable_size() == 24  # unlocked once on host
-    assert r.tree.tier_stats()["l3"]["pending_backups"] >= 1
+    assert r.tiers().l3.pending_backups >= 1
     # device eviction and new inserts go on while the backup hangs
     for i in range(4):
         r.insert(list(range(200 + 30 * i, 224 + 30 * i)))
@@ -156,7 +156,7 @@ def test_cancel_gives_back_every_host_slot(gated_rig):
     r.check_invariants()
     assert r.host_pool.available_size() == r.host_pool.size  # nothing leaked
     assert r.tree.match_prefix(key).host_hit_length == 0
-    assert r.tree.tier_stats()["l3"]["prefetch_cancelled"] == 1
+    assert r.tiers().l3.prefetch_cancelled == 1
 
 
 def test_prefetch_anchor_survives_host_eviction(gated_rig):
@@ -194,7 +194,7 @@ def test_l2_repairs_objects_l3_lost(gated_rig):
     r.tree.l3.prefetch.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
     r.settle()
     assert store.inner.batch_exists(keys) == 8  # written again from L2
-    assert r.tree.tier_stats()["l3"]["repaired_objects"] == 5
+    assert r.tiers().l3.repaired_objects == 5
     r.tree.l3.prefetch.cancel_prefetch("req")
 
 
@@ -262,11 +262,11 @@ def test_detach_waits_for_in_flight_backups_and_refuses_while_they_hang(gated_ri
     assert store.writes.wait_blocked(1)
     with pytest.raises(StorageBusyError, match="nothing was detached"):
         r.tree.detach_storage(timeout=0.2)
-    assert r.tree.l3.storage is store and r.tree.tier_stats()["l3"]["pending_backups"] == 1
+    assert r.tree.l3.storage is store and r.tiers().l3.pending_backups == 1
     store.writes.open()
     assert r.tree.detach_storage(timeout=10) is store  # the hung backup landed first
     assert store.inner.batch_exists(keys) == 8
-    assert "l3" not in r.tree.tier_stats() and r.controller.storage_io is None
+    assert r.tiers().l3 is None and r.controller.storage_io is None
     assert r.tree.l3.storage_keys(tuple(key)) == []  # no L3, no keys
     r.check_invariants()
     # serving goes on without L3: inserts, demotions, loads

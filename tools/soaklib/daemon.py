@@ -3,9 +3,7 @@ signal, wait, stop and restart it, its health, its RSS, and the problems in its 
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +12,8 @@ from pathlib import Path
 import grpc
 
 from engine.client import HicacheClient
+from tools.benchlib import daemon_env, free_port
 from tools.soaklib.config import SoakConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DaemonProcess:
@@ -50,10 +43,7 @@ class DaemonProcess:
         return args + list(c.extra_args)
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
-        env.update(XDG_CACHE_HOME=str(self.work_dir / "xdg"), HICACHE_LOG_LEVEL="info",
-                   PYTHONUNBUFFERED="1")
+        env = daemon_env(self.work_dir, log_level="info")
         log = self.work_dir / f"{self.name}-{len(self.logs)}.log"
         self.logs.append(log)
         with open(log, "w") as out:

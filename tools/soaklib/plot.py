@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from tools.benchlib import save_figure, subplots
+
 CODE_COLORS = {"OK": "tab:green", "RESOURCE_EXHAUSTED": "tab:orange", "CANCELLED": "tab:gray",
                "DEADLINE_EXCEEDED": "tab:purple", "ALREADY_EXISTS": "tab:blue",
                "UNAVAILABLE": "tab:red", "FAILED_PRECONDITION": "tab:olive",
@@ -26,13 +28,8 @@ def round_labels(res: dict[str, Any]) -> list[str]:
 
 
 def plot_rounds(res: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rounds = res["rounds"]
-    fig, ax = plt.subplots(3, 1, figsize=(max(9.0, 0.4 * len(rounds) + 6), 9), sharex=True)
+    fig, ax = subplots(3, 1, figsize=(max(9.0, 0.4 * len(rounds) + 6), 9), sharex=True)
     _ttft(ax[0], rounds)
     _codes(ax[1], rounds)
     _rss(ax[2], rounds, res.get("config", {}))
@@ -47,9 +44,7 @@ def plot_rounds(res: dict[str, Any], path: str) -> None:
     model = os.path.basename((res.get("config", {}).get("model") or "").rstrip("/"))
     fig.suptitle(f"hicache soak: {res['requests']} calls in {res['seconds']:.0f}s, "
                  f"{len(rounds)} rounds, {model or 'SmolLM2-135M-Instruct'}: {verdict}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _ttft(ax: Any, rounds: list[dict[str, Any]]) -> None:

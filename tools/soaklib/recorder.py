@@ -13,6 +13,8 @@ from typing import Any
 
 import grpc
 
+from tools.benchlib import summary
+
 # docs/daemon.md "Status codes" and "Security"; OK
 DOCUMENTED = frozenset({
     "OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "FAILED_PRECONDITION",
@@ -170,13 +172,7 @@ def rpc_details(e: grpc.RpcError) -> str:
     return (e.details() if hasattr(e, "details") else str(e)) or ""
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 def ttft_summary(ttfts: list[float]) -> dict[str, float | int | None]:
     """p50 / p99 (seconds; None without samples) and the number of samples."""
-    return {"p50": pct(ttfts, 0.5), "p99": pct(ttfts, 0.99), "n": len(ttfts)}
+    s = summary(ttfts, qs=(50, 99))
+    return {"p50": s["p50"], "p99": s["p99"], "n": len(ttfts)}

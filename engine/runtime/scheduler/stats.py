@@ -1,13 +1,15 @@
-"""Counters the scheduler keeps for cache_stats()."""
+"""Counters the scheduler keeps for cache_stats() (hicache.stats.CacheStats)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hicache.tier import TIERS
+
 
 @dataclass
 class CacheCounters:
-    hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     miss_tokens: int = 0
     prompt_tokens: int = 0
     requests: int = 0

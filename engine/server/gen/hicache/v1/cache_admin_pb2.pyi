@@ -39,7 +39,7 @@ class GetCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "enabled", "capacity_tokens", "used_tokens", "evictable_tokens", "pinned_tokens", "hit_tokens", "evicted_tokens", "promoted_tokens", "demoted_tokens", "bytes_in", "bytes_out", "bandwidth_bytes_per_s", "extra", "info")
+    __slots__ = ("tier", "enabled", "capacity_tokens", "used_tokens", "evictable_tokens", "pinned_tokens", "hit_tokens", "evicted_tokens", "promoted_tokens", "demoted_tokens", "bytes_in", "bytes_out", "extra", "info", "errors")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,9 +66,9 @@ class TierStats(_message.Message):
     DEMOTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
-    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
     tier: _common_pb2.Tier
     enabled: bool
     capacity_tokens: int
@@ -81,24 +81,36 @@ class TierStats(_message.Message):
     demoted_tokens: int
     bytes_in: int
     bytes_out: int
-    bandwidth_bytes_per_s: float
     extra: _containers.ScalarMap[str, float]
     info: _containers.ScalarMap[str, str]
-    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., pinned_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ..., promoted_tokens: _Optional[int] = ..., demoted_tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ..., info: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    errors: int
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., enabled: _Optional[bool] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., pinned_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ..., promoted_tokens: _Optional[int] = ..., demoted_tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., info: _Optional[_Mapping[str, str]] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class GetCacheStatsResponse(_message.Message):
-    __slots__ = ("tiers", "miss_tokens", "admin_pinned_tokens", "num_pins", "timestamp")
+    __slots__ = ("tiers", "miss_tokens", "admin_pinned_tokens", "num_pins", "timestamp", "prompt_tokens", "requests", "finished_requests", "retractions", "running_requests", "waiting_requests")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMIN_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     miss_tokens: int
     admin_pinned_tokens: int
     num_pins: int
     timestamp: float
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., miss_tokens: _Optional[int] = ..., admin_pinned_tokens: _Optional[int] = ..., num_pins: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    prompt_tokens: int
+    requests: int
+    finished_requests: int
+    retractions: int
+    running_requests: int
+    waiting_requests: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., miss_tokens: _Optional[int] = ..., admin_pinned_tokens: _Optional[int] = ..., num_pins: _Optional[int] = ..., timestamp: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., requests: _Optional[int] = ..., finished_requests: _Optional[int] = ..., retractions: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("prompt", "cache_namespace")

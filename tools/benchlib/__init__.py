@@ -1,0 +1,28 @@
+"""What every benchmark in tools/ shares, one concept a module:
+
+    header  the run's header: the command, the date and commit, the CPU and its flags, torch,
+            the load average at the start and the end, the plots; as JSON and as markdown
+    stats   percentiles and medians (NaN for no samples), as numpy computes them
+    table   markdown tables and their cells
+    plot    a matplotlib figure without a display, and saving it
+    results writing a result's JSON
+    procs   free ports, a daemon's environment, polling until ready, stopping a subprocess
+    options ``--opt KEY=VALUE`` engine options
+
+A benchmark's JSON carries ``Header.record()``'s keys at its top level: ``command``, ``date``,
+``plots`` and ``machine`` (docs/benchmarks.md, "How each result is recorded").
+"""
+
+from __future__ import annotations
+
+from tools.benchlib.header import Header, describe_machine
+from tools.benchlib.options import parse_options
+from tools.benchlib.plot import save_figure, subplots
+from tools.benchlib.procs import daemon_env, free_port, stop_process, wait_until
+from tools.benchlib.results import write_json
+from tools.benchlib.stats import median, percentile, summary
+from tools.benchlib.table import cell, markdown_table
+
+__all__ = ["Header", "cell", "daemon_env", "describe_machine", "free_port", "markdown_table", "median",
+           "parse_options", "percentile", "save_figure", "stop_process", "subplots", "summary",
+           "wait_until", "write_json"]
