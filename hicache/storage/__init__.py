@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hicache.stats import StorageStats
     from hicache.storage.base import (
         StorageBackend,
-        StorageStats,
         StorageValue,
         object_keys,
         page_hashes,
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "FileStorageBackend": "hicache.storage.file",
     "StorageBackend": "hicache.storage.base",
-    "StorageStats": "hicache.storage.base",
+    "StorageStats": "hicache.stats",
     "StorageValue": "hicache.storage.base",
     "object_keys": "hicache.storage.base",
     "page_hashes": "hicache.storage.base",
