@@ -1,8 +1,8 @@
 """hicache: the hierarchical KV-cache library (allocators, pools, prefix caches).
 
 NOTE: this package never imports ``engine``. The names below load their modules on first use,
-so that the torch-free modules (tier, events, errors, kv_blocks' records) can be imported by a
-process that never loads torch (the daemon's API server process).
+so that the torch-free modules (tier, stats, events, errors, kv_blocks' records) can be imported
+by a process that never loads torch (the daemon's API server process).
 """
 
 from __future__ import annotations
