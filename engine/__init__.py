@@ -11,10 +11,14 @@ __all__ = ["Engine", "GenerateResult", "ServerArgs"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "GenerateResult"):
-        from engine.runtime import engine as _engine
+    if name == "Engine":
+        from engine.runtime.engine import Engine
 
-        return getattr(_engine, name)
+        return Engine
+    if name == "GenerateResult":
+        from engine.front import GenerateResult
+
+        return GenerateResult
     if name == "ServerArgs":
         from engine.config import ServerArgs
 

@@ -1,4 +1,5 @@
 """The messages between the split daemon's processes, and the ZMQ plumbing they travel on.
+Torch-free, like what they carry (engine/front.py's records): the API server process imports it.
 
 Every socket carries pickled lists of the dataclasses below (one list per send: a sender batches
 what is queued). PUSH/PULL over IPC sockets in one private directory:
@@ -26,8 +27,9 @@ from typing import Any
 
 import zmq
 
-from engine.runtime.request import StreamChunk
-from engine.runtime.sampling import SamplingParams
+from engine.admin_records import TenantQuota
+from engine.config import ServerArgs
+from engine.front import SamplingParams, StreamChunk
 
 log = logging.getLogger(__name__)
 SEND_BATCH = 256  # messages per send at most
@@ -95,6 +97,106 @@ class DetachStorage:
     timeout: float
 
 
+@dataclass(frozen=True)
+class KvBlockChanges:
+    """engine.kv_block_changes(block_size, salt_key, reset)"""
+
+    block_size: int
+    salt_key: bytes
+    reset: bool
+
+
+@dataclass(frozen=True)
+class MatchPrefix:
+    """engine.match_prefix(key, namespace)"""
+
+    key: list[int]
+    namespace: str | None
+
+
+@dataclass(frozen=True)
+class Evict:
+    """engine.evict(tier, num_tokens, prefix, namespace, dry_run, namespaces)"""
+
+    tier: str
+    num_tokens: int | None
+    prefix: list[int] | None
+    namespace: str | None
+    dry_run: bool
+    namespaces: frozenset[str] | None
+
+
+@dataclass(frozen=True)
+class PinPrefix:
+    """engine.pin(key, namespace, ttl_s, owner)"""
+
+    key: list[int]
+    namespace: str | None
+    ttl_s: float
+    owner: str | None
+
+
+@dataclass(frozen=True)
+class Unpin:
+    """engine.unpin(pin_id, owner)"""
+
+    pin_id: str | None
+    owner: str | None
+
+
+@dataclass(frozen=True)
+class PinSummary:
+    """engine.pin_summary()"""
+
+
+@dataclass(frozen=True)
+class Flush:
+    """engine.flush(tiers)"""
+
+    tiers: list[str] | None
+
+
+@dataclass(frozen=True)
+class FlushNamespaces:
+    """engine.flush_namespaces(namespaces, tiers, owner)"""
+
+    namespaces: frozenset[str]
+    tiers: list[str] | None
+    owner: str | None
+
+
+@dataclass(frozen=True)
+class InspectTree:
+    """engine.inspect_tree(offset, limit, preview_tokens, namespaces)"""
+
+    offset: int
+    limit: int
+    preview_tokens: int
+    namespaces: frozenset[str] | None
+
+
+@dataclass(frozen=True)
+class ApplyQuotas:
+    """engine.apply_quotas(quotas)"""
+
+    quotas: tuple[TenantQuota, ...]
+
+
+@dataclass(frozen=True)
+class TenantView:
+    """engine.tenant_view(tenant, namespaces)"""
+
+    tenant: str
+    namespaces: frozenset[str]
+
+
+@dataclass(frozen=True)
+class TenantFigures:
+    """engine.tenant_figures(quotas)"""
+
+    quotas: tuple[TenantQuota, ...]
+
+
 class EventCall:
     """An operation on the scheduler's CacheEventLog: served by its own threads, so that
     WatchCacheEvents streams waiting for events never hold up admin calls."""
@@ -134,7 +236,9 @@ class EventsWaitFor(EventCall):
 
 
 Operation = (InScheduler | CacheStats | ModelInfo | StorageInfo | GetServerArgs | AttachStorage
-             | DetachStorage | EventsLastSeq | EventsFirstSeq | EventsSince | EventsMissed
+             | DetachStorage | KvBlockChanges | MatchPrefix | Evict | PinPrefix | Unpin
+             | PinSummary | Flush | FlushNamespaces | InspectTree | ApplyQuotas | TenantView
+             | TenantFigures | EventsLastSeq | EventsFirstSeq | EventsSince | EventsMissed
              | EventsWaitFor)
 
 
@@ -170,6 +274,17 @@ class TokenOut:
 @dataclass(frozen=True)
 class DetokStop:
     """The scheduler has shut down: nothing more will come."""
+
+
+@dataclass(frozen=True)
+class SchedulerInfo:
+    """What the API server needs from the loaded engine (sent with the scheduler process' ready
+    signal)."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_context_len: int
+    server_args: ServerArgs
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.runtime.sampling import SamplingParams
-
-Prompt = str | list[int] | list[dict[str, str]]
+from engine.front import Prompt, SamplingParams
 
 
 class TokenizerManager:

@@ -30,12 +30,14 @@ import struct
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import xxhash
 
-from hicache.radix_cache import RadixCache
 from hicache.tier import MEMORY_TIERS
+
+if TYPE_CHECKING:  # the records here cross to the API server process, which has no torch
+    from hicache.radix_cache import RadixCache
 
 # The tiers of KV events: the tree's two (TREE_TIERS, this module) and L3's, named by where its
 # objects live (L3_TIERS, hicache.l3_blocks: L3 objects outlive the tree's nodes)
@@ -158,7 +160,7 @@ class BlockView:
         """tier -> its blocks, every parent before its children. `tree`: a RadixCache or
         HiRadixCache (a tree without nodes, e.g. ChunkCache, has no blocks)."""
         out: dict[str, list[Block]] = {t: [] for t in TREE_TIERS}
-        if not isinstance(tree, RadixCache):  # a ChunkCache keeps no prefixes
+        if tree.disable:  # a ChunkCache keeps no prefixes
             return out
         root = tree.root_node
         start = ROOT

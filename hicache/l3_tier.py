@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hicache.controller import HiCacheController
+from hicache.errors import StorageBusyError
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.l3_admission import L3Admission
 from hicache.l3_blocks import L3Index
@@ -52,10 +53,6 @@ MAX_BACKUP_HOST_SHARE = 0.5
 # hang the scheduler thread)
 STORAGE_SETTLE_S = 30.0
 FLUSH_SETTLE_S = 2.0  # a flush of L3 on the scheduler thread waits at most this for L3 work
-
-
-class StorageBusyError(RuntimeError):
-    """L3 cannot be attached / detached now (one is attached; work is still in flight)."""
 
 
 class L3Tier:

@@ -21,10 +21,9 @@ does not fail; the copies to and from host count as L2's errors).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
-from hicache.storage.base import StorageStats
 from hicache.tier import Tier
 
 
@@ -128,6 +127,26 @@ class L3Stats(TierStats):
     # file: refused) and says beyond backend / address (Redis: key_prefix)
     backend_figures: Mapping[str, int] = field(default_factory=dict)
     backend_details: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StorageStats:
+    """Counters every L3 backend keeps (hicache/storage); its ``stats()`` returns them as a dict."""
+
+    objects: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    vanished: int = 0  # objects the index listed that were gone (or dropped with their parent)
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class Moves(NamedTuple):

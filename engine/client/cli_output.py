@@ -11,7 +11,7 @@ from typing import Any, TextIO
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from engine.server.pb import common_pb2
+from engine.server.pb import admin_pb2, common_pb2, gen_pb2
 
 Tier = common_pb2.Tier
 
@@ -98,7 +98,7 @@ _STAT_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
 ]
 
 
-def stats_report(resp: Message, out: TextIO = sys.stdout) -> None:
+def stats_report(resp: admin_pb2.GetCacheStatsResponse, out: TextIO = sys.stdout) -> None:
     """GetCacheStatsResponse as one table: a row per figure, a column per tier (l1, l2, l3).
     Each tier's own figures (``extra``) and facts (``info``) follow, one row each; a tier
     without the figure shows ``-``, a disabled tier ``off``. The engine's counters follow the
@@ -106,18 +106,26 @@ def stats_report(resp: Message, out: TextIO = sys.stdout) -> None:
     tiers = list(resp.tiers)
     names = [enum_short(Tier.Name(t.tier)) for t in tiers]
 
-    def row(label: str, cell: Callable[[Any], str]) -> list[str]:
+    def row(label: str, cell: Callable[[admin_pb2.TierStats], str]) -> list[str]:
         return [label] + [cell(t) if t.enabled else "" for t in tiers]
+
+    def figure(fld: str, fmt: Callable[[float], str]) -> Callable[[admin_pb2.TierStats], str]:
+        return lambda t: fmt(getattr(t, fld))
+
+    def extra(key: str) -> Callable[[admin_pb2.TierStats], str]:
+        fmt = human_bytes if key == "bytes" or key.endswith("_bytes") else number
+        return lambda t: fmt(t.extra[key]) if key in t.extra else "-"
+
+    def info(key: str) -> Callable[[admin_pb2.TierStats], str]:
+        return lambda t: t.info.get(key, "-")
 
     rows = [["enabled"] + ["yes" if t.enabled else "off" for t in tiers]]
     for label, fld, fmt in _STAT_ROWS:
-        rows.append(row(label, lambda t, fld=fld, fmt=fmt: fmt(getattr(t, fld))))
+        rows.append(row(label, figure(fld, fmt)))
     for key in sorted({k for t in tiers for k in t.extra}):
-        fmt = human_bytes if key == "bytes" or key.endswith("_bytes") else number
-        rows.append(row(key, lambda t, key=key, fmt=fmt: fmt(t.extra[key]) if key in t.extra
-                        else "-"))
+        rows.append(row(key, extra(key)))
     for key in sorted({k for t in tiers for k in t.info}):
-        rows.append(row(key, lambda t, key=key: t.info.get(key, "-")))
+        rows.append(row(key, info(key)))
     table(rows, ["stat", *names], out)
     hits = resp.prompt_tokens - resp.miss_tokens
     rate = f" ({hits / resp.prompt_tokens:.1%} hit)" if resp.prompt_tokens else ""
@@ -131,7 +139,8 @@ def stats_report(resp: Message, out: TextIO = sys.stdout) -> None:
     )
 
 
-def server_info_report(info: Message, tiers: str | None, out: TextIO = sys.stdout) -> None:
+def server_info_report(info: gen_pb2.GetServerInfoResponse, tiers: str | None,
+                       out: TextIO = sys.stdout) -> None:  # fmt: skip
     """GetServerInfoResponse as ``key: value`` lines; ``config`` (JSON-encoded values) as an
     indented block with its values decoded."""
     out.write(f"version: {info.version}\n")

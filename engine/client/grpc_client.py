@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,8 +25,15 @@ from engine.server.pb import (
     gen_pb2,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 PromptLike = str | list[int] | list[dict[str, str]]
 _SAMPLING = {f.name for f in gen_pb2.SamplingParams.DESCRIPTOR.fields}
+
+
+def _is_chat(prompt: list[int] | list[dict[str, str]]) -> TypeIs[list[dict[str, str]]]:
+    return bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
 def make_prompt(prompt: PromptLike, chat: bool = False) -> common_pb2.Prompt:
@@ -37,7 +44,7 @@ def make_prompt(prompt: PromptLike, chat: bool = False) -> common_pb2.Prompt:
             prompt = [{"role": "user", "content": prompt}]
         else:
             return common_pb2.Prompt(text=prompt)
-    if prompt and all(isinstance(m, dict) for m in prompt):
+    if _is_chat(prompt):
         return common_pb2.Prompt(
             chat=common_pb2.ChatMessages(
                 messages=[
@@ -344,7 +351,9 @@ class HicacheClient(_Base):
         )
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
-        r = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        # the grpcio-health-checking stubs declare no HealthStub methods (grpc adds them at run time)
+        r = self.health_stub.Check(  # type: ignore[attr-defined]
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
@@ -494,7 +503,8 @@ class AsyncHicacheClient(_Base):
         )
 
     async def health(self, service: str = "") -> str:
-        r = await self.health_stub.Check(
+        # the grpcio-health-checking stubs declare no HealthStub methods (grpc adds them at run time)
+        r = await self.health_stub.Check(  # type: ignore[attr-defined]
             health_pb2.HealthCheckRequest(service=service), timeout=5.0
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)

@@ -1,8 +1,12 @@
-"""Cache admin operations, run on the scheduler thread (``engine.call_in_scheduler(fn)``):
-each translates an admin request (tiers, namespaces, dry run, a tenant's scope) into the tree's
+"""Cache admin operations, run on the scheduler thread (the Engine's admin methods call them
+there): each translates an admin request (tiers, namespaces, dry run, a tenant's scope) into the tree's
 own operations (``BasePrefixCache.walk`` / ``plan_eviction`` / ``evict_plan`` / ``lock_prefix``):
 a side-effect-free match, eviction by count / prefix / namespace (a dry run is the same plan
 unexecuted), pins with a TTL, flush, tree inspection.
+
+The records they return and the errors they raise are the engine boundary's
+(engine/admin_records.py, engine/errors.py, hicache/errors.py): they reach the API server as
+they are (EngineFront, engine/front.py).
 
 Works with any BasePrefixCache: RadixCache (L1 only), ChunkCache (nothing cached, ``disable``)
 and HiRadixCache (L2, L3). Pins are kept in the scheduler's PinTable (``admin_pins``); the
@@ -12,12 +16,14 @@ scheduler expires them every step (``expire_pins``, a step hook its constructor 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
-from engine.runtime.pins import Pin, PinTable
+from engine.admin_records import EvictInfo, FlushInfo, MatchInfo, NodeInfo, Pin
+from engine.errors import NotIdleError, TierUnavailableError
+from engine.runtime.pins import PinTable
 from hicache.base_prefix_cache import BasePrefixCache
+from hicache.errors import StorageBusyError
 from hicache.events import CacheEventLog
-from hicache.l3_tier import StorageBusyError
 from hicache.radix_cache import TreeNode
 from hicache.tier import MEMORY_TIERS, TIERS
 
@@ -31,46 +37,6 @@ class AdminScheduler(Protocol):
     event_log: CacheEventLog | None
 
     def is_idle(self) -> bool: ...
-
-
-class NotIdleError(RuntimeError):
-    """The operation needs an idle scheduler (nothing running or waiting)."""
-
-
-class TierUnavailableError(RuntimeError):
-    """The tier is not configured in this engine."""
-
-
-class MatchInfo(NamedTuple):
-    matched_tokens: int
-    per_tier: dict[str, int]  # tier -> matched tokens served from it
-    page_size: int
-
-
-class EvictInfo(NamedTuple):
-    evicted_tokens: int
-    evicted_nodes: int
-
-
-class FlushInfo(NamedTuple):
-    flushed: list[str]
-    freed_tokens: int
-    unpinned: int
-
-
-class NodeInfo(NamedTuple):
-    node_id: int
-    parent_id: int
-    depth: int
-    token_length: int
-    prefix_length: int
-    preview_ids: list[int]
-    residency: list[str]
-    lock_ref: int
-    pinned: bool
-    hit_count: int
-    last_access_time: float
-    num_children: int
 
 
 def pin_table(scheduler: AdminScheduler) -> PinTable:

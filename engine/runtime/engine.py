@@ -1,172 +1,51 @@
-"""Engine: the Python API. Validates input, hands requests to the scheduler thread, and
-collects their streamed chunks."""
+"""Engine: the in-process EngineFront (engine/front.py), and the Python API. Validates input,
+hands requests to the scheduler thread, collects their streamed chunks, and runs the cache's
+admin operations on the scheduler thread between two steps."""
 
 from __future__ import annotations
 
 import atexit
 import functools
 import logging
-import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+from engine.admin_records import (
+    EvictInfo,
+    FlushInfo,
+    MatchInfo,
+    NodeInfo,
+    Pin,
+    TenantQuota,
+    TenantView,
+)
 from engine.config import ServerArgs
-from engine.errors import EngineShutdownError, QueueFullError
-from engine.runtime import hicache_setup
-from engine.runtime.cache_admin import TierUnavailableError
+from engine.errors import EngineShutdownError, QueueFullError, TierUnavailableError
+from engine.front import (
+    CALL_TIMEOUT_S,
+    L3_DRAIN_S,
+    SCHEDULER_JOIN_S,
+    EngineFront,
+    Prompt,
+    RequestHandle,
+    SamplingParams,
+    StreamChunk,
+)
+from engine.runtime import cache_admin, hicache_setup, tenant_cache
+from engine.runtime.kv_block_view import kv_block_changes
 from engine.runtime.model_runner import ModelRunner
-from engine.runtime.request import Req, StreamChunk
-from engine.runtime.sampling import SamplingParams
+from engine.runtime.request import Req
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.tree_factory import build_tree_cache
-from engine.tokenizer import Prompt, TokenizerManager
+from engine.tokenizer import TokenizerManager
 from hicache.events import CacheEventLog
 from hicache.hiradix_cache import HiRadixCache
+from hicache.kv_blocks import BlockChanges
 from hicache.stats import CacheStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SCHEDULER_JOIN_S = 30.0  # shutdown waits this long for the scheduler's current step
-L3_DRAIN_S = 60.0  # and this long for queued L3 backups to land (a hung store must not hang it)
-
-
-@dataclass
-class GenerateResult:
-    rid: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    matched_stop: int | str | None
-    prompt_tokens: int
-    cached_tokens: int
-    cached_tokens_per_tier: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
-
-
-class RequestHandle:
-    """A submitted request: its StreamChunks arrive on `chunks` (a thread-safe queue; an
-    exception put there ends the stream with that error)."""
-
-    def __init__(self, rid: str, chunks: queue.Queue, alive: Callable[[], bool] = lambda: True):
-        self.rid = rid
-        self.chunks = chunks
-        self.alive = alive  # is whatever fills `chunks` still running?
-        self.done = False  # the finished chunk was read
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        while True:
-            try:
-                chunk = self.chunks.get(timeout=1.0)
-            except queue.Empty:
-                if not self.alive():
-                    raise EngineShutdownError("the engine stopped before the request finished")
-                continue
-            if isinstance(chunk, BaseException):
-                raise chunk
-            yield chunk
-            if chunk.finished:
-                self.done = True
-                return
-
-    def result(self) -> GenerateResult:
-        ids: list[int] = []
-        text = ""
-        last: StreamChunk | None = None
-        for chunk in self:
-            ids += chunk.token_ids
-            text += chunk.text
-            last = chunk
-        assert last is not None
-        return GenerateResult(
-            self.rid,
-            ids,
-            text,
-            last.finish_reason,
-            last.matched_stop,
-            last.prompt_tokens,
-            last.cached_tokens,
-            last.cached_tokens_per_tier,
-            last.error,
-        )
-
-
-class EngineFront:
-    """What callers of an engine share, in-process or split: prompts in, streams out.
-    Subclasses set `tokenizer_manager` and implement submit / abort."""
-
-    tokenizer_manager: TokenizerManager
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.tokenizer_manager.tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer_manager.vocab_size
-
-    @property
-    def max_context_len(self) -> int:
-        return self.tokenizer_manager.max_context_len
-
-    def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        return self.tokenizer_manager.tokenize(prompt, chat)
-
-    def submit(
-        self,
-        prompt: Prompt,
-        sampling_params: dict | None = None,
-        namespace: str | None = None,
-        rid: str | None = None,
-        chat: bool = False,
-    ) -> RequestHandle:
-        raise NotImplementedError
-
-    def abort(self, rid: str) -> None:
-        raise NotImplementedError
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: dict | list[dict] | None = None,
-        namespace: str | None = None,
-        chat: bool = False,
-    ) -> GenerateResult | list[GenerateResult]:
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
-        )
-        # the checks above tell a prompt from a batch of them
-        batch = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
-        if not batch:
-            raise ValueError("prompt is empty: give a non-empty string, token-id list or batch")
-        params = (
-            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
-        )
-        if len(params) != len(batch):
-            raise ValueError("sampling_params list must match the number of prompts")
-        # the whole outputs are returned: one chunk each (unless the caller says otherwise)
-        params = [{"final_only": True, **(sp or {})} for sp in params]
-        # Validate everything before queueing anything: a bad prompt never half-runs a batch.
-        for p, sp in zip(batch, params):
-            self.tokenizer_manager.prepare(p, sp, chat)
-        handles = [self.submit(p, sp, namespace, chat=chat) for p, sp in zip(batch, params)]
-        results = [h.result() for h in handles]
-        return results[0] if single else results
-
-    def generate_stream(
-        self,
-        prompt: Prompt,
-        sampling_params: dict | None = None,
-        namespace: str | None = None,
-        chat: bool = False,
-    ) -> Iterator[StreamChunk]:
-        handle = self.submit(prompt, sampling_params, namespace, chat=chat)
-        try:
-            yield from handle
-        finally:
-            if not handle.done:
-                self.abort(handle.rid)
 
 
 class Engine(EngineFront):
@@ -202,7 +81,7 @@ class Engine(EngineFront):
     def submit(
         self,
         prompt: Prompt,
-        sampling_params: dict | None = None,
+        sampling_params: dict[str, Any] | None = None,
         namespace: str | None = None,
         rid: str | None = None,
         chat: bool = False,
@@ -262,6 +141,57 @@ class Engine(EngineFront):
 
     def model_info(self) -> dict[str, Any]:
         return self.runner.model_info()
+
+    def kv_block_changes(self, block_size: int, salt_key: bytes,
+                         reset: bool = False) -> BlockChanges:  # fmt: skip
+        return self._admin(lambda s: kv_block_changes(s, block_size, salt_key, reset))
+
+    # --- cache admin (engine/runtime/cache_admin.py, tenant_cache.py) -------------------------
+    def _admin(self, fn: Callable[[Scheduler], T]) -> T:
+        return self.call_in_scheduler(fn, CALL_TIMEOUT_S)
+
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchInfo:
+        return self._admin(lambda s: cache_admin.match_prefix(s, key, namespace))
+
+    def evict(self, tier: str, num_tokens: int | None = None, prefix: list[int] | None = None,
+              namespace: str | None = None, dry_run: bool = False,
+              namespaces: frozenset[str] | None = None) -> EvictInfo:  # fmt: skip
+        return self._admin(lambda s: cache_admin.evict(
+            s, tier, num_tokens=num_tokens, prefix=prefix, namespace=namespace, dry_run=dry_run,
+            namespaces=namespaces))  # fmt: skip
+
+    def pin(self, key: list[int], namespace: str | None = None, ttl_s: float = 0.0,
+            owner: str | None = None) -> Pin | None:  # fmt: skip
+        return self._admin(lambda s: cache_admin.pin(s, key, namespace, ttl_s, owner=owner))
+
+    def unpin(self, pin_id: str | None = None, owner: str | None = None) -> tuple[int, int]:
+        return self._admin(lambda s: cache_admin.unpin(s, pin_id, owner))
+
+    def pin_summary(self) -> tuple[int, int]:
+        return self._admin(cache_admin.pin_summary)
+
+    def flush(self, tiers: list[str] | None = None) -> FlushInfo:
+        return self._admin(lambda s: cache_admin.flush(s, tiers))
+
+    def flush_namespaces(self, namespaces: frozenset[str], tiers: list[str] | None,
+                         owner: str | None) -> FlushInfo:  # fmt: skip
+        return self._admin(lambda s: tenant_cache.flush(s, namespaces, tiers, owner))
+
+    def inspect_tree(self, offset: int = 0, limit: int = 100, preview_tokens: int = 16,
+                     namespaces: frozenset[str] | None = None
+                     ) -> tuple[list[NodeInfo], int]:  # fmt: skip
+        return self._admin(
+            lambda s: cache_admin.inspect_tree(s, offset, limit, preview_tokens, namespaces))
+
+    def apply_quotas(self, quotas: Sequence[TenantQuota]) -> None:
+        self._admin(lambda s: tenant_cache.apply_quotas(s, quotas))
+
+    def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> TenantView:
+        return self._admin(lambda s: tenant_cache.tenant_view(s, tenant, namespaces))
+
+    def tenant_figures(self, quotas: Sequence[TenantQuota]
+                       ) -> dict[str, dict[str, dict[str, int]]]:  # fmt: skip
+        return self._admin(lambda s: tenant_cache.tenant_figures(s, quotas))
 
     # --- L3 at run time -----------------------------------------------------------------------
     def storage_info(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The scheduler side of KV events: the cache's blocks per tier, called as a SchedulerCall, in
-the scheduler process of a split daemon. L1 and L2 come from the tree (hicache.kv_blocks), L3
+"""The scheduler side of KV events: the cache's blocks per tier, on the scheduler thread
+(Engine.kv_block_changes; in the scheduler process of a split daemon). L1 and L2 come from the tree (hicache.kv_blocks), L3
 from the objects the cache knows are stored (hicache.l3_blocks); one pair of views per tree
 keeps their hash caches between calls."""
 

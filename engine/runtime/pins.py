@@ -2,25 +2,16 @@
 (``BasePrefixCache.lock_prefix``) until it is unpinned or its TTL passes.
 
 The table is the engine's record of them (ids, TTL, owner); the locks are the tree's, taken and
-released through its API only. A ``Pin`` is plain data (it crosses to the API server process);
-the tree lock it stands for stays in the table.
+released through its API only. A ``Pin`` is plain data (engine/admin_records.py: it crosses to
+the API server process); the tree lock it stands for stays in the table.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
+from engine.admin_records import Pin
 from hicache.base_prefix_cache import BasePrefixCache, PrefixLock
-
-
-@dataclass(frozen=True)
-class Pin:
-    pin_id: str
-    tokens: int  # prompt tokens it keeps on device (a namespace's own key tokens not counted)
-    expires_at: float | None  # time.monotonic(); None = until unpinned
-    owner: str | None = None  # the tenant that made it; None = the admin / a single user
-    node_id: int = 0  # the tree node its lock ends at
 
 
 class PinTable:

@@ -8,7 +8,6 @@ import logging
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, assert_never
 
@@ -16,21 +15,11 @@ import zmq
 
 from engine import ipc
 from engine.config import ServerArgs
-from engine.runtime.request import StreamChunk
+from engine.front import StreamChunk
 
 log = logging.getLogger(__name__)
 CALL_THREADS = 16  # admin calls that may block (on the scheduler thread) run side by side
 EVENT_THREADS = 32  # event-log reads: WatchCacheEvents streams wait here, not on admin calls
-
-
-@dataclass(frozen=True)
-class SchedulerInfo:
-    """What the API server needs from the loaded engine (sent with the ready signal)."""
-
-    tokenizer: Any
-    vocab_size: int
-    max_context_len: int
-    server_args: ServerArgs
 
 
 class _Sink:
@@ -108,6 +97,32 @@ class SchedulerServer:
                 return self.engine.attach_storage(op.backend, op.url, op.directory)
             case ipc.DetachStorage():
                 return self.engine.detach_storage(op.timeout)
+            case ipc.KvBlockChanges():
+                return self.engine.kv_block_changes(op.block_size, op.salt_key, op.reset)
+            case ipc.MatchPrefix():
+                return self.engine.match_prefix(op.key, op.namespace)
+            case ipc.Evict():
+                return self.engine.evict(op.tier, op.num_tokens, op.prefix, op.namespace,
+                                         op.dry_run, op.namespaces)  # fmt: skip
+            case ipc.PinPrefix():
+                return self.engine.pin(op.key, op.namespace, op.ttl_s, op.owner)
+            case ipc.Unpin():
+                return self.engine.unpin(op.pin_id, op.owner)
+            case ipc.PinSummary():
+                return self.engine.pin_summary()
+            case ipc.Flush():
+                return self.engine.flush(op.tiers)
+            case ipc.FlushNamespaces():
+                return self.engine.flush_namespaces(op.namespaces, op.tiers, op.owner)
+            case ipc.InspectTree():
+                return self.engine.inspect_tree(op.offset, op.limit, op.preview_tokens,
+                                                op.namespaces)  # fmt: skip
+            case ipc.ApplyQuotas():
+                return self.engine.apply_quotas(op.quotas)
+            case ipc.TenantView():
+                return self.engine.tenant_view(op.tenant, op.namespaces)
+            case ipc.TenantFigures():
+                return self.engine.tenant_figures(op.quotas)
             case ipc.EventsLastSeq():
                 return self._event_log().last_seq
             case ipc.EventsFirstSeq():
@@ -154,7 +169,7 @@ def scheduler_main(
     conn.send(
         (
             "ready",
-            SchedulerInfo(
+            ipc.SchedulerInfo(
                 engine.tokenizer, engine.vocab_size, engine.max_context_len, engine.server_args
             ),
         )

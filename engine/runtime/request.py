@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.detokenizer.text import TextStream
-from engine.runtime.sampling import SamplingParams
+from engine.front import FinishKind, SamplingParams, StreamChunk
 from hicache.tier import TIERS
 
 if TYPE_CHECKING:
@@ -43,23 +43,9 @@ _rid_counter = itertools.count()
 
 @dataclass
 class FinishReason:
-    kind: str  # "stop" (EOS / stop token / stop string) | "length" | "abort"
+    kind: FinishKind
     matched: int | str | None = None  # the stop token id or stop string
     message: str = ""
-
-
-@dataclass
-class StreamChunk:
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    cached_tokens_per_tier: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
 
 
 def _no_slots() -> torch.Tensor:
@@ -153,7 +139,8 @@ class OutputStream:
 
     sink: Callable[[StreamChunk], None]
     text: TextStream
-    chunks: queue.Queue[StreamChunk]  # the caller's, when there is no other sink
+    # the caller's, when there is no other sink (an exception put there ends the stream with it)
+    chunks: queue.Queue[StreamChunk | BaseException]
     sent_ids: int = 0  # output ids already sent
     held_text: str = ""  # final_only: text produced since the last chunk
 
@@ -162,7 +149,7 @@ class OutputStream:
              sink: Callable[[StreamChunk], None] | None) -> OutputStream:
         text_tokenizer = tokenizer if sink is None or params.stop else None
         text = TextStream(text_tokenizer, params.skip_special_tokens, params.stop)
-        chunks: queue.Queue[StreamChunk] = queue.Queue()
+        chunks: queue.Queue[StreamChunk | BaseException] = queue.Queue()
         return cls(sink or chunks.put, text, chunks)
 
 

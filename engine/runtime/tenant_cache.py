@@ -1,20 +1,20 @@
 """A tenant's share of the cache: what its namespaces hold per tier, its quotas (enforced on the
 scheduler thread after its requests are cached), and a flush of its namespaces only.
 
-Runs on the scheduler thread (step hooks, call_in_scheduler). Knows namespaces, not tokens:
-the daemon maps tokens to tenants (engine/server/tenants.py) and hands the scheduler a
-QuotaEnforcer (``apply_quotas`` -> ``Scheduler.set_quota_enforcer``; a later one replaces it).
+Runs on the scheduler thread (step hooks, the Engine's tenant methods). Knows namespaces, not
+tokens: the daemon maps tokens to tenants (engine/server/tenants.py) and hands the engine their
+quotas (``TenantQuota``, engine/admin_records.py), which become a QuotaEnforcer (``apply_quotas``
+-> ``Scheduler.set_quota_enforcer``; a later one replaces it).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from engine.admin_records import TenantQuota, TenantView, TierUsage
 from engine.runtime import cache_admin
-from engine.runtime.pins import Pin
 from hicache.base_prefix_cache import BasePrefixCache
 from hicache.radix_cache import TreeNode
 from hicache.tier import MEMORY_TIERS
@@ -24,22 +24,6 @@ if TYPE_CHECKING:
 
 TIERS = cache_admin.TIERS
 RETRY_S = 0.25  # how often a tenant still over a quota (its nodes locked) is looked at again
-
-
-class TierUsage(NamedTuple):
-    used_tokens: int
-    evictable_tokens: int
-    pinned_tokens: int  # locked by running requests or pins
-
-
-@dataclass
-class TenantQuota:
-    """One tenant's quotas (0 = none) and what enforcing them evicted so far."""
-
-    name: str
-    namespaces: frozenset[str]
-    quota_tokens: dict[str, int]  # tier -> tokens
-    evicted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
 
 def usage(tree: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUsage]:
@@ -72,7 +56,7 @@ class QuotaEnforcer:
     tier until it is within quota; and the L3 backup gate that stops backups of a tenant at its
     L3 quota."""
 
-    def __init__(self, quotas: list[TenantQuota]):
+    def __init__(self, quotas: Sequence[TenantQuota]):
         self.quotas = [q for q in quotas if any(q.quota_tokens.values())]
         self.by_namespace = {ns: q for q in self.quotas for ns in q.namespaces}
         self.by_name = {q.name: q for q in self.quotas}
@@ -144,7 +128,7 @@ class QuotaEnforcer:
         return usage(tree, q.namespaces)["l3"].used_tokens + in_flight < quota
 
 
-def apply_quotas(scheduler: Scheduler, quotas: list[TenantQuota]) -> None:
+def apply_quotas(scheduler: Scheduler, quotas: Sequence[TenantQuota]) -> None:
     """Give the scheduler a QuotaEnforcer for these tenants' quotas, replacing the one it has
     (its cumulative evictions carry over by tenant name)."""
     enforcer = QuotaEnforcer(quotas)
@@ -178,9 +162,10 @@ def flush(
     return cache_admin.FlushInfo(wanted, freed, unpinned)
 
 
-def tenant_figures(scheduler: Scheduler, tenants: Any) -> dict[str, dict[str, dict[str, int]]]:
-    """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} for /metrics; `tenants` are
-    objects with name, namespaces and quota(tier) (engine/server/tenants.py's Tenant)."""
+def tenant_figures(scheduler: Scheduler, tenants: Sequence[TenantQuota]
+                   ) -> dict[str, dict[str, dict[str, int]]]:
+    """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} for /metrics; the evictions
+    are the enforcer's (`tenants` give the names, namespaces and quotas)."""
     enforcer = scheduler.quota_enforcer
     out = {}
     for t in tenants:
@@ -188,7 +173,7 @@ def tenant_figures(scheduler: Scheduler, tenants: Any) -> dict[str, dict[str, di
         q = enforcer.by_name.get(t.name) if enforcer is not None else None
         out[t.name] = {
             "cached": {tier: u.used_tokens for tier, u in use.items()},
-            "quota": {tier: t.quota(tier) for tier in TIERS},
+            "quota": {tier: t.quota_tokens.get(tier, 0) for tier in TIERS},
             "evicted": dict(q.evicted_tokens) if q is not None else dict.fromkeys(TIERS, 0),
         }
     return out
@@ -196,10 +181,10 @@ def tenant_figures(scheduler: Scheduler, tenants: Any) -> dict[str, dict[str, di
 
 def tenant_view(
     scheduler: Scheduler, tenant: str, namespaces: frozenset[str] | set[str]
-) -> tuple[dict[str, TierUsage], list[Pin], dict[str, int]]:
+) -> TenantView:
     """A tenant's usage per tier, its pins and its quota evictions (GetCacheStats)."""
     pins = scheduler.admin_pins.owned_by(tenant)
     enforcer = scheduler.quota_enforcer
     q = enforcer.by_name.get(tenant) if enforcer is not None else None
     evicted = dict(q.evicted_tokens) if q is not None else {}
-    return usage(scheduler.tree_cache, frozenset(namespaces)), pins, evicted
+    return TenantView(usage(scheduler.tree_cache, frozenset(namespaces)), pins, evicted)

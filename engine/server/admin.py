@@ -1,23 +1,33 @@
 """CacheAdminService: cache statistics, side-effect-free matching, prefetch, evict, pin, flush,
-tree inspection and the cache event stream. Tree work runs on the scheduler thread."""
+tree inspection and the cache event stream, over EngineFront's admin methods (engine/front.py;
+the tree work runs on the scheduler thread)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from engine.runtime import cache_admin, tenant_cache
-from engine.runtime.scheduler import SchedulerCall
+from engine.admin_records import FlushInfo
+from engine.errors import NotIdleError
+from engine.front import EngineFront
 from engine.server import validate
-from engine.server.pb import EVENT_TO_ENUM, TIER_TO_ENUM, admin_grpc, admin_pb2, tier_tokens
+from engine.server.pb import (
+    EVENT_TO_ENUM,
+    TIER_TO_ENUM,
+    admin_grpc,
+    admin_pb2,
+    common_pb2,
+    tier_tokens,
+)
 from engine.server.settings import ensure_dir
 from engine.server.state import DaemonState, iter_chunks, rpc
 from engine.server.tenants import Principal
-from hicache.l3_tier import StorageBusyError
+from hicache.errors import StorageBusyError
 from hicache.stats import CacheStats, TierStats
 from hicache.tier import Tier
 
@@ -67,7 +77,8 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
     def __init__(self, state: DaemonState):
         self.state = state
 
-    async def _ids(self, engine: Any, prompt: Any, present: bool, field: str) -> list[int]:
+    async def _ids(self, engine: EngineFront, prompt: common_pb2.Prompt, present: bool,
+                   field: str) -> list[int]:  # fmt: skip
         p = validate.prompt(prompt, present, engine.vocab_size, field)
         return await self.state.run_input(engine.tokenize, p)
 
@@ -80,18 +91,17 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         stats = await st.run(engine.cache_stats)
         who = st.principal(context)
         if who.tenant is not None:
-            return await self._tenant_stats(who, stats)
-        num_pins, pinned = await st.in_scheduler(cache_admin.pin_summary)
+            return await self._tenant_stats(engine, who, stats)
+        num_pins, pinned = await st.run(engine.pin_summary)
         return stats_message(stats, pinned, num_pins)
 
-    async def _tenant_stats(self, who: Principal, stats: CacheStats) -> Any:
+    async def _tenant_stats(self, engine: EngineFront, who: Principal, stats: CacheStats
+                            ) -> admin_pb2.GetCacheStatsResponse:  # fmt: skip
         """A tenant's view: its namespaces' tokens per tier, its quota as the capacity (the
         tier's without one), its quota evictions, its pins; nothing of anyone else's."""
         tenant, namespaces = who.tenant, who.namespaces()
         assert tenant is not None and namespaces is not None
-        use, pins, evicted = await self.state.in_scheduler(
-            tenant_cache.tenant_view, tenant.name, namespaces
-        )
+        use, pins, evicted = await self.state.run(engine.tenant_view, tenant.name, namespaces)
         tiers = []
         for t in Tier:
             whole = stats.tier(t)
@@ -121,7 +131,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         engine = await st.require_engine(context)
         ns = st.principal(context).namespace(validate.namespace(request.cache_namespace))
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
-        m = await st.in_scheduler(cache_admin.match_prefix, ids, ns)
+        m = await st.run(engine.match_prefix, ids, ns)
         return admin_pb2.MatchPrefixResponse(
             prompt_tokens=len(ids),
             matched_tokens=m.matched_tokens,
@@ -141,7 +151,8 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
         t0 = time.monotonic()
 
-        def resp(stage: int, per_tier: dict[str, int], **kw: Any) -> admin_pb2.PrefetchResponse:
+        def resp(stage: admin_pb2.PrefetchStage, per_tier: dict[str, int],
+                 **kw: Any) -> admin_pb2.PrefetchResponse:  # fmt: skip
             return admin_pb2.PrefetchResponse(
                 stage=stage,
                 prompt_tokens=len(ids),
@@ -150,7 +161,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                 **kw,
             )
 
-        m = await st.in_scheduler(cache_admin.match_prefix, ids, ns)
+        m = await st.run(engine.match_prefix, ids, ns)
         yield resp(admin_pb2.PREFETCH_STAGE_MATCHED, m.per_tier)
         computed = 0
         # The scheduler always computes the last prompt token, so only len-1 can be a device hit.
@@ -175,9 +186,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                     engine.abort(rid)
         pin_id = ""
         if request.pin:
-            p = await st.in_scheduler(cache_admin.pin, ids, ns, ttl, owner=who.name)
+            p = await st.run(engine.pin, ids, ns, ttl, who.name)
             pin_id = p.pin_id if p is not None else ""
-        m = await st.in_scheduler(cache_admin.match_prefix, ids, ns)
+        m = await st.run(engine.match_prefix, ids, ns)
         yield resp(
             admin_pb2.PREFETCH_STAGE_DONE, m.per_tier, computed_tokens=computed, pin_id=pin_id
         )
@@ -203,14 +214,16 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             prefix = await self._ids(engine, request.prefix, True, "prefix")
         elif not request.all:
             raise validate.ValidationError("all must be true when it is the target")
-        info = await st.in_scheduler(
-            cache_admin.evict,
-            tier,
-            num_tokens=num_tokens,
-            prefix=prefix,
-            namespace=ns,
-            dry_run=request.dry_run,
-            namespaces=who.namespaces() if prefix is None else None,
+        info = await st.run(
+            functools.partial(
+                engine.evict,
+                tier,
+                num_tokens=num_tokens,
+                prefix=prefix,
+                namespace=ns,
+                dry_run=request.dry_run,
+                namespaces=who.namespaces() if prefix is None else None,
+            )
         )
         if st.metrics is not None and not request.dry_run:
             st.metrics.admin_evicted(tier, info.evicted_tokens)
@@ -231,7 +244,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         ns = who.namespace(validate.namespace(request.cache_namespace))
         ttl = validate.seconds(request.ttl_s, "ttl_s")
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
-        p = await st.in_scheduler(cache_admin.pin, ids, ns, ttl, owner=who.name)
+        p = await st.run(engine.pin, ids, ns, ttl, who.name)
         if p is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -244,7 +257,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         self, request: admin_pb2.UnpinRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.UnpinResponse:
         st = self.state
-        await st.require_engine(context)
+        engine = await st.require_engine(context)
         target = request.WhichOneof("target")
         if (
             target is None
@@ -254,7 +267,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             raise validate.ValidationError("target is required (a pin_id, or all=true)")
         pin_id = request.pin_id if target == "pin_id" else None
         owner = st.principal(context).name
-        n, tokens = await st.in_scheduler(cache_admin.unpin, pin_id, owner)
+        n, tokens = await st.run(engine.unpin, pin_id, owner)
         if pin_id is not None and n == 0:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no pin {validate.shown(pin_id)} (expired?)"
@@ -266,7 +279,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         self, request: admin_pb2.FlushRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.FlushResponse:
         st = self.state
-        await st.require_engine(context)
+        engine = await st.require_engine(context)
         tiers = sorted({validate.tier(t, "tiers", default=None) for t in request.tiers})
         timeout = (
             validate.seconds(request.timeout_s, "timeout_s", 3600.0)
@@ -274,22 +287,24 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             else DEFAULT_FLUSH_TIMEOUT_S
         )
         who = st.principal(context)
-        if who.tenant is not None:  # its namespaces only; others' requests may run meanwhile
-            run = SchedulerCall(tenant_cache.flush, (who.namespaces(), tiers or None, who.name))
+        namespaces = who.namespaces()
+        run: Callable[[], FlushInfo]
+        if namespaces is not None:  # a tenant's only; others' requests may run meanwhile
+            run = functools.partial(engine.flush_namespaces, namespaces, tiers or None, who.name)
         else:
-            run = SchedulerCall(cache_admin.flush, (tiers or None,))
+            run = functools.partial(engine.flush, tiers or None)
 
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(timeout, remaining if remaining is not None else timeout)
         while True:
             try:
-                info = await st.in_scheduler(run)
+                info = await st.run(run)
                 break
-            except (cache_admin.NotIdleError, StorageBusyError) as e:
+            except (NotIdleError, StorageBusyError) as e:
                 if time.monotonic() >= deadline:
                     why = (
                         f"the engine is not idle ({len(st.active)} streams running)"
-                        if isinstance(e, cache_admin.NotIdleError)
+                        if isinstance(e, NotIdleError)
                         else "L3 backups / prefetches are still in flight"
                     )
                     await context.abort(
@@ -322,9 +337,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             )
         offset = int(token or 0)
         namespaces = st.principal(context).namespaces()
-        nodes, total = await st.in_scheduler(
-            cache_admin.inspect_tree, offset, limit, preview, namespaces
-        )
+        nodes, total = await st.run(engine.inspect_tree, offset, limit, preview, namespaces)
         texts = await st.run(lambda: [engine.tokenizer.decode(n.preview_ids) for n in nodes])
         out = [
             admin_pb2.TreeNodeInfo(

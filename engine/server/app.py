@@ -15,17 +15,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from engine.admin_records import TenantQuota
 from engine.config import ServerArgs
-from engine.runtime import cache_admin, tenant_cache
-from engine.runtime.scheduler import SchedulerCall
-from engine.runtime.tenant_cache import TenantQuota
+from engine.front import EngineFront
 from engine.server.admin import CacheAdminServicer
 from engine.server.auth import AuthInterceptor
 from engine.server.decode import DecodeGuard
@@ -54,8 +52,9 @@ SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE, SGLANG_SERVICE)
 FAILURE_LINGER_S = 2.0  # NOT_SERVING before exiting when a child process died
 
 
-def default_engine_factory(args: ServerArgs) -> Callable[[], Any]:
-    def build() -> Any:
+def default_engine_factory(args: ServerArgs) -> Callable[[], EngineFront]:
+    def build() -> EngineFront:
+        # NOTE: imported here: the split daemon's API server process never loads the runtime
         from engine.runtime.engine import Engine
 
         kw = args.to_dict()
@@ -66,8 +65,8 @@ def default_engine_factory(args: ServerArgs) -> Callable[[], Any]:
 
 def split_engine_factory(
     args: ServerArgs, on_failure: Callable[[str], None], log_level: str
-) -> Callable[[], Any]:
-    def build() -> Any:
+) -> Callable[[], EngineFront]:
+    def build() -> EngineFront:
         from engine.server.split_engine import SplitEngine
 
         return SplitEngine(args, on_failure, log_level)
@@ -80,7 +79,7 @@ class Daemon:
         self,
         settings: DaemonSettings,
         server_args: ServerArgs | None = None,
-        engine_factory: Callable[[], Any] | None = None,
+        engine_factory: Callable[[], EngineFront] | None = None,
     ):
         self.settings = settings
         self.server_args = server_args  # None with a custom engine_factory
@@ -91,6 +90,10 @@ class Daemon:
             else default_engine_factory(args)
         )
         self.engine_error: str | None = None  # why the engine (a child process) died
+        self.quotas = [  # the tenants' quotas, handed to the engine once it is loaded
+            TenantQuota(t.name, frozenset(t.namespaces), {tier: t.quota(tier) for tier in TIERS})
+            for t in settings.tenants
+        ]
         self.state = DaemonState(
             settings, ThreadPoolExecutor(settings.bridge_threads, thread_name_prefix="hicache-rpc")
         )
@@ -156,7 +159,7 @@ class Daemon:
         for name in SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         addr = f"{s.host}:{s.port}"
-        if s.tls_cert:
+        if s.tls_cert and s.tls_key:  # NOTE: DaemonSettings checks they come together
             ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None
             creds = grpc.ssl_server_credentials(
                 [(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())],
@@ -170,13 +173,14 @@ class Daemon:
             raise OSError(f"cannot bind {addr}")
         await self.server.start()
         # NOTE: the HTTP port answers /metrics too, so the figures are kept with either port
-        self.state.metrics = (
-            Metrics(self._stats_for_metrics, self._tenants_for_metrics if s.tenants else None)
+        metrics = (
+            Metrics(self._stats_for_metrics, self._tenants_for_metrics if self.quotas else None)
             if s.metrics_port or s.http_port
             else None
         )
-        if s.metrics_port:
-            self.metrics_port = self.state.metrics.serve(s.metrics_port, s.metrics_host)
+        self.state.metrics = metrics
+        if metrics is not None and s.metrics_port:
+            self.metrics_port = metrics.serve(s.metrics_port, s.metrics_host)
         if s.http_port:
             self.http = HttpApi(self.state, s)
             self.http_port = await self.http.start()
@@ -202,9 +206,7 @@ class Daemon:
         engine = self.state.engine
         if engine is None or not self.state.ready:
             return None
-        return engine.call_in_scheduler(
-            SchedulerCall(tenant_cache.tenant_figures, (self.settings.tenants,))
-        )
+        return engine.tenant_figures(self.quotas)
 
     async def _load(self) -> None:
         st = self.state
@@ -213,14 +215,8 @@ class Daemon:
             engine = await st.run(self.factory)
             st.engine = engine
             st.event_log = await st.run(engine.event_log)
-            if self.settings.tenants:
-                quotas = [
-                    TenantQuota(t.name, frozenset(t.namespaces),
-                                {tier: t.quota(tier) for tier in TIERS})
-                    for t in self.settings.tenants
-                ]
-                await st.run(engine.call_in_scheduler,
-                             SchedulerCall(tenant_cache.apply_quotas, (quotas,)))
+            if self.quotas:
+                await st.run(engine.apply_quotas, self.quotas)
             if self.settings.warmup:
                 await st.run(_warm_up, engine)
             st.ready = True
@@ -309,11 +305,11 @@ class Daemon:
         return 1 if self.load_error is not None or self.engine_error is not None else 0
 
 
-def _warm_up(engine: Any) -> None:
+def _warm_up(engine: EngineFront) -> None:
     """One prefill + decode so the first request does not pay for lazy initialisation; the
     cache is emptied afterwards."""
     engine.generate([0, 0], {"max_new_tokens": 2, "temperature": 0.0}, namespace="warmup")
-    engine.call_in_scheduler(SchedulerCall(cache_admin.evict, ("l1",)))
+    engine.evict("l1")
 
 
 class DaemonThread:
@@ -323,7 +319,7 @@ class DaemonThread:
         self,
         settings: DaemonSettings,
         server_args: ServerArgs | None = None,
-        engine_factory: Callable[[], Any] | None = None,
+        engine_factory: Callable[[], EngineFront] | None = None,
     ):
         self.settings = settings
         self._args = (server_args, engine_factory)
@@ -356,10 +352,13 @@ class DaemonThread:
         self._started.wait(timeout)
         if self._error is not None:
             raise self._error
+        daemon, loop = self.daemon, self.loop
+        if daemon is None or loop is None:
+            raise TimeoutError(f"the daemon did not start within {timeout:g}s")
         if wait_ready:
-            asyncio.run_coroutine_threadsafe(self.daemon.wait_loaded(), self.loop).result(timeout)
-            if self.daemon.load_error is not None:
-                raise RuntimeError("model load failed") from self.daemon.load_error
+            asyncio.run_coroutine_threadsafe(daemon.wait_loaded(), loop).result(timeout)
+            if daemon.load_error is not None:
+                raise RuntimeError("model load failed") from daemon.load_error
         return self
 
     def stop(self, timeout: float = 60.0) -> None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from engine.server.pb import CACHE_ADMIN_SERVICE, SGLANG_SERVICE
 from engine.server.tenants import Tenant, TenantTable
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 # NOTE: SMG's worker HealthCheck is a probe like grpc.health's: it says only healthy or not
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", f"/{SGLANG_SERVICE}/HealthCheck")
@@ -87,22 +90,19 @@ def check(
 
 
 def _denying(
-    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str
-) -> grpc.RpcMethodHandler:
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+    handler: grpc.RpcMethodHandler[Req, Resp], code: grpc.StatusCode, details: str
+) -> grpc.RpcMethodHandler[Req, Resp]:
+    async def deny(request: Any, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
         await context.abort(code, details)
 
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
+    decode, serialize = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **kw)
+        return grpc.stream_stream_rpc_method_handler(deny, decode, serialize)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+        return grpc.stream_unary_rpc_method_handler(deny, decode, serialize)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny, **kw)
-    return grpc.unary_unary_rpc_method_handler(deny, **kw)
+        return grpc.unary_stream_rpc_method_handler(deny, decode, serialize)
+    return grpc.unary_unary_rpc_method_handler(deny, decode, serialize)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -115,9 +115,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails],
+                               Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Req, Resp] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import grpc
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 
 class Undecodable(NamedTuple):
@@ -38,7 +41,8 @@ async def _reject(request: Undecodable, context: grpc.aio.ServicerContext) -> No
     )
 
 
-def _guard_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _guard_unary(behavior: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """`behavior`: a coroutine function, or a plain one (the grpc stubs' type for it)."""
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
             await _reject(request, context)
@@ -62,25 +66,32 @@ def _guard_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
     return stream
 
 
-def guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def guarded(handler: grpc.RpcMethodHandler[Req, Resp]) -> grpc.RpcMethodHandler[Req, Resp]:
     """The same handler with undecodable requests answered INVALID_ARGUMENT. Only the
     unary-request shapes are wrapped (no RPC of ours streams requests)."""
-    kw = {
-        "request_deserializer": _safe(handler.request_deserializer),
-        "response_serializer": handler.response_serializer,
-    }
     if handler.request_streaming:
         return handler
+    decode = _safe(handler.request_deserializer)
+    serialize = handler.response_serializer
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream), **kw)
-    return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary), **kw)
+        assert handler.unary_stream is not None, "grpc sets the behaviour of its shape"
+        wrapped = grpc.unary_stream_rpc_method_handler(
+            _guard_stream(handler.unary_stream), decode, serialize)
+    else:
+        assert handler.unary_unary is not None, "grpc sets the behaviour of its shape"
+        wrapped = grpc.unary_unary_rpc_method_handler(
+            _guard_unary(handler.unary_unary), decode, serialize)
+    # NOTE: the deserializer may now give an Undecodable, which the guard answers before the
+    # handler's behaviour runs: the behaviour still sees only `Req`s
+    return cast("grpc.RpcMethodHandler[Req, Resp]", wrapped)
 
 
 class DecodeGuard(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails],
+                               Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Req, Resp] | None:
         handler = await continuation(handler_call_details)
         return handler if handler is None else guarded(handler)

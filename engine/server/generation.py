@@ -7,10 +7,10 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
+from engine.front import StreamChunk
 from engine.server import validate
 from engine.server.pb import FINISH_TO_ENUM, gen_grpc, gen_pb2, tier_tokens
 from engine.server.state import DaemonState, EngineRequest, rpc
@@ -27,7 +27,7 @@ def _version() -> str:
         return VERSION
 
 
-def usage(chunk: Any) -> gen_pb2.Usage:
+def usage(chunk: StreamChunk) -> gen_pb2.Usage:
     return gen_pb2.Usage(
         prompt_tokens=chunk.prompt_tokens,
         completion_tokens=chunk.completion_tokens,
@@ -36,7 +36,7 @@ def usage(chunk: Any) -> gen_pb2.Usage:
     )
 
 
-def complete(chunk: Any) -> gen_pb2.GenerateComplete:
+def complete(chunk: StreamChunk) -> gen_pb2.GenerateComplete:
     msg = gen_pb2.GenerateComplete(
         finish_reason=FINISH_TO_ENUM.get(
             chunk.finish_reason or "", gen_pb2.FINISH_REASON_UNSPECIFIED
@@ -50,7 +50,7 @@ def complete(chunk: Any) -> gen_pb2.GenerateComplete:
         msg.matched_token_id = stop
     else:
         msg.matched_stop_string = str(stop)
-    if chunk.finish_reason == "abort" and getattr(chunk, "error", None):
+    if chunk.finish_reason == "abort" and chunk.error:
         msg.abort_message = chunk.error
     return msg
 
@@ -159,8 +159,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             features += ["hierarchical_cache"] if hier else []
             features += ["l3_storage"] if hier and args.hicache_storage_backend else []
         config["process.api_server"] = json.dumps(os.getpid())
-        pids = getattr(st.engine, "child_pids", None)
-        for name, pid in (pids() if pids is not None else {}).items():
+        pids = st.engine.child_pids() if st.engine is not None else {}
+        for name, pid in pids.items():
             config[f"process.{name}"] = json.dumps(pid)  # the split daemon's children
         features += ["cache_events"] if st.event_log is not None else []
         features += ["auth"] if st.settings.auth_enabled else []

@@ -4,8 +4,8 @@ subscriber.
 
 The publisher starts with its first subscriber (SMG's SubscribeKvEvents, or the ZMQ publisher
 at load) and runs on the daemon's event loop: whenever the cache's event log moves (and at least
-once a second), it asks the scheduler what changed in the cache's blocks per tier since its last
-look (engine/runtime/kv_block_view.py; the first look, and one after a failed look, get the
+once a second), it asks the engine what changed in the cache's blocks per tier since its last
+look (EngineFront.kv_block_changes, engine/runtime/kv_block_view.py; the first look, and one after a failed look, get the
 whole state, which is diffed here), and appends one batch with the difference:
 
     batch 1: the blocks at start (Stored per tier)      batch n: Removed / Stored / Cleared
@@ -26,8 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.runtime.kv_block_view import kv_block_changes
-from engine.runtime.scheduler import SchedulerCall
+from engine.errors import EngineShutdownError
 from engine.server.state import DaemonState
 from hicache.kv_blocks import TIERS, Block
 
@@ -155,8 +154,10 @@ class KvEventPublisher:
         st = self.state
         reset = self._reset
         self._reset = True  # until this look is applied: a lost answer must not skip changes
-        ch = await st.in_scheduler(
-            SchedulerCall(kv_block_changes, (self.block_size, self.salt_key, reset)))
+        engine = st.engine
+        if engine is None:
+            raise EngineShutdownError("the engine is not loaded")
+        ch = await st.run(engine.kv_block_changes, self.block_size, self.salt_key, reset)
         if ch.full:
             events = diff(self.blocks, ch.stored)
             self.blocks = {t: {b.block_hash: b for b in ch.stored[t]} for t in TIERS}
@@ -183,6 +184,8 @@ class KvEventPublisher:
     async def _follow(self) -> None:
         st = self.state
         event_log = st.event_log
+        if event_log is None:
+            raise EngineShutdownError("the engine is not loaded")
         seen = await st.run(lambda: event_log.last_seq)
         while not st.draining:
             try:

@@ -34,9 +34,9 @@ class KvEventsConfig:
         if unknown:
             raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: "
                              f"{', '.join(known)}")
-        types = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str,
-                 "replay_endpoint": (str, type(None)), "buffer_steps": int, "hwm": int,
-                 "topic": str}
+        types: dict[str, type | tuple[type, ...]] = {
+            "enable_kv_cache_events": bool, "publisher": str, "endpoint": str,
+            "replay_endpoint": (str, type(None)), "buffer_steps": int, "hwm": int, "topic": str}
         for k, v in raw.items():
             if not isinstance(v, types[k]) or (types[k] is int and isinstance(v, bool)):
                 raise ValueError(f"kv_events_config.{k}: wrong type {type(v).__name__}")

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.runtime.request import StreamChunk
+from engine.front import EngineFront, Prompt, StreamChunk
 from engine.server import openai_edge as edge
 from engine.server import openai_protocol as proto
 from engine.server.loads import UnknownSectionError, daemon_version, loads_report, parse_include
@@ -43,13 +43,14 @@ from engine.server.openai_edge import (
     error_response,
     require_engine,
 )
+from engine.server.settings import DaemonSettings
 from engine.server.state import DaemonState, EngineRequest
 
 log = logging.getLogger(__name__)
 
 OWNER = "hicache"
 VERSION = daemon_version()
-ABORT_ANSWER_S = 2.0  # at stop: for aborted requests' answers to go out before they are cut
+ABORT_ANSWER_S = 2  # at stop: for aborted requests' answers to go out before they are cut
 
 
 def model_ids(model_path: str, served_model_name: str | None = None) -> tuple[str, ...]:
@@ -86,7 +87,7 @@ class OpenAIApi:
         self.state = state
         self.served_model_name = served_model_name
         self.max_body_bytes = max_body_bytes
-        self._models: tuple[Any, tuple[str, ...]] | None = None  # (engine, model_ids)
+        self._models: tuple[EngineFront, tuple[str, ...]] | None = None  # (engine, model_ids)
         self.running: dict[str, EngineRequest] = {}  # engine rid -> its open request
         self.app = Starlette(
             routes=[
@@ -118,14 +119,14 @@ class OpenAIApi:
     async def _crash(request: Request, exc: Exception) -> Response:
         return error_response(exc)
 
-    async def _model_ids(self, engine: Any) -> tuple[str, ...]:
+    async def _model_ids(self, engine: EngineFront) -> tuple[str, ...]:
         if self._models is None or self._models[0] is not engine:
             info = await self.state.run(engine.model_info)
             ids = model_ids(str(info.get("model_path") or ""), self.served_model_name)
             self._models = (engine, ids)
         return self._models[1]
 
-    def _model_card(self, model_id: str, engine: Any) -> dict[str, Any]:
+    def _model_card(self, model_id: str, engine: EngineFront) -> dict[str, Any]:
         return {
             "id": model_id,
             "object": "model",
@@ -134,7 +135,7 @@ class OpenAIApi:
             "max_model_len": engine.max_context_len,
         }
 
-    async def _served_model(self, engine: Any, asked: str | None) -> str:
+    async def _served_model(self, engine: EngineFront, asked: str | None) -> str:
         ids = await self._model_ids(engine)
         if asked is not None and asked not in ids:
             raise HttpError(
@@ -237,7 +238,7 @@ class OpenAIApi:
         build = proto.chat_response if chat else proto.completion_response
         return JSONResponse(build(rid, model, created, text, last))
 
-    async def _chat_ids(self, engine: Any, messages: list[dict[str, str]]) -> list[int]:
+    async def _chat_ids(self, engine: EngineFront, messages: Prompt) -> list[int]:
         try:
             return await self.state.run_input(engine.tokenize, messages)
         except Exception as e:
@@ -309,7 +310,7 @@ class OpenAIApi:
                 if include_usage:
                     yield edge.sse(proto.usage_chunk(piece(None), chunk))
         except Exception as e:  # noqa: BLE001 - the status line has gone: report in-band
-            body = json.loads(error_response(e).body)
+            body = json.loads(bytes(error_response(e).body))
             yield edge.sse(body)
         yield "data: [DONE]\n\n"
 
@@ -326,7 +327,7 @@ class HttpApi:
     """The OpenAI API's HTTP server on the running event loop: start() binds (port 0: a free
     port) and returns the port; stop() closes it, aborting the requests still open."""
 
-    def __init__(self, state: DaemonState, settings: Any):
+    def __init__(self, state: DaemonState, settings: DaemonSettings):
         self.state = state
         self.settings = settings
         self.api = OpenAIApi(
@@ -345,7 +346,7 @@ class HttpApi:
         sock = socket.create_server((host, port), family=family)
         # NOTE: uvicorn's own lines (start, stop, one per request) only when debugging: we log
         # the address ourselves, and its errors still show.
-        level = str(getattr(self.settings, "log_level", "info")).lower()
+        level = self.settings.log_level.lower()
         level = level if level in ("debug", "trace") else "warning"
         config = uvicorn.Config(
             self.api.app,

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.errors import EngineShutdownError, QueueFullError
-from engine.runtime.request import StreamChunk
+from engine.front import EngineFront, StreamChunk
 from engine.server import openai_protocol as proto
 from engine.server.auth import bearer, check, tenant_of
 from engine.server.pb import GENERATION_SERVICE
@@ -99,7 +99,7 @@ def authorize(headers: Headers, state: DaemonState) -> Principal:
     return Principal(tenant_of(presented, state.tenants))
 
 
-def require_engine(state: DaemonState) -> Any:
+def require_engine(state: DaemonState) -> EngineFront:
     if state.draining:
         raise unavailable("the server is shutting down", "draining")
     if not state.ready or state.engine is None:

@@ -240,7 +240,8 @@ def parse_chat(body: Any, vocab_size: int, max_context_len: int) -> ParsedReques
         param = f"messages[{i}]"
         if not isinstance(m, dict):
             raise InvalidRequestError(f"{param} must be an object with role and content", param)
-        role = ROLE_ALIASES.get(m.get("role"), m.get("role"))
+        role = m.get("role")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in validate.CHAT_ROLES:
             raise InvalidRequestError(
                 f"{param}.role must be one of {', '.join(validate.CHAT_ROLES)} or developer, "

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,9 +127,9 @@ def _fields() -> dict[str, tuple[str, Any]]:
 
 def _convert(name: str, typ: str, value: Any) -> Any:
     """Parses a string (env / flag) or checks a TOML value against the field's type."""
-    base = [t.strip() for t in str(typ).split("|")]
-    optional = "None" in base
-    base = next(t for t in base if t != "None")
+    parts = [t.strip() for t in str(typ).split("|")]
+    optional = "None" in parts
+    base = next(t for t in parts if t != "None")
     if isinstance(value, str):
         v = value.strip()
         if optional and v.lower() in ("", "none", "null"):
@@ -141,7 +141,8 @@ def _convert(name: str, typ: str, value: Any) -> Any:
                 if v.lower() in ("0", "false", "no", "off"):
                     return False
                 raise ValueError
-            return {"int": int, "float": float}.get(base, str)(v)
+            parse: Callable[[str], Any] = {"int": int, "float": float}.get(base, str)
+            return parse(v)
         except ValueError:
             raise ValueError(f"{name}: expected {typ}, got {value!r}") from None
     ok = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}[base]
@@ -149,7 +150,9 @@ def _convert(name: str, typ: str, value: Any) -> Any:
         return None
     if not isinstance(value, ok) or (base != "bool" and isinstance(value, bool)):
         raise ValueError(f"{name}: expected {typ}, got {value!r}")
-    return float(value) if base == "float" else value
+    if base == "float" and isinstance(value, (int, float)):  # checked above: a number
+        return float(value)
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -260,7 +263,7 @@ def load(
     # NOTE: the tenant list comes whole from the highest source that sets one.
     if env.get(ENV_PREFIX + "TENANTS") is not None:
         tenants = tenancy.parse_specs(env[ENV_PREFIX + "TENANTS"])
-    if getattr(ns, "tenant", None):
+    if ns is not None and getattr(ns, "tenant", None):  # a Namespace may lack the flag
         tenants = tuple(tenancy.parse_spec(spec) for spec in ns.tenant)
     _apply_daemon_defaults(values, env)
     daemon = DaemonSettings(

@@ -178,9 +178,9 @@ def input_ids(request: pb.GenerateRequest, vocab_size: int) -> list[int]:
     ids = list(request.tokenized.input_ids)
     if not ids:
         raise ValidationError("tokenized.input_ids is empty")
-    bad = next((i for i, t in enumerate(ids) if t >= vocab_size), None)
-    if bad is not None:
-        raise ValidationError(f"tokenized.input_ids[{bad}] = {ids[bad]} is out of the "
+    bad_at = next((i for i, t in enumerate(ids) if t >= vocab_size), None)
+    if bad_at is not None:
+        raise ValidationError(f"tokenized.input_ids[{bad_at}] = {ids[bad_at]} is out of the "
                               f"vocabulary [0, {vocab_size})")
     return ids
 

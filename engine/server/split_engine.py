@@ -1,5 +1,6 @@
-"""SplitEngine: the Engine interface in the API server process, over a scheduler process and a
-detokenizer process (seed 002's layout). Tokenization and validation happen here; the scheduler
+"""SplitEngine: the EngineFront (engine/front.py) in the API server process, over a scheduler
+process and a detokenizer process (seed 002's layout). Each call is one typed operation
+(engine/ipc.py) that the scheduler process' Engine answers with the method of the same name. Tokenization and validation happen here; the scheduler
 process gets token ids; the detokenizer process returns text increments.
 
 Start-up waits for each child's ready signal. A child that exits ends every in-flight request
@@ -22,24 +23,52 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
 
 from engine import ipc
+from engine.admin_records import (
+    EvictInfo,
+    FlushInfo,
+    MatchInfo,
+    NodeInfo,
+    Pin,
+    TenantQuota,
+    TenantView,
+)
 from engine.config import ServerArgs
 from engine.detokenizer.process import detokenizer_main
 from engine.errors import EngineShutdownError
-from engine.runtime.engine import L3_DRAIN_S, SCHEDULER_JOIN_S, EngineFront, RequestHandle
-from engine.runtime.process import SchedulerInfo, scheduler_main
-from engine.tokenizer import Prompt, TokenizerManager
+from engine.front import (
+    CALL_TIMEOUT_S,
+    L3_DRAIN_S,
+    SCHEDULER_JOIN_S,
+    EngineFront,
+    Prompt,
+    RequestHandle,
+    StreamChunk,
+)
+from engine.tokenizer import TokenizerManager
+from hicache.events import CacheEvent
+from hicache.kv_blocks import BlockChanges
 from hicache.stats import CacheStats
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # model conversion + load on a slow machine
 CALL_MARGIN_S = 10.0  # a call's reply may take this much longer than its own timeout
+
+
+def run_scheduler_process(server_args: ServerArgs, addrs: ipc.Addresses, conn: Connection,
+                          log_level: str) -> None:  # fmt: skip
+    """The scheduler process' target: the runtime (torch, the model) is imported there only,
+    never in this process."""
+    from engine.runtime.process import scheduler_main
+
+    scheduler_main(server_args, addrs, conn, log_level)
 
 
 class SplitEngine(EngineFront):
@@ -55,8 +84,8 @@ class SplitEngine(EngineFront):
         self._closed = False
         self._stopping = threading.Event()  # the router's stop
         self._ids = itertools.count(1)
-        self._pending: dict[int, Future] = {}
-        self._handles: dict[str, queue.Queue] = {}
+        self._pending: dict[int, Future[Any]] = {}
+        self._handles: dict[str, queue.Queue[StreamChunk | BaseException]] = {}
         self._lock = threading.Lock()  # _pending, _handles, the send socket
         self._dir = tempfile.mkdtemp(prefix="hicache-ipc-")
         self.addrs = ipc.Addresses.in_dir(self._dir)
@@ -67,8 +96,8 @@ class SplitEngine(EngineFront):
         mp = multiprocessing.get_context("spawn")
         self.procs: dict[str, multiprocessing.Process] = {}
         try:
-            info: SchedulerInfo = self._spawn(
-                mp, "scheduler", scheduler_main, (server_args, self.addrs), log_level
+            info: ipc.SchedulerInfo = self._spawn(
+                mp, "scheduler", run_scheduler_process, (server_args, self.addrs), log_level
             )
             self.server_args = info.server_args
             self.tokenizer_manager = TokenizerManager(
@@ -172,7 +201,7 @@ class SplitEngine(EngineFront):
                     if q is not None:
                         q.put(m.chunk)
 
-    def _send(self, msg: Any, fut: Future | None = None, call_id: int = 0) -> None:
+    def _send(self, msg: Any, fut: Future[Any] | None = None, call_id: int = 0) -> None:
         with self._lock:
             if self.failed is not None:
                 raise EngineShutdownError(self.failed)
@@ -186,7 +215,7 @@ class SplitEngine(EngineFront):
         if self._closed:
             raise EngineShutdownError("the engine has been shut down")
         call_id = next(self._ids)
-        fut: Future = Future()
+        fut: Future[Any] = Future()
         self._send(ipc.CallReq(call_id, op), fut, call_id)
         try:
             return fut.result(None if timeout is None else timeout + CALL_MARGIN_S)
@@ -198,7 +227,7 @@ class SplitEngine(EngineFront):
     def submit(
         self,
         prompt: Prompt,
-        sampling_params: dict | None = None,
+        sampling_params: dict[str, Any] | None = None,
         namespace: str | None = None,
         rid: str | None = None,
         chat: bool = False,
@@ -207,9 +236,9 @@ class SplitEngine(EngineFront):
             raise EngineShutdownError(self.failed or "the engine has been shut down")
         ids, params = self.tokenizer_manager.prepare(prompt, sampling_params, chat)
         rid = rid if rid is not None else f"req-{uuid.uuid4().hex[:16]}"
-        chunks: queue.Queue = queue.Queue()
+        chunks: queue.Queue[StreamChunk | BaseException] = queue.Queue()
         call_id = next(self._ids)
-        fut: Future = Future()
+        fut: Future[Any] = Future()
         with self._lock:
             if rid in self._handles:
                 raise ValueError(f"request id {rid!r} is already running")
@@ -245,6 +274,53 @@ class SplitEngine(EngineFront):
         self._call(ipc.EventsLastSeq())  # makes sure the scheduler has one
         return RemoteEventLog(self)
 
+    def kv_block_changes(self, block_size: int, salt_key: bytes,
+                         reset: bool = False) -> BlockChanges:  # fmt: skip
+        return self._call(ipc.KvBlockChanges(block_size, salt_key, reset), CALL_TIMEOUT_S)
+
+    # --- cache admin: each call one operation, answered in the scheduler process --------------
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchInfo:
+        return self._call(ipc.MatchPrefix(key, namespace), CALL_TIMEOUT_S)
+
+    def evict(self, tier: str, num_tokens: int | None = None, prefix: list[int] | None = None,
+              namespace: str | None = None, dry_run: bool = False,
+              namespaces: frozenset[str] | None = None) -> EvictInfo:  # fmt: skip
+        op = ipc.Evict(tier, num_tokens, prefix, namespace, dry_run, namespaces)
+        return self._call(op, CALL_TIMEOUT_S)
+
+    def pin(self, key: list[int], namespace: str | None = None, ttl_s: float = 0.0,
+            owner: str | None = None) -> Pin | None:  # fmt: skip
+        return self._call(ipc.PinPrefix(key, namespace, ttl_s, owner), CALL_TIMEOUT_S)
+
+    def unpin(self, pin_id: str | None = None, owner: str | None = None) -> tuple[int, int]:
+        return self._call(ipc.Unpin(pin_id, owner), CALL_TIMEOUT_S)
+
+    def pin_summary(self) -> tuple[int, int]:
+        return self._call(ipc.PinSummary(), CALL_TIMEOUT_S)
+
+    def flush(self, tiers: list[str] | None = None) -> FlushInfo:
+        return self._call(ipc.Flush(tiers), CALL_TIMEOUT_S)
+
+    def flush_namespaces(self, namespaces: frozenset[str], tiers: list[str] | None,
+                         owner: str | None) -> FlushInfo:  # fmt: skip
+        return self._call(ipc.FlushNamespaces(namespaces, tiers, owner), CALL_TIMEOUT_S)
+
+    def inspect_tree(self, offset: int = 0, limit: int = 100, preview_tokens: int = 16,
+                     namespaces: frozenset[str] | None = None
+                     ) -> tuple[list[NodeInfo], int]:  # fmt: skip
+        op = ipc.InspectTree(offset, limit, preview_tokens, namespaces)
+        return self._call(op, CALL_TIMEOUT_S)
+
+    def apply_quotas(self, quotas: Sequence[TenantQuota]) -> None:
+        self._call(ipc.ApplyQuotas(tuple(quotas)), CALL_TIMEOUT_S)
+
+    def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> TenantView:
+        return self._call(ipc.TenantView(tenant, namespaces), CALL_TIMEOUT_S)
+
+    def tenant_figures(self, quotas: Sequence[TenantQuota]
+                       ) -> dict[str, dict[str, dict[str, int]]]:  # fmt: skip
+        return self._call(ipc.TenantFigures(tuple(quotas)), CALL_TIMEOUT_S)
+
     def storage_info(self) -> dict[str, Any]:
         return self._call(ipc.StorageInfo())
 
@@ -268,7 +344,7 @@ class SplitEngine(EngineFront):
         atexit.unregister(self.shutdown)
         if self.failed is None:
             call_id = next(self._ids)
-            fut: Future = Future()
+            fut: Future[Any] = Future()
             try:
                 self._send(ipc.Shutdown(call_id), fut, call_id)
                 fut.result(SCHEDULER_JOIN_S + L3_DRAIN_S + CALL_MARGIN_S)
@@ -296,6 +372,7 @@ class SplitEngine(EngineFront):
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def child_pids(self) -> dict[str, int]:
+        """The scheduler and detokenizer processes' ids."""
         return {name: p.pid for name, p in self.procs.items() if p.pid is not None}
 
     def __repr__(self) -> str:
@@ -316,7 +393,7 @@ class RemoteEventLog:
     def first_seq(self) -> int:
         return self._engine._call(ipc.EventsFirstSeq())
 
-    def since(self, seq: int, limit: int | None = None) -> list[Any]:
+    def since(self, seq: int, limit: int | None = None) -> list[CacheEvent]:
         return self._engine._call(ipc.EventsSince(seq, limit))
 
     def missed(self, seq: int) -> int:

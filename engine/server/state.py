@@ -11,18 +11,20 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from engine.errors import EngineShutdownError, QueueFullError
-from engine.runtime.cache_admin import NotIdleError, TierUnavailableError
-from engine.runtime.request import StreamChunk
-from engine.runtime.scheduler import SchedulerCall
+from engine.errors import EngineShutdownError, NotIdleError, QueueFullError, TierUnavailableError
+from engine.front import EngineFront, EventLogReader, Prompt, RequestHandle, StreamChunk
 from engine.server.auth import bearer, tenant_of
 from engine.server.tenants import PermissionDeniedError, Principal, TenantTable
 from engine.server.validate import ValidationError
-from hicache.l3_tier import StorageBusyError
+from hicache.errors import StorageBusyError
+
+if TYPE_CHECKING:
+    from engine.server.metrics import Metrics
+    from engine.server.settings import DaemonSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,21 +46,22 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
 class DaemonState:
     """What every servicer shares. `engine` is None until the model is loaded."""
 
-    settings: Any
+    settings: DaemonSettings
     pool: ThreadPoolExecutor
-    engine: Any = None
+    engine: EngineFront | None = None
     ready: bool = False
     draining: bool = False
     start_time: float = field(default_factory=time.time)
-    active: dict[str, Any] = field(default_factory=dict)  # rid -> RequestHandle
+    # rid -> its handle (None while the engine is taking the request)
+    active: dict[str, RequestHandle | None] = field(default_factory=dict)
     # rids the stop aborted once the drain's grace ran out (answered UNAVAILABLE, not ABORT)
     drain_aborted: set[str] = field(default_factory=set)
-    event_log: Any = None
-    metrics: Any = None
+    event_log: EventLogReader | None = None
+    metrics: Metrics | None = None
     tenants: TenantTable = field(default_factory=TenantTable)
 
     def __post_init__(self) -> None:
-        self.tenants = TenantTable(tuple(getattr(self.settings, "tenants", ()) or ()))
+        self.tenants = TenantTable(self.settings.tenants)
 
     def principal(self, context: grpc.aio.ServicerContext) -> Principal:
         """Who makes this call (the auth interceptor has already let the token in)."""
@@ -81,12 +84,13 @@ class DaemonState:
         except ValueError as e:
             raise ValidationError(str(e)) from e
 
-    async def submit(self, engine: Any, *args: Any, rid: str) -> Any:
-        """engine.submit(*args, rid) off the event loop. If the call goes away (client cancel,
+    async def submit(self, engine: EngineFront, prompt: Prompt, params: dict[str, Any],
+                     namespace: str | None, rid: str) -> RequestHandle:  # fmt: skip
+        """engine.submit(...) off the event loop. If the call goes away (client cancel,
         deadline) while the engine is taking the request, the request is aborted as soon as it
         is in: it must not run for nobody."""
         fut = asyncio.get_running_loop().run_in_executor(
-            self.pool, functools.partial(engine.submit, *args, rid)
+            self.pool, functools.partial(engine.submit, prompt, params, namespace, rid)
         )
         try:
             return await asyncio.shield(fut)
@@ -98,16 +102,8 @@ class DaemonState:
         except ValueError as e:
             raise ValidationError(str(e)) from e
 
-    async def in_scheduler(
-        self, fn: Callable[..., T], *args: Any, timeout: float = 30.0, **kwargs: Any
-    ) -> T:
-        """fn(scheduler, *args, **kwargs) on the scheduler thread (in the scheduler process of
-        a split daemon: fn must be module-level, the arguments and result plain data)."""
-        call = fn if isinstance(fn, SchedulerCall) else SchedulerCall(fn, args, kwargs)
-        return await self.run(self.engine.call_in_scheduler, call, timeout)
-
     async def require_engine(self, context: grpc.aio.ServicerContext,
-                             while_draining: bool = False) -> Any:
+                             while_draining: bool = False) -> EngineFront:
         """The engine, or the call ends UNAVAILABLE: still loading, or draining (new work is
         refused; ``while_draining`` lets through what only ends work, e.g. Abort)."""
         if self.draining and not while_draining:
@@ -164,13 +160,16 @@ def rpc(fn: Callable) -> Callable:
     return unary
 
 
-def _get_batch(q: queue.Queue, timeout: float) -> list[Any]:
+ChunkQueue = queue.Queue[StreamChunk | BaseException]  # RequestHandle.chunks
+
+
+def _get_batch(q: ChunkQueue, timeout: float) -> list[StreamChunk | BaseException]:
     """Blocks up to timeout for one item, then takes whatever else is already there."""
     try:
         items = [q.get(timeout=timeout)]
     except queue.Empty:
         return []
-    while not getattr(items[-1], "finished", False):
+    while not (isinstance(items[-1], StreamChunk) and items[-1].finished):
         try:
             items.append(q.get_nowait())
         except queue.Empty:
@@ -179,8 +178,8 @@ def _get_batch(q: queue.Queue, timeout: float) -> list[Any]:
 
 
 async def iter_chunks(
-    q: queue.Queue, pool: ThreadPoolExecutor, poll_s: float = 0.2
-) -> AsyncIterator[Any]:
+    q: ChunkQueue, pool: ThreadPoolExecutor, poll_s: float = 0.2
+) -> AsyncIterator[StreamChunk]:
     """Yields a request's StreamChunks until the finished one; the blocking gets run on `pool`.
     NOTE: on cancellation the pending get returns within poll_s; the caller aborts the request."""
     loop = asyncio.get_running_loop()
@@ -201,24 +200,24 @@ class EngineRequest:
     def __init__(
         self,
         state: DaemonState,
-        engine: Any,
-        rid: str,
-        running: dict[str, EngineRequest] | None = None,
+        engine: EngineFront,
+        handle: RequestHandle,
+        running: dict[str, EngineRequest] | None,
+        t0: float,
     ):
-        self.state, self.engine, self.rid = state, engine, rid
+        self.state, self.engine, self.handle, self.rid = state, engine, handle, handle.rid
         self.running = {} if running is None else running  # the edge's open requests
         self.metrics = state.metrics
-        self.handle: Any = None
         self.finished = False
         self.released = False
-        self.t0 = time.monotonic()
+        self.t0 = t0  # when it was submitted (time.monotonic())
 
     @classmethod
     async def start(
         cls,
         state: DaemonState,
-        engine: Any,
-        prompt: Any,
+        engine: EngineFront,
+        prompt: Prompt,
         params: dict[str, Any],
         namespace: str | None,
         rid: str,
@@ -226,14 +225,15 @@ class EngineRequest:
     ) -> EngineRequest:
         """Submits; the caller has checked that `rid` is not in state.active. NOTE: the id is
         claimed before the first await: on the one event loop, check and claim are one step."""
-        run = cls(state, engine, rid, running)
+        t0 = time.monotonic()
         state.active[rid] = None
         try:
-            run.handle = await state.submit(engine, prompt, params, namespace, rid=rid)
+            handle = await state.submit(engine, prompt, params, namespace, rid=rid)
         except BaseException:
             state.active.pop(rid, None)
             raise
-        state.active[rid] = run.handle
+        run = cls(state, engine, handle, running, t0)
+        state.active[rid] = handle
         run.running[rid] = run
         if run.metrics is not None:
             run.metrics.stream_started()

@@ -1,17 +1,34 @@
-"""L3 storage backends for host-pool pages."""
+"""L3 storage backends for host-pool pages.
+
+The names below load their modules on first use: ``hicache.storage.redis_url`` (parsed in the
+daemon's API server process, which never loads torch) must not pull in the backends.
+"""
 
 from __future__ import annotations
 
-from hicache.storage.base import (
-    StorageBackend,
-    StorageStats,
-    StorageValue,
-    object_keys,
-    page_hashes,
-    prefix_hash_seed,
-)
-from hicache.storage.file import FileStorageBackend
+import importlib
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from hicache.stats import StorageStats
+    from hicache.storage.base import (
+        StorageBackend,
+        StorageValue,
+        object_keys,
+        page_hashes,
+        prefix_hash_seed,
+    )
+    from hicache.storage.file import FileStorageBackend
+
+_HOMES = {
+    "FileStorageBackend": "hicache.storage.file",
+    "StorageBackend": "hicache.storage.base",
+    "StorageStats": "hicache.stats",
+    "StorageValue": "hicache.storage.base",
+    "object_keys": "hicache.storage.base",
+    "page_hashes": "hicache.storage.base",
+    "prefix_hash_seed": "hicache.storage.base",
+}
 __all__ = [
     "FileStorageBackend",
     "StorageBackend",
@@ -21,3 +38,10 @@ __all__ = [
     "page_hashes",
     "prefix_hash_seed",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'hicache.storage' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

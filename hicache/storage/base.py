@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -76,26 +76,6 @@ def object_key(parent: str | None, seed: str, tokens: bytes) -> str:
 def page_hashes(token_ids: Sequence[int], page_size: int, seed: str) -> list[str]:
     """``object_keys`` from the start of the path (kept for callers that name pages)."""
     return object_keys(token_ids, page_size, seed)
-
-
-@dataclass
-class StorageStats:
-    """Counters every backend keeps; ``stats()`` returns them as a dict."""
-
-    objects: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    errors: int = 0
-    evictions: int = 0
-    corrupt: int = 0
-    vanished: int = 0  # objects the index listed that were gone (or dropped with their parent)
-    bytes_read: int = 0
-    bytes_written: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -69,13 +69,13 @@ from typing import BinaryIO, NamedTuple
 
 import torch
 
+from hicache.stats import StorageStats
 from hicache.storage import codec
 from hicache.storage.base import (
     ObjectContent,
     ObjectsRemoved,
     ObjectsStored,
     StorageBackend,
-    StorageStats,
     StorageValue,
     StoreCleared,
     StoredObject,

@@ -59,8 +59,9 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from hicache.stats import StorageStats
 from hicache.storage import codec
-from hicache.storage.base import ObjectContent, StorageBackend, StorageStats, StorageValue
+from hicache.storage.base import ObjectContent, StorageBackend, StorageValue
 from hicache.storage.codec import Corrupt
 from hicache.storage.outage import OutageLog
 from hicache.storage.redis_url import parse_target

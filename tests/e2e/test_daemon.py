@@ -210,9 +210,13 @@ def test_events_stream_and_resume(client):
     replay = next(iter(client.watch_events(after_seq=cleared.seq - 1, timeout=5)))
     assert replay.event.seq == cleared.seq
     later = client.watch_events(after_seq=cleared.seq, kinds=["cleared"], timeout=5)
-    threading.Timer(0.2, client.flush).start()
+    flush = threading.Timer(0.2, client.flush)
+    flush.start()
     assert next(iter(later)).event.seq > cleared.seq
     later.cancel()
+    # NOTE: the event is published before the Flush call returns: the client (closed after the
+    # test) must outlive the call
+    flush.join()
 
 
 def test_flush_waits_for_idle_then_fails_unchanged(client):

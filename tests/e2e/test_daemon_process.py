@@ -146,6 +146,42 @@ def test_grpcurl(server):
     assert '"complete"' in out.stdout
 
 
+def _mapped_files(pid: int) -> set[str]:
+    """The files a process has mapped: its shared libraries, among them torch's once imported."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {ln.split(maxsplit=5)[5] for ln in lines if len(ln.split(maxsplit=5)) == 6}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps")
+def test_the_api_server_process_never_loads_torch(server):
+    """The split daemon's API server talks to the engine through EngineFront (engine/front.py):
+    every call, and every record or error that comes back from the scheduler process, without
+    torch; the scheduler process has it."""
+    prompt = "The boundary between the API server and the engine"
+    with HicacheClient(server["addr"]) as c:
+        c.generate_text(prompt, max_new_tokens=3, **GREEDY)
+        assert c.match_prefix(prompt).matched_tokens > 0
+        done = list(c.prefetch(prompt, pin=True, pin_ttl_s=60))[-1]
+        assert done.pin_id.startswith("pin-")
+        assert c.inspect_tree().total_nodes > 0
+        assert c.cache_stats().num_pins >= 1
+        c.evict("l1", all=True, dry_run=True)
+        assert c.unpin(done.pin_id).unpinned == 1
+        assert c.storage().attached
+        first = next(iter(c.watch_events(after_seq=0, timeout=30)))
+        assert first.event.seq >= 1
+        c.flush()
+        with pytest.raises(grpc.RpcError) as e:  # an engine error crosses too
+            c.evict("l3", all=True)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics", timeout=10).read()
+    api = _mapped_files(server["proc"].pid)
+    assert not [f for f in api if "/torch/" in f or "libtorch" in f]
+    children = subprocess.run(["pgrep", "-P", str(server["proc"].pid)], capture_output=True,
+                              text=True, check=False).stdout.split()
+    assert any("libtorch" in f for pid in children for f in _mapped_files(int(pid)))
+
+
 def test_bounded_queue_is_resource_exhausted(server):
     with HicacheClient(server["addr"]) as c:
         a = c.generate("running request", max_new_tokens=2000, **GREEDY)

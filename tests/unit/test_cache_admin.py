@@ -444,7 +444,8 @@ def test_step_hooks_run_in_order_until_removed():
 
 
 def test_a_quota_enforcer_replaces_the_one_before():
-    from engine.runtime.tenant_cache import TenantQuota, apply_quotas
+    from engine.admin_records import TenantQuota
+    from engine.runtime.tenant_cache import apply_quotas
 
     s, alloc = _real_scheduler()
     tree = s.tree_cache

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from engine import ipc
 from engine.detokenizer.process import Detokenizer
-from engine.runtime.request import Req, StreamChunk
-from engine.runtime.sampling import SamplingParams
+from engine.front import SamplingParams, StreamChunk
+from engine.runtime.request import Req
 from tests.tiny_models import make_tokenizer
 
 EOS = 0

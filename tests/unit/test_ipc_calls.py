@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from engine import ipc
+from engine.admin_records import TenantQuota
 from engine.runtime.process import SchedulerServer
 
 
@@ -70,6 +71,52 @@ class FakeEngine:
         self.event_logs_made += 1
         return self.events
 
+    # the cache admin methods of EngineFront: each records its name and arguments
+    def _admin(self, name: str, *args: Any) -> tuple[Any, ...]:
+        self.calls.append((name, *args))
+        return (name, *args)
+
+    def kv_block_changes(self, block_size: int, salt_key: bytes, reset: bool = False) -> Any:
+        return self._admin("kv_block_changes", block_size, salt_key, reset)
+
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> Any:
+        return self._admin("match_prefix", key, namespace)
+
+    def evict(self, tier: str, num_tokens: int | None = None, prefix: list[int] | None = None,
+              namespace: str | None = None, dry_run: bool = False,
+              namespaces: frozenset[str] | None = None) -> Any:
+        return self._admin("evict", tier, num_tokens, prefix, namespace, dry_run, namespaces)
+
+    def pin(self, key: list[int], namespace: str | None = None, ttl_s: float = 0.0,
+            owner: str | None = None) -> Any:
+        return self._admin("pin", key, namespace, ttl_s, owner)
+
+    def unpin(self, pin_id: str | None = None, owner: str | None = None) -> Any:
+        return self._admin("unpin", pin_id, owner)
+
+    def pin_summary(self) -> Any:
+        return self._admin("pin_summary")
+
+    def flush(self, tiers: list[str] | None = None) -> Any:
+        return self._admin("flush", tiers)
+
+    def flush_namespaces(self, namespaces: frozenset[str], tiers: list[str] | None,
+                         owner: str | None) -> Any:
+        return self._admin("flush_namespaces", namespaces, tiers, owner)
+
+    def inspect_tree(self, offset: int = 0, limit: int = 100, preview_tokens: int = 16,
+                     namespaces: frozenset[str] | None = None) -> Any:
+        return self._admin("inspect_tree", offset, limit, preview_tokens, namespaces)
+
+    def apply_quotas(self, quotas: Any) -> Any:
+        return self._admin("apply_quotas", quotas)
+
+    def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> Any:
+        return self._admin("tenant_view", tenant, namespaces)
+
+    def tenant_figures(self, quotas: Any) -> Any:
+        return self._admin("tenant_figures", quotas)
+
 
 def shout(who: str) -> str:
     return who.upper()
@@ -106,6 +153,29 @@ def test_engine_operations_call_the_method_they_name(server):
                             ("storage_info",), ("attach_storage", "redis", "redis://h:1", None),
                             ("detach_storage", 12.5)]
     assert engine.event_logs_made == 0
+
+
+def test_cache_admin_operations_call_the_method_they_name(server):
+    ns = frozenset({"a", "b"})
+    quotas = (TenantQuota("t", ns, {"l1": 8, "l2": 0, "l3": 0}),)
+    cases = [
+        (ipc.KvBlockChanges(4, b"k", True), ("kv_block_changes", 4, b"k", True)),
+        (ipc.MatchPrefix([1, 2], "a"), ("match_prefix", [1, 2], "a")),
+        (ipc.Evict("l2", 5, [1], "a", True, ns), ("evict", "l2", 5, [1], "a", True, ns)),
+        (ipc.PinPrefix([3], None, 2.5, "t"), ("pin", [3], None, 2.5, "t")),
+        (ipc.Unpin("pin-1", "t"), ("unpin", "pin-1", "t")),
+        (ipc.PinSummary(), ("pin_summary",)),
+        (ipc.Flush(["l1"]), ("flush", ["l1"])),
+        (ipc.FlushNamespaces(ns, None, "t"), ("flush_namespaces", ns, None, "t")),
+        (ipc.InspectTree(10, 20, 4, ns), ("inspect_tree", 10, 20, 4, ns)),
+        (ipc.ApplyQuotas(quotas), ("apply_quotas", quotas)),
+        (ipc.TenantView("t", ns), ("tenant_view", "t", ns)),
+        (ipc.TenantFigures(quotas), ("tenant_figures", quotas)),
+    ]
+    for op, call in cases:
+        assert ask(server, op) == call
+    assert server.engine.calls == [call for _, call in cases]
+    assert not any(isinstance(op, ipc.EventCall) for op, _ in cases)
 
 
 def test_event_operations_read_one_event_log(server):
