@@ -353,7 +353,7 @@ class BasePrefixCache(ABC):
     # The scheduler tells the cache where a waiting request is; the cache decides when its L3
     # prefetch starts and whether the request may be admitted. A cache without L3 admits at once.
     def l3_start(self, req: CacheRequest) -> int:
-        """A request arrived (``req.match_result`` set): start reading what L3 holds beyond its
+        """A request arrived (``req.kv.match_result`` set): start reading what L3 holds beyond its
         match into L2; returns the tokens that read will add."""
         return 0
 

@@ -1,8 +1,9 @@
-"""CacheRequest: a request as the prefix caches see it. engine's ``Req`` satisfies it; the caches
-read and write these fields and nothing else of a request.
+"""CacheRequest: a request as the prefix caches see it: who it is, its tokens, and its KV
+(``CacheKV``). engine's ``Req`` satisfies it (its ``kv`` record, engine's ``KVState``, satisfies
+``CacheKV``); the caches read and write these fields and nothing else of a request.
 
-    positions: 0 ............ len(prefix_indices) ........... len(fill_ids)
-               | tree slots the request uses  | its own slots | (req_to_token[req_pool_idx])
+    positions: 0 ........... len(kv.prefix_indices) ............ len(kv.fill_ids)
+               | tree slots the request uses  | its own slots | (req_to_token[kv.req_pool_idx])
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ if TYPE_CHECKING:
     from hicache.radix_cache import TreeNode
 
 
-class CacheRequest(Protocol):
-    rid: str  # unique among the requests in flight
+class CacheKV(Protocol):
+    """A request's KV as the caches see it: its row, the prefix it uses, its match."""
+
     req_pool_idx: int | None  # its req_to_token row; None until admitted
-    origin_input_ids: list[int]
-    output_ids: list[int]
     fill_ids: list[int]  # tokens whose KV is (or will be, this step) in its row
     prefix_indices: torch.Tensor  # [n] int64: slots of the cached prefix it uses
     last_node: TreeNode | None  # the node it holds a lock on (its match's, while it waits)
-    cache_namespace: str | None  # the namespace its keys are salted with (key_of)
     # its L1 + L2 match while it waits (set by the scheduler from ``match_prefix``)
     match_result: MatchResult | None
     host_hit_length: int  # tokens of that match on host (L2)
@@ -35,15 +34,27 @@ class CacheRequest(Protocol):
         ...
 
 
+class CacheRequest(Protocol):
+    rid: str  # unique among the requests in flight
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    cache_namespace: str | None  # the namespace its keys are salted with (key_of)
+
+    @property
+    def kv(self) -> CacheKV:
+        """Its KV (the caches write ``prefix_indices`` / ``last_node`` back into it)."""
+        ...
+
+
 def row_of(req: CacheRequest) -> int:
     """The req_to_token row of a request whose KV the cache is given (an admitted one)."""
-    if req.req_pool_idx is None:
+    if req.kv.req_pool_idx is None:
         raise AssertionError(f"request {req.rid} has no req_to_token row")
-    return req.req_pool_idx
+    return req.kv.req_pool_idx
 
 
 def locked_node(req: CacheRequest) -> TreeNode:
     """The node an admitted request holds a lock on."""
-    if req.last_node is None:
+    if req.kv.last_node is None:
         raise AssertionError(f"request {req.rid} holds no lock")
-    return req.last_node
+    return req.kv.last_node

@@ -65,9 +65,9 @@ class ChunkCache(BasePrefixCache):
         self.req_to_token_pool.free(row)
 
     def cache_unfinished_req(self, req: CacheRequest) -> None:
-        """The request keeps its slots; ``req.prefix_indices`` = its ``len(fill_ids)`` slots."""
-        row = row_of(req)
-        req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(
+        """The request keeps its slots: ``req.kv.prefix_indices`` = its ``len(fill_ids)`` slots."""
+        kv, row = req.kv, row_of(req)
+        kv.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(kv.fill_ids)].to(
             torch.int64
         )
 

@@ -47,18 +47,18 @@ class L3Admission:
         return p
 
     def start(self, req: CacheRequest) -> int:
-        """Read what L3 holds beyond the request's match (``req.match_result``, set by the
+        """Read what L3 holds beyond the request's match (``req.kv.match_result``, set by the
         scheduler before) into L2; returns the tokens the started prefetch will add."""
         if not self.tier.has_storage():
             return 0
-        if req.match_result is None:
+        match = req.kv.match_result
+        if match is None:
             raise AssertionError("a request's prefetch starts after its match")
         prefetch, p = self.tier.prefetch, self._of(req)
-        key = req.fill_ids[: len(req.fill_ids) - 1]
+        key = req.kv.fill_ids[: len(req.kv.fill_ids) - 1]
         if p.keys is None:
             p.keys = prefetch.prefetch_keys(key, req.cache_namespace)
-        res = prefetch.start_prefetch(req.rid, key, req.cache_namespace, req.match_result,
-                                      keys=p.keys)
+        res = prefetch.start_prefetch(req.rid, key, req.cache_namespace, match, keys=p.keys)
         p.hit = res.in_l3
         return res.tokens
 
@@ -66,7 +66,7 @@ class L3Admission:
         """The request was matched again (the tree changed): if its prefix was evicted while it
         waited, L3 may still hold it."""
         p = self._of(req)
-        matched = len(req.prefix_indices) + req.host_hit_length
+        matched = len(req.kv.prefix_indices) + req.kv.host_hit_length
         if matched < p.matched_seen:
             self.start(req)
         p.matched_seen = max(p.matched_seen, matched)
@@ -78,7 +78,7 @@ class L3Admission:
         if got is None:
             return False
         p = self._of(req)
-        if got == 0 and p.hit > len(req.prefix_indices) + req.host_hit_length:
+        if got == 0 and p.hit > len(req.kv.prefix_indices) + req.kv.host_hit_length:
             # L3 holds more than the tree and nothing is being read (L2 was full when it
             # last tried): try now; the policy then decides how long to wait for it
             rematch(req)
@@ -113,7 +113,7 @@ class L3Admission:
         prefetch = self.tier.prefetch
         if prefetch.has_prefetch(req.rid):
             return 0
-        need = self._of(req).hit - len(req.prefix_indices) - req.host_hit_length
+        need = self._of(req).hit - len(req.kv.prefix_indices) - req.kv.host_hit_length
         if need < prefetch.prefetch_threshold:
             return 0
         freed = 0

@@ -28,8 +28,8 @@ _clock = itertools.count(1)  # monotonic logical access time: deterministic LRU 
 
 def finished_kv_len(req: CacheRequest) -> int:
     """Tokens of a finished request with KV in the pool: ``len(input) + len(output) - 1`` (the
-    last sampled token has none); ``req.kv_committed_len``, if set, overrides it (abort)."""
-    committed = req.kv_committed_len
+    last sampled token has none); ``req.kv.kv_committed_len``, if set, overrides it (abort)."""
+    committed = req.kv.kv_committed_len
     if committed is not None:
         return int(committed)
     return len(req.origin_input_ids) + len(req.output_ids) - 1
@@ -175,27 +175,30 @@ class RadixCache(BasePrefixCache):
         allocator.free_group_begin()
         allocator.free(kv_indices[aligned_len:])  # the partial last page
         new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
-        self._free_duplicates(kv_indices, len(req.prefix_indices), new_prefix_len)
+        self._free_duplicates(kv_indices, len(req.kv.prefix_indices), new_prefix_len)
         allocator.free_group_end()
         rows.free(row)
         self.dec_lock_ref(locked_node(req))
 
     def cache_unfinished_req(self, req: CacheRequest) -> None:
-        """Insert the KV of ``req.fill_ids`` so far and re-point the request at the tree's slots.
+        """Insert the KV of ``req.kv.fill_ids`` so far and re-point the request at the tree's
+        slots.
 
             positions: 0 ...... len(prefix) ...... new_prefix_len .... aligned_len ...... kv_len
             slots:     |tree (locked)| duplicates: free, |  inserted: tree   | tail: kept by req |
                                      | row <- tree slots |                   |                   |
-        ``req.prefix_indices`` becomes tree slots + the kept tail; the lock moves to the new node.
+        ``req.kv.prefix_indices`` becomes tree slots + the kept tail; the lock moves to the new
+        node.
         """
-        token_ids = self.key_of(req.fill_ids, req.cache_namespace)
+        kv = req.kv
+        token_ids = self.key_of(kv.fill_ids, req.cache_namespace)
         kv_len, row, rows = len(token_ids), row_of(req), self._rows()
         kv_indices = rows.req_to_token[row, :kv_len].long()  # [kv_len] on device
         if self.disable:
-            req.prefix_indices = kv_indices
+            kv.prefix_indices = kv_indices
             return
         aligned_len = kv_len // self.page_size * self.page_size
-        old_prefix_len = len(req.prefix_indices)
+        old_prefix_len = len(kv.prefix_indices)
         new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len].clone())
         self._free_duplicates(kv_indices, old_prefix_len, new_prefix_len)
         rematch = self.match_prefix(token_ids[:aligned_len], touch=False)
@@ -206,8 +209,8 @@ class RadixCache(BasePrefixCache):
         rows.write((row, slice(start, aligned_len)), new_indices[start:])
         self.inc_lock_ref(new_last_node)
         self.dec_lock_ref(locked_node(req))
-        req.prefix_indices = torch.cat((new_indices, kv_indices[aligned_len:]))
-        req.last_node = new_last_node
+        kv.prefix_indices = torch.cat((new_indices, kv_indices[aligned_len:]))
+        kv.last_node = new_last_node
 
     def record_hit(self, node: TreeNode) -> None:
         """One admission used the prefix ending at ``node``: touch every node of its path."""

@@ -228,7 +228,7 @@ class Engine(EngineFront):
             raise QueueFullError(
                 f"{self.server_args.max_queued_requests} requests are already queued; retry later"
             )
-        req = Req(
+        req = Req.new(
             rid,
             ids,
             params,
@@ -240,7 +240,7 @@ class Engine(EngineFront):
             sink,
         )
         self.scheduler.submit(req)
-        return RequestHandle(req.rid, req.chunks, self._thread.is_alive)
+        return RequestHandle(req.rid, req.stream.chunks, self._thread.is_alive)
 
     def abort(self, rid: str) -> None:
         self.scheduler.request_abort(rid)

@@ -74,7 +74,7 @@ class Recorder:
 
         def sample(logits: torch.Tensor, reqs: list) -> torch.Tensor:
             for i, req in enumerate(reqs):
-                self.steps[tuple(req.origin_input_ids)][req.kv_alloc] = logits[i].clone()
+                self.steps[tuple(req.origin_input_ids)][req.kv.kv_alloc] = logits[i].clone()
             return real(logits, reqs)
 
         eng.call_in_scheduler(lambda s: setattr(runner, "sample", sample))

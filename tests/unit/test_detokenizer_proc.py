@@ -27,10 +27,10 @@ def tok():
 
 def _run(tok, params: SamplingParams, outputs: list[int], steps: list[int], sink=None):
     """Decodes `outputs` in steps of the given sizes, as the scheduler does; returns the chunks."""
-    req = Req("r", [5, 6, 7], params, tok, {EOS}, 4096, torch.device("cpu"), sink=sink)
+    req = Req.new("r", [5, 6, 7], params, tok, {EOS}, 4096, torch.device("cpu"), sink=sink)
     chunks: list[StreamChunk] = []
     if sink is None:
-        req.sink = chunks.append
+        req.stream.sink = chunks.append
     i = 0
     for n in steps:
         for t in outputs[i : i + n]:

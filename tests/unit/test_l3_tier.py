@@ -289,14 +289,10 @@ def test_drain_counts_what_a_hung_store_never_got(gated, caplog):
 
 # ---- admission (what the scheduler asks the cache: l3_*) -------------------------------------
 @dataclass
-class Waiting:
-    """A waiting request as the caches see it (hicache.cache_request.CacheRequest)."""
+class WaitingKV:
+    """A waiting request's KV as the caches see it (hicache.cache_request.CacheKV)."""
 
-    rid: str
-    origin_input_ids: list[int]
-    cache_namespace: str | None = None
     req_pool_idx: int | None = None
-    output_ids: list[int] = field(default_factory=list)
     fill_ids: list[int] = field(default_factory=list)
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: TreeNode | None = None
@@ -305,12 +301,24 @@ class Waiting:
     kv_committed_len: int | None = None
 
 
+@dataclass
+class Waiting:
+    """A waiting request as the caches see it (hicache.cache_request.CacheRequest)."""
+
+    rid: str
+    origin_input_ids: list[int]
+    cache_namespace: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    kv: WaitingKV = field(default_factory=WaitingKV)
+
+
 def rematch(tree: HiRadixCache, req: Waiting) -> None:
     """The scheduler's match of a waiting request (all its tokens but the last)."""
-    req.fill_ids = req.origin_input_ids + req.output_ids
-    res = tree.match_prefix(req.fill_ids[:-1], namespace=req.cache_namespace, touch=False)
-    req.prefix_indices, req.last_node = res.device_indices, res.last_device_node
-    req.host_hit_length, req.match_result = res.host_hit_length, res
+    kv = req.kv
+    kv.fill_ids = req.origin_input_ids + req.output_ids
+    res = tree.match_prefix(kv.fill_ids[:-1], namespace=req.cache_namespace, touch=False)
+    kv.prefix_indices, kv.last_node = res.device_indices, res.last_device_node
+    kv.host_hit_length, kv.match_result = res.host_hit_length, res
     tree.l3_matched(req)
 
 
@@ -336,7 +344,7 @@ def test_admission_waits_for_the_prefetch_and_counts_its_tokens_as_l3(gated):
     store.reads.open()
     r.settle()
     rematch(tree, req)
-    assert req.host_hit_length == 32  # the read landed in L2
+    assert req.kv.host_hit_length == 32  # the read landed in L2
     assert tree.l3_ready(req, [], lambda q: pytest.fail("no re-match needed"))
     assert tree.l3_admitted(req) == 32 and not tree.l3.prefetch.has_prefetch("a")
     assert calls == [1]  # its object keys were hashed once

@@ -35,20 +35,21 @@ class Sim:
         m = self.cache.match_prefix(tokens)
         self.cache.inc_lock_ref(m.last_device_node)
         self.pool.write((rows[0], slice(0, len(m.device_indices))), m.device_indices)
-        # the fields of hicache.cache_request.CacheRequest the caches use (kv_committed_len
-        # None: every token but the last sampled one has KV)
-        req = SimpleNamespace(req_pool_idx=rows[0], tokens=list(tokens), kv_len=0,
-                              fill_ids=list(tokens[: len(m.device_indices)]), origin_input_ids=[],
-                              output_ids=[], prefix_indices=m.device_indices,
-                              last_node=m.last_device_node, rid=f"sim-{rows[0]}",
-                              cache_namespace=None, kv_committed_len=None)
-        req.kv_len = len(m.device_indices)
+        # the fields of hicache.cache_request.CacheRequest / CacheKV the caches use
+        # (kv_committed_len None: every token but the last sampled one has KV); ``tokens`` and
+        # ``kv.kv_len`` are the simulation's own
+        kv = SimpleNamespace(req_pool_idx=rows[0], kv_len=len(m.device_indices),
+                             fill_ids=list(tokens[: len(m.device_indices)]),
+                             prefix_indices=m.device_indices, last_node=m.last_device_node,
+                             match_result=None, host_hit_length=0, kv_committed_len=None)
+        req = SimpleNamespace(rid=f"sim-{rows[0]}", tokens=list(tokens), origin_input_ids=[],
+                              output_ids=[], cache_namespace=None, kv=kv)
         self.reqs.append(req)
         return req
 
     def extend(self, req: SimpleNamespace, n: int) -> bool:
         """Allocate and 'compute' KV for the next ``n`` tokens of ``req.tokens``."""
-        start, p, row = req.kv_len, self.p, self.pool.req_to_token[req.req_pool_idx]
+        start, p, row = req.kv.kv_len, self.p, self.pool.req_to_token[req.kv.req_pool_idx]
         n = min(n, len(req.tokens) - start)
         in_page = min((-start) % p, n)  # slots left in the request's partial last page
         need = -(-(n - in_page) // p) * p
@@ -59,23 +60,23 @@ class Sim:
             return False
         parts = [int(row[start - 1]) + 1 + torch.arange(in_page)] if in_page else []
         slots = torch.cat([*parts, fresh[: n - in_page]]).to(torch.int64)
-        self.pool.write((req.req_pool_idx, slice(start, start + n)), slots)
+        self.pool.write((req.kv.req_pool_idx, slice(start, start + n)), slots)
         for i, s in enumerate(slots.tolist()):
             self.content[s] = tuple(req.tokens[: start + i + 1])
-        req.kv_len = start + n
-        req.fill_ids = req.tokens[: req.kv_len]
+        req.kv.kv_len = start + n
+        req.kv.fill_ids = req.tokens[: req.kv.kv_len]
         return True
 
     def finish(self, req: SimpleNamespace) -> None:
         # kv_len = len(input) + len(output) - 1: the last sampled token has no KV yet
-        req.origin_input_ids, req.output_ids = req.tokens[: req.kv_len], [7]
+        req.origin_input_ids, req.output_ids = req.tokens[: req.kv.kv_len], [7]
         self.cache.cache_finished_req(req)
         self.reqs.remove(req)
 
     def owned_slots(self, req: SimpleNamespace) -> torch.Tensor:
         """Whole pages the request owns: its slots past the tree-held (page-aligned) prefix."""
-        tree_len = len(req.prefix_indices) // self.p * self.p
-        row = self.pool.req_to_token[req.req_pool_idx, tree_len: req.kv_len].to(torch.int64)
+        tree_len = len(req.kv.prefix_indices) // self.p * self.p
+        row = self.pool.req_to_token[req.kv.req_pool_idx, tree_len: req.kv.kv_len].to(torch.int64)
         pages = torch.unique(row // self.p)
         return (pages[:, None] * self.p + torch.arange(self.p)).reshape(-1)
 
@@ -88,13 +89,13 @@ class Sim:
         total = self.alloc.num_pages * self.p
         assert torch.equal(every, torch.arange(self.p, total + self.p)), "slots leaked/shared"
         for r in self.reqs:  # every request reads KV computed for its own tokens
-            row = self.pool.req_to_token[r.req_pool_idx, : r.kv_len].tolist()
+            row = self.pool.req_to_token[r.kv.req_pool_idx, : r.kv.kv_len].tolist()
             assert [self.content[s] for s in row] == [tuple(r.tokens[: i + 1])
-                                                      for i in range(r.kv_len)]
+                                                      for i in range(r.kv.kv_len)]
             assert not set(row) & set(free.tolist()), "a request reads freed slots"
         # every lock_ref counts exactly the holders (requests, explicit locks) in its subtree
         expected: dict[int, int] = {}
-        for node in [r.last_node for r in self.reqs] + list(locks):
+        for node in [r.kv.last_node for r in self.reqs] + list(locks):
             while node is not self.cache.root_node:
                 expected[node.id] = expected.get(node.id, 0) + 1
                 node = node.parent
@@ -317,24 +318,24 @@ def test_unfinished_req_chunks(p: int) -> None:
     _insert(sim, tokens[:first])  # the tree holds 2 pages (or 40 tokens)
     c = sim.new_req(tokens)
     d = sim.new_req(tokens)
-    d.prefix_indices, d.kv_len = d.prefix_indices[:0], 0  # started before the insert
-    sim.cache.dec_lock_ref(d.last_node)
-    d.last_node = sim.cache.root_node
+    d.kv.prefix_indices, d.kv.kv_len = d.kv.prefix_indices[:0], 0  # started before the insert
+    sim.cache.dec_lock_ref(d.kv.last_node)
+    d.kv.last_node = sim.cache.root_node
     for req in (c, d):  # chunk 1: up to the first insert's length, then chunk 2: the rest
-        assert sim.extend(req, first - req.kv_len)
+        assert sim.extend(req, first - req.kv.kv_len)
         sim.cache.cache_unfinished_req(req)
         sim.check()
-        assert len(req.prefix_indices) == req.kv_len
-        assert req.last_node.lock_ref >= 1
+        assert len(req.kv.prefix_indices) == req.kv.kv_len
+        assert req.kv.last_node.lock_ref >= 1
         assert sim.extend(req, len(tokens))
         sim.cache.cache_unfinished_req(req)
         sim.check()
     # d's pages duplicate c's (inserted first): d's row now reads c's tree slots
     aligned = len(tokens) // p * p
-    row_c = sim.pool.req_to_token[c.req_pool_idx, :aligned]
-    assert torch.equal(sim.pool.req_to_token[d.req_pool_idx, :aligned], row_c)
-    assert sim.cache.total_size() == aligned and c.last_node is d.last_node
-    assert c.last_node.lock_ref == 2
+    row_c = sim.pool.req_to_token[c.kv.req_pool_idx, :aligned]
+    assert torch.equal(sim.pool.req_to_token[d.kv.req_pool_idx, :aligned], row_c)
+    assert sim.cache.total_size() == aligned and c.kv.last_node is d.kv.last_node
+    assert c.kv.last_node.lock_ref == 2
     sim.finish(c)
     sim.finish(d)
     assert sim.cache.protected_size() == 0
@@ -347,10 +348,10 @@ def test_chunk_cache(p: int) -> None:
     sim = Sim(p, chunk=True)
     total = sim.alloc.available_size()
     req = sim.new_req(list(range(11)) + [0])
-    assert len(req.prefix_indices) == 0
+    assert len(req.kv.prefix_indices) == 0
     assert sim.extend(req, 6)
     sim.cache.cache_unfinished_req(req)
-    assert len(req.prefix_indices) == 6 and sim.cache.total_size() == 0
+    assert len(req.kv.prefix_indices) == 6 and sim.cache.total_size() == 0
     assert sim.extend(req, 5)
     sim.finish(req)
     assert sim.alloc.available_size() == total and sim.pool.available_size() == sim.pool.size

@@ -20,10 +20,12 @@ CACHE = SimpleNamespace(l3_hit=lambda r: r.l3)
 
 def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0,
         l3: int = 0):
-    return SimpleNamespace(rid=rid, prefix_indices=torch.zeros(cached, dtype=torch.int64),
-                           host_hit_length=host, fill_ids=list(range(1000, 1000 + cached + 50)),
-                           cache_namespace=rid, created=created, last_node=None,
-                           max_new_tokens=8, bypassed=bypassed, l3=l3)
+    """A waiting request as the policy reads it (engine's Req: its ``kv`` and ``admission``)."""
+    kv = SimpleNamespace(prefix_indices=torch.zeros(cached, dtype=torch.int64),
+                         host_hit_length=host, fill_ids=list(range(1000, 1000 + cached + 50)),
+                         last_node=None)
+    return SimpleNamespace(rid=rid, cache_namespace=rid, max_new_tokens=8, l3=l3, kv=kv,
+                           admission=SimpleNamespace(created=created, bypassed=bypassed))
 
 
 def order(policy: SchedulePolicy, waiting: list) -> list[str]:
@@ -62,7 +64,7 @@ def test_bypasses_count_only_later_arrivals():
     waiting = [req("old", 0, 1.0), req("mid", 0, 5.0), req("new", 0, 9.0)]
     admitted = [req("x", 500, 4.0), req("y", 500, 6.0), req("z", 500, 0.5)]
     SchedulePolicy.count_bypasses(waiting, admitted)
-    assert [r.bypassed for r in waiting] == [2, 1, 0]
+    assert [r.admission.bypassed for r in waiting] == [2, 1, 0]
 
 
 @settings(max_examples=50, deadline=None)
@@ -73,9 +75,9 @@ def test_no_fresh_request_ever_precedes_an_aged_one(specs, max_bypass):
     w = [req(f"r{i}", c, t, bypassed=b) for i, (c, t, b) in enumerate(specs)]
     out = order(p, w)
     by = {r.rid: r for r in w}
-    aged = [by[r].bypassed >= max_bypass for r in out]
+    aged = [by[r].admission.bypassed >= max_bypass for r in out]
     assert aged == sorted(aged, reverse=True)  # every aged request before every fresh one
-    aged_times = [by[r].created for r, a in zip(out, aged) if a]
+    aged_times = [by[r].admission.created for r, a in zip(out, aged) if a]
     assert aged_times == sorted(aged_times)  # aged ones in arrival order
 
 

@@ -66,7 +66,7 @@ class BatchBuilder:
     def _slots_for_range(self, req: Req, start: int, end: int) -> torch.Tensor:
         """Slots for positions [start, end) of req, continuing its partial last page."""
         ps = self.page_size
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         partial = min(end, -(-start // ps) * ps) - start if start % ps else 0
         parts = []
         if partial > 0:
@@ -82,8 +82,9 @@ class BatchBuilder:
     def extend_pages_needed(self, reqs: list[Req]) -> int:
         ps, total = self.page_size, 0
         for req in reqs:
-            start = req.kv_alloc if req.req_pool_idx is not None else len(req.prefix_indices)
-            end = start + req.extend_len
+            kv = req.kv
+            start = kv.kv_alloc if kv.req_pool_idx is not None else len(kv.prefix_indices)
+            end = start + kv.extend_len
             first_new = -(-start // ps) * ps  # the partial page continues in place
             total += -(-(end - first_new) // ps) if end > first_new else 0
         return total
@@ -98,7 +99,7 @@ class BatchBuilder:
                 f"need {num_pages} KV pages, "
                 f"{self.allocator.available_size() // self.page_size} free"
             )
-        if self.req_to_token_pool.available_size() < sum(r.req_pool_idx is None for r in reqs_):
+        if self.req_to_token_pool.available_size() < sum(r.kv.req_pool_idx is None for r in reqs_):
             raise OutOfKVError("no free request slot")
 
     def prepare_extend(self, reqs: list[Req]) -> ForwardBatch:
@@ -108,25 +109,26 @@ class BatchBuilder:
         input_ids, positions, locs = [], [], []
         prefix_lens, extend_lens, seq_lens = [], [], []
         for req in reqs:
-            if req.req_pool_idx is None:
+            kv = req.kv
+            if kv.req_pool_idx is None:
                 idx = self.req_to_token_pool.alloc(1)
                 if idx is None:
                     raise OutOfKVError("no free request slot")
-                req.req_pool_idx = idx[0]
-                n = len(req.prefix_indices)
+                kv.req_pool_idx = idx[0]
+                n = len(kv.prefix_indices)
                 if n:
-                    r2t[req.req_pool_idx, :n] = req.prefix_indices.to(r2t.dtype)
-                req.kv_len = req.kv_alloc = n
-            start, end = req.kv_alloc, req.kv_alloc + req.extend_len
+                    r2t[kv.req_pool_idx, :n] = kv.prefix_indices.to(r2t.dtype)
+                kv.kv_len = kv.kv_alloc = n
+            start, end = kv.kv_alloc, kv.kv_alloc + kv.extend_len
             slots = self._slots_for_range(req, start, end)
-            r2t[req.req_pool_idx, start:end] = slots.to(r2t.dtype)
-            input_ids.extend(req.fill_ids[start:end])
+            r2t[kv.req_pool_idx, start:end] = slots.to(r2t.dtype)
+            input_ids.extend(kv.fill_ids[start:end])
             positions.append(torch.arange(start, end, device=self.device))
             locs.append(slots)
             prefix_lens.append(start)
             extend_lens.append(end - start)
             seq_lens.append(end)
-            req.kv_alloc = end  # req.kv_len follows when the forward's results are handled
+            kv.kv_alloc = end  # kv.kv_len follows when the forward's results are handled
         dev = self.device
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
@@ -134,7 +136,7 @@ class BatchBuilder:
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.cat(positions),
             out_cache_loc=torch.cat(locs),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], device=dev),
+            req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs], device=dev),
             seq_lens=torch.tensor(seq_lens, device=dev),
             extend_prefix_lens=torch.tensor(prefix_lens, device=dev),
             extend_seq_lens=torch.tensor(extend_lens, device=dev),
@@ -147,13 +149,13 @@ class BatchBuilder:
         )
 
     def decode_pages_needed(self, reqs: list[Req]) -> int:
-        return sum(1 for r in reqs if r.kv_alloc % self.page_size == 0)
+        return sum(1 for r in reqs if r.kv.kv_alloc % self.page_size == 0)
 
     def prepare_decode(self, reqs: list[Req]) -> ForwardBatch:
         dev, ps = self.device, self.page_size
         r2t = self.req_to_token_pool.req_to_token
-        kv_lens = [r.kv_alloc for r in reqs]
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
+        kv_lens = [r.kv.kv_alloc for r in reqs]
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs], device=dev)
         kv = torch.tensor(kv_lens, device=dev)
         new_page = [k % ps == 0 for k in kv_lens]
         num_pages = sum(new_page)
@@ -170,9 +172,9 @@ class BatchBuilder:
         r2t[rows, kv] = locs.to(r2t.dtype)
         seq_lens = [k + 1 for k in kv_lens]
         # NOTE: a token still being sampled by a launched forward goes in as -slot (overlap)
-        ids = [-r.future_slot if r.num_pending else r.output_ids[-1] for r in reqs]
+        ids = [-r.kv.future_slot if r.kv.num_pending else r.output_ids[-1] for r in reqs]
         for r in reqs:
-            r.kv_alloc += 1
+            r.kv.kv_alloc += 1
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(reqs),

@@ -23,8 +23,8 @@ def held_slots(req_to_token: torch.Tensor, active: Iterable[Req],
     ``req_to_token``: [rows, max_context_len] slots; a request may appear more than once."""
     parts = [torch.empty(0, dtype=torch.int64)]
     for r in {id(r): r for r in active}.values():
-        if r.req_pool_idx is not None:  # launched steps' slots included (kv_alloc)
-            parts.append(req_to_token[r.req_pool_idx, : r.kv_alloc].to(torch.int64).cpu())
+        if r.kv.req_pool_idx is not None:  # launched steps' slots included (kv_alloc)
+            parts.append(req_to_token[r.kv.req_pool_idx, : r.kv.kv_alloc].to(torch.int64).cpu())
     held = torch.cat(parts).unique()
     in_tree = tree.all_device_slots().to(torch.int64).cpu()
     return held[~torch.isin(held, in_tree)]

@@ -2,8 +2,8 @@
 
 Aging (``lpm``, ``dfs-weight``): cache-aware orders serve well-cached requests first, which
 wins on the median but, without aging, lets follow-up turns overtake a first turn forever. A
-request that ``max_bypass`` later arrivals have overtaken (``req.bypassed``, counted at
-admission) is *aged*: it goes ahead of the cache-ordered rest, in arrival order.
+request that ``max_bypass`` later arrivals have overtaken (``req.admission.bypassed``, counted
+at admission) is *aged*: it goes ahead of the cache-ordered rest, in arrival order.
 NOTE: aging that lets old requests go first too early makes the waiting follow-ups lose their
 cached prefixes (the median falls to fcfs's); aging late costs the tail, since cold requests that
 arrive together wait for ``max_bypass`` warm ones each. The default (20) and the alternatives
@@ -35,7 +35,7 @@ class SchedulePolicy:
 
     def calc_priority(self, waiting: list[Req], match_fn) -> set[str]:
         """Sorts `waiting` in place; returns rids deprioritized by in-batch prefix dedup.
-        match_fn(req) computes req.prefix_indices / req.last_node from the tree."""
+        match_fn(req) computes req.kv.prefix_indices / req.kv.last_node from the tree."""
         policy = self.policy
         if policy == "lpm" and len(waiting) > LPM_FALLBACK_TO_FCFS:
             policy = "fcfs"
@@ -45,18 +45,20 @@ class SchedulePolicy:
         aging = self.max_bypass > 0 and policy in ("lpm", "dfs-weight")
 
         def aged(r: Req) -> bool:
-            return aging and r.bypassed >= self.max_bypass
+            return aging and r.admission.bypassed >= self.max_bypass
 
         if policy == "lpm":
             # cached = device + host part, or what L3 holds (loads are far cheaper than a
             # recompute: a request whose prefix was evicted while it waited keeps its place)
-            waiting.sort(key=lambda r: (0, r.created, 0) if aged(r) else (
+            waiting.sort(key=lambda r: (0, r.admission.created, 0) if aged(r) else (
                 1, r.rid in deprioritized,
-                -max(len(r.prefix_indices) + r.host_hit_length, self.tree_cache.l3_hit(r))))
+                -max(len(r.kv.prefix_indices) + r.kv.host_hit_length,
+                     self.tree_cache.l3_hit(r))))
         elif policy == "dfs-weight":
             self._sort_dfs_weight(waiting)
             # stable: keeps DFS order among the young
-            waiting.sort(key=lambda r: (0, r.created) if aged(r) else (1, r.rid in deprioritized))
+            waiting.sort(key=lambda r: (0, r.admission.created) if aged(r)
+                         else (1, r.rid in deprioritized))
         elif policy == "lof":
             waiting.sort(key=lambda r: (r.rid in deprioritized, -r.max_new_tokens))
         elif policy == "random":
@@ -70,17 +72,17 @@ class SchedulePolicy:
     def count_bypasses(waiting: list[Req], admitted: list[Req]) -> None:
         """``admitted`` went ahead of ``waiting``: each waiting request counts the admitted
         ones that arrived after it."""
-        times = sorted(r.created for r in admitted)
+        times = sorted(r.admission.created for r in admitted)
         for r in waiting:
-            r.bypassed += len(times) - bisect.bisect_right(times, r.created)
+            r.admission.bypassed += len(times) - bisect.bisect_right(times, r.admission.created)
 
     def _in_batch_dedup(self, waiting: list[Req]) -> set[str]:
         seen: set[tuple[str | None, tuple[int, ...]]] = set()
         out: set[str] = set()
         for r in waiting:
-            if len(r.prefix_indices) > IN_BATCH_PREFIX_THRESHOLD:
+            if len(r.kv.prefix_indices) > IN_BATCH_PREFIX_THRESHOLD:
                 continue
-            ids = r.fill_ids
+            ids = r.kv.fill_ids
             if len(ids) <= IN_BATCH_PREFIX_THRESHOLD:
                 continue
             key = (r.cache_namespace, tuple(ids[:IN_BATCH_PREFIX_THRESHOLD]))
@@ -97,7 +99,7 @@ class SchedulePolicy:
         nodes: dict[int, Any] = {}
         root = self.tree_cache.root_node
         for r in waiting:
-            node = r.last_node if r.last_node is not None else root
+            node = r.kv.last_node if r.kv.last_node is not None else root
             by_node[id(node)].append(r)
             while node is not None:
                 nodes[id(node)] = node

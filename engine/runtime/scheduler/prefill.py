@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.runtime.request import Req
 from hicache.base_prefix_cache import BasePrefixCache
+from hicache.cache_request import locked_node
 
 # Reserve at most this many future decode tokens per request when budgeting (as SGLang does).
 CLIP_MAX_NEW_TOKENS = 4096
@@ -59,15 +60,15 @@ class PrefillAdder:
             chunk = (self.rem_chunk_tokens // self.page_size) * self.page_size
             if chunk <= 0:
                 return AddResult.OTHER
-            req.extend_len = chunk
+            req.kv.extend_len = chunk
             self.new_chunked_req = req
         else:
-            req.extend_len = remaining
+            req.kv.extend_len = remaining
         self.can_run.append(req)
-        self.rem_total_tokens -= _ceil(req.extend_len, self.page_size) + reserve
-        self.rem_input_tokens -= req.extend_len
+        self.rem_total_tokens -= _ceil(req.kv.extend_len, self.page_size) + reserve
+        self.rem_input_tokens -= req.kv.extend_len
         if self.rem_chunk_tokens is not None:
-            self.rem_chunk_tokens -= req.extend_len
+            self.rem_chunk_tokens -= req.kv.extend_len
         if self.new_chunked_req is not None:
             return AddResult.OTHER
         return AddResult.CONTINUE
@@ -75,8 +76,8 @@ class PrefillAdder:
     def add_chunked_req(self, req: Req) -> AddResult:
         """Continues a request that was cut by the chunk budget last round (already locked).
         The chunk shrinks to what the KV budget holds (whole pages); none fits: NO_TOKEN."""
-        req.fill_ids = req.all_ids()  # the tree saw only the computed part
-        remaining = len(req.fill_ids) - req.kv_len
+        req.kv.fill_ids = req.all_ids()  # the tree saw only the computed part
+        remaining = len(req.kv.fill_ids) - req.kv.kv_len
         fits = max(0, self.rem_total_tokens) // self.page_size * self.page_size
         if fits <= 0:
             return AddResult.NO_TOKEN
@@ -98,9 +99,9 @@ class PrefillAdder:
             return AddResult.OTHER
         reserve = int(min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
         # device tokens it needs: the host part to load back + the tokens to compute
-        remaining = len(req.fill_ids) - len(req.prefix_indices)
+        remaining = len(req.kv.fill_ids) - len(req.kv.prefix_indices)
         room0 = self._room()
-        locked = req.last_node
+        locked = req.kv.last_node
         if locked is not None:
             self.tree_cache.inc_lock_ref(locked)
         rem = self.rem_total_tokens - (room0 - self._room())
@@ -114,9 +115,9 @@ class PrefillAdder:
             reserve = 0
         if load_back is not None:
             load_back(req)
-            if req.last_node is not locked:  # the lock follows the (longer) device prefix
-                self.tree_cache.inc_lock_ref(req.last_node)
+            if req.kv.last_node is not locked:  # the lock follows the (longer) device prefix
+                self.tree_cache.inc_lock_ref(locked_node(req))
                 if locked is not None:
                     self.tree_cache.dec_lock_ref(locked)
         self.rem_total_tokens -= room0 - self._room()
-        return self._take(req, len(req.fill_ids) - len(req.prefix_indices), reserve)
+        return self._take(req, len(req.kv.fill_ids) - len(req.kv.prefix_indices), reserve)

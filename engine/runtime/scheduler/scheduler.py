@@ -39,6 +39,7 @@ from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
 from engine.runtime.scheduler.stats import CacheCounters
 from hicache.base_prefix_cache import BasePrefixCache
+from hicache.cache_request import locked_node
 
 if TYPE_CHECKING:
     from engine.runtime.tenant_cache import QuotaEnforcer
@@ -269,10 +270,10 @@ class Scheduler:
         else:
             slot = self.worker.reserve(len(reqs))
             for i, req in enumerate(reqs):
-                req.future_slot = slot + i
+                req.kv.future_slot = slot + i
             self.worker.submit(fb, reqs, slot, job.future)
         for req in reqs:
-            req.num_pending += 1
+            req.kv.num_pending += 1
         self.launched.append(job)
         return job
 
@@ -297,26 +298,20 @@ class Scheduler:
     def _handle(self, job: Launched) -> None:
         self._inflight = job.reqs
         next_ids = job.future.result()
-        now = time.monotonic()
         for req, tok, n in zip(job.reqs, next_ids, job.lens):
-            req.num_pending -= 1
-            req.kv_len += n
+            req.kv.num_pending -= 1
+            req.kv.kv_len += n
             if req.finished():
                 # NOTE: finished or aborted after this batch was built: its KV is whole now,
-                # the token is dropped
-                if req.release_deferred and not req.num_pending:
-                    req.release_deferred = False
+                # the token is dropped; its release waited for this batch (``_retire``)
+                if not req.kv.num_pending and req in self.deferred:
                     self.deferred.remove(req)
                     self.release(req)
                 continue
             if req is job.chunked:
-                req.is_chunked = True
                 self._cache_unfinished(req)
                 continue
-            req.is_chunked = False
             req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
             self._after_token(req)
             if job.is_extend and not req.finished():
                 self._cache_unfinished(req)
@@ -325,10 +320,10 @@ class Scheduler:
 
     def _finishing(self, req: Req) -> bool:
         """Its launched tokens end it by length: another decode step would be wasted."""
-        if not req.num_pending:
+        if not req.kv.num_pending:
             return False
-        return (len(req.output_ids) + req.num_pending >= req.max_new_tokens
-                or req.seqlen + req.num_pending >= self.max_context_len)
+        return (len(req.output_ids) + req.kv.num_pending >= req.max_new_tokens
+                or req.seqlen + req.kv.num_pending >= self.max_context_len)
 
     def _on_arrival(self, req: Req) -> None:
         """A new request: its match, its L3 prefetch."""
@@ -339,17 +334,18 @@ class Scheduler:
     def _match(self, req: Req) -> None:
         """The request's L1 + L2 prefix match, recomputed only when the tree changed. A match
         does not count as a hit (``record_hit`` at admission does)."""
-        if req.match_result is not None and req.match_version == self.tree_cache.version:
+        kv = req.kv
+        if kv.match_result is not None and kv.match_version == self.tree_cache.version:
             return
-        req.fill_ids = req.all_ids()
+        kv.fill_ids = req.all_ids()
         # Keep at least one token to compute: its logits give the next token.
-        key = req.fill_ids[: len(req.fill_ids) - 1]
+        key = kv.fill_ids[: len(kv.fill_ids) - 1]
         res = self.tree_cache.match_prefix(key, namespace=req.cache_namespace, touch=False)
-        req.prefix_indices = res.device_indices
-        req.last_node = res.last_device_node
-        req.host_hit_length = res.host_hit_length
-        req.match_result = res
-        req.match_version = self.tree_cache.version  # after the match: it may drain acks
+        kv.prefix_indices = res.device_indices
+        kv.last_node = res.last_device_node
+        kv.host_hit_length = res.host_hit_length
+        kv.match_result = res
+        kv.match_version = self.tree_cache.version  # after the match: it may drain acks
         self.tree_cache.l3_matched(req)  # its prefix evicted while it waited: L3 may hold it
 
     def get_new_batch_prefill(self) -> list[Req] | None:
@@ -403,12 +399,13 @@ class Scheduler:
         """HiRadixCache hook: bring the host-resident part of ``req``'s match to the device.
         NOTE: wait=False: the load overlaps the next forward layer by layer (run_extend sets
         fb.wait_layer); every path that skips that forward calls _wait_pending_loads."""
-        if not req.host_hit_length:
+        kv = req.kv
+        if not kv.host_hit_length:
             return
         self._wait_forwards()  # the load writes device slots a running forward may use
-        indices, node = self.tree_cache.init_load_back(req.last_node, req.match_result,
+        indices, node = self.tree_cache.init_load_back(locked_node(req), kv.match_result,
                                                        wait=False, hold=self.reads_host_kv)
-        req.prefix_indices, req.last_node = indices, node
+        kv.prefix_indices, kv.last_node = indices, node
 
     def _pending_layer_wait(self) -> Callable[[int], None] | None:
         """HiRadixCache: per-layer wait on the in-flight load (None when nothing is loading)."""
@@ -419,24 +416,25 @@ class Scheduler:
 
     def _count_hit(self, req: Req) -> None:
         """Admission: the hit counts once (tree access times / hit counts, and our tiers)."""
-        if req.hit_counted:
+        adm, kv = req.admission, req.kv
+        if adm.hit_counted:
             return  # a chunk of an admitted request, or a retracted one coming back
-        req.hit_counted = True
+        adm.hit_counted = True
         from_l3 = self.tree_cache.l3_admitted(req)
-        if req.last_node is not None:
-            self.tree_cache.record_hit(req.last_node)
-        res = req.match_result
+        if kv.last_node is not None:
+            self.tree_cache.record_hit(kv.last_node)
+        res = kv.match_result
         per_tier = res.tier_tokens if res is not None else None
-        tiers = dict(per_tier or {"l1": len(req.prefix_indices)})
+        tiers = dict(per_tier or {"l1": len(kv.prefix_indices)})
         # NOTE: a prefetch lands in L2, so the match sees those tokens as L2: they came from L3
         moved = min(from_l3, tiers.get("l2", 0))
         tiers["l2"] = tiers.get("l2", 0) - moved
         tiers["l3"] = tiers.get("l3", 0) + moved
         for tier, n in tiers.items():
-            req.cached_tokens_per_tier[tier] = n
-        req.cached_tokens = len(req.prefix_indices)
+            adm.cached_tokens_per_tier[tier] = n
+        adm.cached_tokens = len(kv.prefix_indices)
         self.counters.record_match(
-            req.cached_tokens_per_tier, len(req.origin_input_ids) - req.cached_tokens
+            adm.cached_tokens_per_tier, len(req.origin_input_ids) - adm.cached_tokens
         )
 
     # --- extend ------------------------------------------------------------------------------
@@ -455,9 +453,9 @@ class Scheduler:
             return self._on_prefill_oom(reqs, str(e))
         self.oom.fitted()
         chunked = self.chunked_req if any(r is self.chunked_req for r in reqs) else None
-        job = self._launch(fb, reqs, [r.extend_len for r in reqs], True, chunked)
+        job = self._launch(fb, reqs, [r.kv.extend_len for r in reqs], True, chunked)
         for req in reqs:
-            req.extend_len = 0
+            req.kv.extend_len = 0
             if req is not chunked:
                 self.running.append(req)  # decodes next step, its first token as a placeholder
         self._inflight = []
@@ -484,33 +482,31 @@ class Scheduler:
         for req in reqs:
             if req is self.chunked_req:
                 self.chunked_req = None
-            if req.req_pool_idx is not None:  # a chunked request: give its KV to the tree
+            if req.kv.req_pool_idx is not None:  # a chunked request: give its KV to the tree
                 self.release(req)
                 self.counters.finished -= 1
-                req.reset_for_retract()
-            elif req.last_node is not None:
-                self.tree_cache.dec_lock_ref(req.last_node)
-                req.last_node = None
-            req.match_result = None  # re-match: the locks (and maybe the tree) changed
+                req.kv.reset()
+            elif req.kv.last_node is not None:
+                self.tree_cache.dec_lock_ref(req.kv.last_node)
+                req.kv.last_node = None
+            req.kv.match_result = None  # re-match: the locks (and maybe the tree) changed
         self.waiting[:0] = reqs
 
     def _cache_unfinished(self, req: Req) -> None:
-        req.fill_ids = req.all_ids()[: req.kv_len]
+        req.kv.fill_ids = req.all_ids()[: req.kv.kv_len]
         self.tree_cache.cache_unfinished_req(req)
 
     def _after_token(self, req: Req) -> None:
-        if req.to_abort:
-            req.finished_reason = FinishReason("abort", message="aborted by the client")
         req.check_finished(self.max_context_len)
         req.emit()
         if req.finished():
             self._retire(req)
 
     def _retire(self, req: Req) -> None:
-        """A finished request's KV goes to the tree once no launched forward writes it."""
+        """A finished request's KV goes to the tree once no launched forward writes it: now, or
+        when its last launched batch is handled (``deferred`` till then)."""
         self.tree_cache.l3_forget(req)
-        if req.num_pending:
-            req.release_deferred = True
+        if req.kv.num_pending:
             self.deferred.append(req)
         else:
             self.release(req)
@@ -518,24 +514,25 @@ class Scheduler:
     def _free_uncommitted(self, req: Req) -> None:
         """Slots allocated for a forward whose KV never landed (it failed): the pages past the
         committed KV's last page (that one goes with the committed tail)."""
-        ps = self.page_size
-        start = -(-req.kv_len // ps) * ps
-        if req.kv_alloc > start:
+        ps, kv = self.page_size, req.kv
+        start = -(-kv.kv_len // ps) * ps
+        if kv.kv_alloc > start:
             r2t = self.runner.req_to_token_pool.req_to_token
-            self.runner.allocator.free(r2t[req.req_pool_idx, start:req.kv_alloc].long())
-        req.kv_alloc = req.kv_len
+            self.runner.allocator.free(r2t[kv.req_pool_idx, start:kv.kv_alloc].long())
+        kv.kv_alloc = kv.kv_len
 
     def release(self, req: Req) -> None:
         """Gives a finished request's KV to the tree (or frees it), its row back, its lock up."""
-        if req.req_pool_idx is not None:
+        kv = req.kv
+        if kv.req_pool_idx is not None:
             self._free_uncommitted(req)
-            req.fill_ids = req.all_ids()[: req.kv_len]
+            kv.fill_ids = req.all_ids()[: kv.kv_len]
             self.tree_cache.cache_finished_req(req)  # also frees the row and the lock
-            req.req_pool_idx = None
+            kv.req_pool_idx = None
             self.counters.finished += 1
-        elif req.last_node is not None:  # admitted to a batch that never ran
-            self.tree_cache.dec_lock_ref(req.last_node)
-        req.last_node = None
+        elif kv.last_node is not None:  # admitted to a batch that never ran
+            self.tree_cache.dec_lock_ref(kv.last_node)
+        kv.last_node = None
 
     # --- decode ------------------------------------------------------------------------------
     def run_decode(self) -> Launched | None:
@@ -577,7 +574,7 @@ class Scheduler:
         self.release(victim)
         self.counters.finished -= 1
         self.counters.retractions += 1
-        victim.reset_for_retract()
+        victim.kv.reset()
         self.waiting.insert(0, victim)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
@@ -613,10 +610,9 @@ class Scheduler:
         self.launched.clear()
         self._inflight = []
         for req in pending:
-            req.num_pending = 0
+            req.kv.num_pending = 0
         deferred, self.deferred = self.deferred, []
         for req in deferred:
-            req.release_deferred = False
             try:
                 self.release(req)
             except Exception:
@@ -633,8 +629,8 @@ class Scheduler:
         # Waiting requests are failed too: a step that fails before running a batch would
         # otherwise fail again on the same queue forever.
         for req in self.waiting:
-            if req.last_node is not None and req.req_pool_idx is None:
-                req.last_node = None  # matched but never locked
+            if req.kv.last_node is not None and req.kv.req_pool_idx is None:
+                req.kv.last_node = None  # matched but never locked
             try:
                 self.tree_cache.l3_forget(req)
             except Exception:
