@@ -62,6 +62,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from engine.client.grpc_client import HicacheClient
+from tests.gateway_process import gateway_ready
 from tests.valkey_servers import ValkeyServer
 
 TOPICS = [
@@ -147,12 +148,7 @@ def start_gateway(smg: str, urls: list[str], policy: str, log: Path,
         stdout=log_file, stderr=subprocess.STDOUT)
     out.append(proc)
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: "bench" in httpx2.get(f"{url}/v1/models").text, f"gateway {log}", proc)
-    # NOTE: a gRPC gateway lists the model before it has fetched the tokenizer (GetTokenizer),
-    # and answers 503 until then: one short chat request says it can serve
-    wait_until(lambda: httpx2.post(f"{url}/v1/chat/completions", timeout=60, json={
-        "model": "bench", "messages": [{"role": "user", "content": "ready?"}],
-        "max_tokens": 1}).is_success, f"gateway's tokenizer {log}", proc)
+    wait_until(lambda: gateway_ready(url, "bench", len(urls)), f"gateway {log}", proc)
     return url
 
 
