@@ -235,7 +235,7 @@ TOPICS = [
     "Prefill computes the prompt; decode produces one token at a time.",
 ]
 BLOCK = 16  # the daemons' default --kv-events-block-size
-OBJECT = 64  # their default L3 object (hicache_storage_page_size at page size 1)
+OBJECT = 16  # their default L3 object on a CPU (hicache_storage_page_size at page size 1)
 
 
 def _conversation(i: int) -> list[dict[str, str]]:
