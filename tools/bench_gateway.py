@@ -220,7 +220,7 @@ def table(result: dict[str, Any]) -> str:
                      cell(r["landed_after_restart"], ".2f", missing=""),
                      f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms",
                      cell(r["req_per_s"], ".1f"), branches,
-                     "" if r["mode"] == "ideal" else g.get("overload_fallback", 0),
+                     "" if r["mode"] == "ideal" else g.get("overload_fallback", 0) if g else "—",
                      cell(r["loadavg_start"][0], ".1f")])
     return markdown_table(
         ["scenario", "mode", "L3", "hit rate", "L1 / L2 / L3", "/ ideal",
