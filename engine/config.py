@@ -77,8 +77,12 @@ class ServerArgs:
     hicache_storage_url: str | None = None
     # redis: keys live under "<prefix>:<model scope>:"; Flush of L3 deletes only those
     hicache_storage_key_prefix: str = "hicache"
-    # Tokens per L3 object, a multiple of page_size; None = 64 rounded up to a multiple of
-    # page_size. A tail shorter than one object is not stored.
+    # Tokens per L3 object, a multiple of page_size. A tail shorter than one object is not
+    # stored, so a turn read back from L3 misses its tail below the last object boundary. None
+    # (auto), rounded up to a multiple of page_size: 64 on CUDA (not measured here), 16
+    # elsewhere: on a CPU with chat prompts of 150-250 tokens 64-token objects cost 0.09-0.11 of
+    # all prompt tokens in those tails (gateway bench under pressure with a shared Valkey: 0.87
+    # of the ideal with 64, 0.93 with 32, 0.96 with 16, side by side; docs/benchmarks.md).
     hicache_storage_page_size: int | None = None
     # best_effort | wait_complete | timeout. NOTE: SGLang defaults to best_effort, which admits a
     # request with whatever arrived when it is scheduled: on an idle server that is nothing.
@@ -146,7 +150,8 @@ class ServerArgs:
                                  "(redis://host:port/db, rediss://..., redis-cluster://h:p,h:p)")
             parse_target(self.hicache_storage_url)  # ValueError naming what is wrong
         if self.hicache_storage_page_size is None:
-            self.hicache_storage_page_size = -(-64 // self.page_size) * self.page_size
+            tokens = 64 if self.device.startswith("cuda") else 16
+            self.hicache_storage_page_size = -(-tokens // self.page_size) * self.page_size
         sps = self.hicache_storage_page_size
         if sps < 1 or sps % self.page_size:
             raise ValueError(f"hicache_storage_page_size must be a positive multiple of page_size "

@@ -114,18 +114,31 @@ def start_smg(worker_urls: list[str], log: Path, *extra: str) -> Proc:
     return proc
 
 
-def wait_gateway_model(proc: Proc, model: str, timeout: float = 120.0) -> None:
-    """Polls the gateway's /v1/models until it lists `model` (its workers registered)."""
+def gateway_ready(url: str, model: str, workers: int) -> bool:
+    """SMG's `/readiness` says 200 with every one of `workers` healthy, and `/v1/models` lists
+    `model`. NOTE: a gRPC gateway lists the model as soon as a worker registers, but it fetches
+    the worker's tokenizer afterwards (GetTokenizer) and answers 503 until then; `/readiness`
+    holds back until every healthy gRPC worker's tokenizer is registered. It needs only one
+    healthy worker, hence the count (`/health_generate` is not implemented for gRPC workers)."""
+    r = httpx2.get(f"{url}/readiness", timeout=5)
+    if r.status_code != 200 or r.json().get("healthy_workers") != workers:
+        return False
+    models = httpx2.get(f"{url}/v1/models", timeout=5)
+    return models.status_code == 200 and model in [m["id"] for m in models.json()["data"]]
+
+
+def wait_gateway_ready(proc: Proc, model: str, workers: int, timeout: float = 120.0) -> None:
+    """Polls until gateway_ready: the gateway routes `model` to all its `workers`."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.popen.poll() is not None:
             raise proc.failure("smg exited")
         try:
-            r = httpx2.get(f"{proc.url}/v1/models", timeout=5)
-            if r.status_code == 200 and model in [m["id"] for m in r.json().get("data", [])]:
+            if gateway_ready(proc.url, model, workers):
                 return
         except httpx2.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise proc.failure(f"smg did not list {model!r} in {timeout:.0f}s")
+            raise proc.failure(f"smg not ready for {model!r} on {workers} workers in "
+                               f"{timeout:.0f}s")
         time.sleep(0.2)

@@ -59,7 +59,12 @@ def loads_report(
 ) -> dict[str, Any]:
     """SGLang's GetLoadsResponse as a dict (proto field names), from cache_stats()."""
     every = "all" in include
-    used, capacity = stats.l1.used_tokens, stats.l1.capacity_tokens
+    # NOTE: as SGLang counts it: the L1 tokens that cannot be freed now (running requests' KV,
+    # pinned prefixes), not the cached prefixes an allocation would evict. A gateway reads
+    # token_usage as pressure: SMG leaves a worker at >= 0.8 out of routing (its default
+    # overload protection), which a cache kept full of evictable prefixes must not trigger.
+    capacity = stats.l1.capacity_tokens
+    used = stats.l1.used_tokens - stats.l1.evictable_tokens
     running, waiting = stats.running_requests, stats.waiting_requests
     usage = used / capacity if capacity else 0.0
     load: dict[str, Any] = {
@@ -67,7 +72,6 @@ def loads_report(
         "num_running_reqs": running,
         "num_waiting_reqs": waiting,
         "num_total_reqs": running + waiting,
-        # NOTE: L1 slots in use: running requests' KV and the cached prefixes held in L1
         "num_used_tokens": used,
         "num_total_tokens": used,
         "max_total_num_tokens": capacity,

@@ -31,7 +31,7 @@ from tests.gateway_process import (
     smg_binary,
     start_daemon,
     start_smg,
-    wait_gateway_model,
+    wait_gateway_ready,
     wait_http_ready,
 )
 
@@ -69,7 +69,7 @@ def http_gateway(daemons, tmp_path_factory) -> Iterator[Proc]:
     gw = start_smg([d.url for d in daemons], log, "--policy", "cache_aware",
                    "--model-alias", f"default={MODEL}")
     try:
-        wait_gateway_model(gw, MODEL)
+        wait_gateway_ready(gw, MODEL, len(daemons))
         yield gw
     finally:
         gw.stop()
@@ -81,7 +81,7 @@ def grpc_gateway(daemons, tmp_path_factory) -> Iterator[Proc]:
     gw = start_smg([f"grpc://127.0.0.1:{d.port}" for d in daemons], log, "--policy",
                    "cache_aware", "--model-alias", f"default={MODEL}")
     try:
-        wait_gateway_model(gw, MODEL)
+        wait_gateway_ready(gw, MODEL, len(daemons))
         yield gw
     finally:
         gw.stop()
@@ -235,7 +235,7 @@ TOPICS = [
     "Prefill computes the prompt; decode produces one token at a time.",
 ]
 BLOCK = 16  # the daemons' default --kv-events-block-size
-OBJECT = 64  # their default L3 object (hicache_storage_page_size at page size 1)
+OBJECT = 16  # their default L3 object on a CPU (hicache_storage_page_size at page size 1)
 
 
 def _conversation(i: int) -> list[dict[str, str]]:
@@ -374,7 +374,7 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
     log = tmp_path_factory.mktemp("smg_grpc_again") / "smg.log"
     again = start_smg(workers, log, "--policy", "cache_aware")
     try:
-        wait_gateway_model(again, MODEL)
+        wait_gateway_ready(again, MODEL, len(workers))
         for w in workers:
             _wait(lambda w=w: _gateway_metric(again, "smg_kv_event_batches_total", w,
                                               "snapshot") >= 1, f"a snapshot from {w}")
@@ -428,7 +428,7 @@ def test_killed_daemon_is_dropped_and_its_streams_fail(daemons, http_gateway, ti
     gw = start_smg(workers, tmp_path_factory.mktemp("smg_kill") / "smg.log", "--policy",
                    "cache_aware", "--health-check-interval-secs", "1")
     try:
-        wait_gateway_model(gw, MODEL)
+        wait_gateway_ready(gw, MODEL, len(workers))
         for w in workers:
             _wait(lambda w=w: _gateway_metric(gw, "smg_kv_event_batches_total", w,
                                               "snapshot") >= 1, f"a snapshot from {w}")

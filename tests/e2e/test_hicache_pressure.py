@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 from engine import Engine
+from engine.config import ServerArgs
 from hicache.stats import L3Stats
 from hicache.storage.file import FileStorageBackend
 from tests.storage_fakes import GatedStorage
@@ -206,9 +207,9 @@ def test_l3_index_repairs_itself(tiny_llama_dir, tmp_path, damage):
 
 
 def test_default_object_size_and_threshold(tiny_llama_dir, tmp_path):
-    """Defaults: 64-token objects, the timeout policy, and on the CPU a prefetch of any L3 hit
+    """Defaults on the CPU: 16-token objects, the timeout policy, and a prefetch of any L3 hit
     beyond the L1 + L2 match; with SGLang's threshold (256, CUDA's default) a hit of fewer
-    tokens is recomputed."""
+    tokens is recomputed. On CUDA objects default to 64 tokens."""
     prompt = _prompts(1, seed=6, length=400)[0]
     opts = _opts(tmp_path, max_total_tokens=1024)
     for k in ("hicache_storage_page_size", "hicache_prefetch_threshold"):
@@ -218,18 +219,20 @@ def test_default_object_size_and_threshold(tiny_llama_dir, tmp_path):
         short = eng.generate(prompt[:250], GREEDY)
     with Engine(tiny_llama_dir, **opts) as eng:
         assert eng.server_args.hicache_prefetch_threshold == 0
-        short2 = eng.generate(prompt[:250], GREEDY)  # 3 objects (192 tokens) in L3
+        short2 = eng.generate(prompt[:250], GREEDY)  # 15 objects (240 tokens) in L3
     with Engine(tiny_llama_dir, **opts, hicache_prefetch_threshold=256) as eng:
         short3 = eng.generate(prompt[:250], GREEDY)  # too few for this threshold
     with Engine(tiny_llama_dir, **opts) as eng:
         assert eng.server_args.hicache_storage_prefetch_policy == "timeout"
         again = eng.generate(prompt, GREEDY)
         l3 = _l3_stats(eng)
-    assert short2.token_ids == short.token_ids and short2.cached_tokens_per_tier["l3"] == 192
+    assert short2.token_ids == short.token_ids and short2.cached_tokens_per_tier["l3"] == 240
     assert short3.token_ids == short.token_ids and short3.cached_tokens == 0
     assert again.token_ids == first.token_ids
-    assert again.cached_tokens_per_tier["l3"] == 384  # (400 - 1) // 64 * 64
-    assert l3.object_tokens == 64 and l3.used_tokens == 384
+    assert again.cached_tokens_per_tier["l3"] == 384  # (400 - 1) // 16 * 16
+    assert l3.object_tokens == 16 and l3.used_tokens == 400  # the 25 objects of 400 tokens
+    cuda = ServerArgs(model_path=tiny_llama_dir, device="cuda", page_size=1)
+    assert cuda.hicache_storage_page_size == 64
 
 
 def test_default_threshold_reads_l3_beyond_a_shared_header(tiny_llama_dir, tmp_path):

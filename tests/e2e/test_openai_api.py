@@ -361,6 +361,15 @@ def test_loads_for_gateways(url, client):
         _wait(running, "the open stream in /loads")
     finally:
         stream.close()
+
+    def idle() -> bool:  # the stream's KV cached (in L1), evictable: no load
+        body = httpx2.get(f"{url}/v1/loads?include=tiers", headers=auth, timeout=30).json()
+        load = body["loads"][0]
+        assert body["tiers"]["l1"]["used_tokens"] > 0
+        return load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0 == load[
+            "token_usage"]
+
+    _wait(idle, "the aborted stream's KV to be evictable cache, not load")
     tiers = httpx2.get(f"{url}/v1/loads?include=tiers", headers=auth, timeout=30).json()["tiers"]
     assert tiers["l1"]["capacity_tokens"] == 8192
     for query, status in (("include=bogus", 400), ("model=gpt-4", 404)):

@@ -28,7 +28,7 @@ TOKENS = {"acme": "tok-a", "beta": "tok-b", "gamma": "tok-g", "delta": "tok-d"}
 ACME_L1_QUOTA = 64
 GAMMA_L1_QUOTA, GAMMA_L2_QUOTA = 16, 64
 DELTA_L3_QUOTA = 64
-L3_OBJECT = 64  # tokens per L3 object (page size 1: hicache_storage_page_size's default)
+L3_OBJECT = 64  # tokens per L3 object (hicache_storage_page_size)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SHORT = {"max_new_tokens": 2, **GREEDY}
 L3_PROMPT = L3_OBJECT + 6  # one whole L3 object
@@ -71,7 +71,7 @@ def daemon(tiny_llama_dir, tmp_path_factory, daemon_log):
     args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=2048, max_running_requests=8,
                       enable_hierarchical_cache=True, hicache_ratio=4.0,
                       hicache_storage_backend="file", hicache_storage_dir=storage,
-                      debug_check_invariants=True)
+                      hicache_storage_page_size=L3_OBJECT, debug_check_invariants=True)
     dt = DaemonThread(DaemonSettings(port=0, admin_token=ADMIN, grace_period_s=2,
                                      tenants=tenants), args).start()
     yield dt

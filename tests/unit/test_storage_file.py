@@ -690,3 +690,34 @@ def _settle_l3(eng) -> None:
         if eng.call_in_scheduler(settle) == 0:
             return
     raise AssertionError("L3 backups never settled")
+
+
+def test_daemons_with_other_object_sizes_never_read_each_others_objects(tiny_llama_dir,
+                                                                         tmp_path):
+    """The L3 object size is part of the fingerprint that seeds the key chain (and names a
+    shared server's scope): an Engine with 32-token objects on the directory another filled
+    with 16-token objects reads none of them, and an Engine with 16-token objects reads them
+    back (the same tokens either way)."""
+    from engine import Engine
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 380) for _ in range(70)] for _ in range(4)]
+    greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def run(object_size: int) -> tuple[list[list[int]], int, str]:
+        with Engine(tiny_llama_dir, enable_hierarchical_cache=True, max_total_tokens=512,
+                    page_size=16, hicache_storage_backend="file",
+                    hicache_storage_dir=str(tmp_path / "kv"),
+                    hicache_storage_page_size=object_size, hicache_prefetch_threshold=0) as eng:
+            outs = [o.token_ids for o in eng.generate(prompts, greedy)]
+            _settle_l3(eng)
+            fingerprint = eng.scheduler.tree_cache.l3.storage_io.fingerprint
+            return outs, eng.cache_stats().l3.hit_tokens, fingerprint
+
+    first, first_hits, first_fp = run(16)
+    other, other_hits, other_fp = run(32)
+    again, again_hits, again_fp = run(16)
+    assert first_fp == again_fp != other_fp
+    assert first_hits == 0 and other_hits == 0
+    assert again_hits >= 4 * 64  # every prompt's whole 16-token objects, read back
+    assert other == first == again
