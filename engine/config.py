@@ -122,11 +122,11 @@ class ServerArgs:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r} (auto, dummy)")
         if self.linear_backend not in ("auto", "torch", "onednn", "cpu"):
-            raise ValueError(f"unknown linear_backend {self.linear_backend!r} "
-                             f"(auto, cpu, onednn, torch)")
+            raise ValueError(
+                f"unknown linear_backend {self.linear_backend!r} (auto, cpu, onednn, torch)"
+            )
         if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"unknown quantization {self.quantization!r} "
-                             f"(auto, none, int8, int4)")
+            raise ValueError(f"unknown quantization {self.quantization!r} (auto, none, int8, int4)")
         if self.hicache_write_policy not in (
             "write_through",
             "write_through_selective",
@@ -142,20 +142,25 @@ class ServerArgs:
                 f"unknown hicache_storage_prefetch_policy {self.hicache_storage_prefetch_policy!r}"
             )
         if self.hicache_storage_backend not in STORAGE_BACKENDS:
-            raise ValueError(f"unknown hicache_storage_backend {self.hicache_storage_backend!r} "
-                             f"(file, redis)")
+            raise ValueError(
+                f"unknown hicache_storage_backend {self.hicache_storage_backend!r} (file, redis)"
+            )
         if self.hicache_storage_backend == "redis":
             if not self.hicache_storage_url:
-                raise ValueError("hicache_storage_backend='redis' needs hicache_storage_url "
-                                 "(redis://host:port/db, rediss://..., redis-cluster://h:p,h:p)")
+                raise ValueError(
+                    "hicache_storage_backend='redis' needs hicache_storage_url "
+                    "(redis://host:port/db, rediss://..., redis-cluster://h:p,h:p)"
+                )
             parse_target(self.hicache_storage_url)  # ValueError naming what is wrong
         if self.hicache_storage_page_size is None:
             tokens = 64 if self.device.startswith("cuda") else 16
             self.hicache_storage_page_size = -(-tokens // self.page_size) * self.page_size
         sps = self.hicache_storage_page_size
         if sps < 1 or sps % self.page_size:
-            raise ValueError(f"hicache_storage_page_size must be a positive multiple of page_size "
-                             f"({self.page_size}), got {sps}")
+            raise ValueError(
+                f"hicache_storage_page_size must be a positive multiple of page_size "
+                f"({self.page_size}), got {sps}"
+            )
         if self.hicache_prefetch_timeout_base < 0 or self.hicache_prefetch_timeout_per_ki_token < 0:
             raise ValueError("hicache_prefetch_timeout_base / _per_ki_token must be >= 0")
         if self.hicache_prefetch_threshold is None:

@@ -150,8 +150,12 @@ class RequestHandle:
     """A submitted request: its StreamChunks arrive on `chunks` (a thread-safe queue; an
     exception put there ends the stream with that error)."""
 
-    def __init__(self, rid: str, chunks: queue.Queue[StreamChunk | BaseException],
-                 alive: Callable[[], bool] = lambda: True):
+    def __init__(
+        self,
+        rid: str,
+        chunks: queue.Queue[StreamChunk | BaseException],
+        alive: Callable[[], bool] = lambda: True,
+    ):
         self.rid = rid
         self.chunks = chunks
         self.alive = alive  # is whatever fills `chunks` still running?
@@ -164,7 +168,8 @@ class RequestHandle:
             except queue.Empty:
                 if not self.alive():
                     raise EngineShutdownError(
-                        "the engine stopped before the request finished") from None
+                        "the engine stopped before the request finished"
+                    ) from None
                 continue
             if isinstance(chunk, BaseException):
                 raise chunk
@@ -182,9 +187,17 @@ class RequestHandle:
             text += chunk.text
             last = chunk
         assert last is not None
-        return GenerateResult(self.rid, ids, text, last.finish_reason, last.matched_stop,
-                              last.prompt_tokens, last.cached_tokens,
-                              last.cached_tokens_per_tier, last.error)  # fmt: skip
+        return GenerateResult(
+            self.rid,
+            ids,
+            text,
+            last.finish_reason,
+            last.matched_stop,
+            last.prompt_tokens,
+            last.cached_tokens,
+            last.cached_tokens_per_tier,
+            last.error,
+        )
 
 
 class EventLogReader(Protocol):
@@ -238,9 +251,14 @@ class EngineFront(ABC):
 
     # --- requests ----------------------------------------------------------------------------
     @abstractmethod
-    def submit(self, prompt: Prompt, sampling_params: dict[str, Any] | None = None,
-               namespace: str | None = None, rid: str | None = None,
-               chat: bool = False) -> RequestHandle:  # fmt: skip
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: dict[str, Any] | None = None,
+        namespace: str | None = None,
+        rid: str | None = None,
+        chat: bool = False,
+    ) -> RequestHandle:
         """Queues a request; ValueError (bad input) before anything is queued, QueueFullError
         when max_queued_requests are waiting, EngineShutdownError after shutdown."""
 
@@ -301,8 +319,9 @@ class EngineFront(ABC):
         """The cache's event log (one is attached when the tree brought none)."""
 
     @abstractmethod
-    def kv_block_changes(self, block_size: int, salt_key: bytes,
-                         reset: bool = False) -> BlockChanges:  # fmt: skip
+    def kv_block_changes(
+        self, block_size: int, salt_key: bytes, reset: bool = False
+    ) -> BlockChanges:
         """The cache's full blocks stored / removed per tier since the last call (reset: the
         whole state); one caller per engine (the daemon's KvEventPublisher)."""
 
@@ -312,16 +331,27 @@ class EngineFront(ABC):
         """What of `key` is cached, per tier, without changing anything."""
 
     @abstractmethod
-    def evict(self, tier: str, num_tokens: int | None = None, prefix: list[int] | None = None,
-              namespace: str | None = None, dry_run: bool = False,
-              namespaces: frozenset[str] | None = None) -> EvictInfo:  # fmt: skip
+    def evict(
+        self,
+        tier: str,
+        num_tokens: int | None = None,
+        prefix: list[int] | None = None,
+        namespace: str | None = None,
+        dry_run: bool = False,
+        namespaces: frozenset[str] | None = None,
+    ) -> EvictInfo:
         """Evicts >= num_tokens (None: all evictable) of `tier` among the sequences that start
         with `prefix`, or the nodes of `namespaces`, or the whole tree; TierUnavailableError
         for a tier that is not enabled (or l3)."""
 
     @abstractmethod
-    def pin(self, key: list[int], namespace: str | None = None, ttl_s: float = 0.0,
-            owner: str | None = None) -> Pin | None:  # fmt: skip
+    def pin(
+        self,
+        key: list[int],
+        namespace: str | None = None,
+        ttl_s: float = 0.0,
+        owner: str | None = None,
+    ) -> Pin | None:
         """Locks the device-cached prefix of `key` (ttl_s 0: until unpinned); None when
         nothing of it is on L1."""
 
@@ -339,15 +369,20 @@ class EngineFront(ABC):
         wait, StorageBusyError while L3 work is in flight; nothing changes then."""
 
     @abstractmethod
-    def flush_namespaces(self, namespaces: frozenset[str], tiers: list[str] | None,
-                         owner: str | None) -> FlushInfo:  # fmt: skip
+    def flush_namespaces(
+        self, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
+    ) -> FlushInfo:
         """Empties the tiers of these namespaces only (a tenant's), releasing the owner's pins;
         other namespaces' requests may keep running."""
 
     @abstractmethod
-    def inspect_tree(self, offset: int = 0, limit: int = 100, preview_tokens: int = 16,
-                     namespaces: frozenset[str] | None = None
-                     ) -> tuple[list[NodeInfo], int]:  # fmt: skip
+    def inspect_tree(
+        self,
+        offset: int = 0,
+        limit: int = 100,
+        preview_tokens: int = 16,
+        namespaces: frozenset[str] | None = None,
+    ) -> tuple[list[NodeInfo], int]:
         """One page of the tree, parents first, and the number of nodes in all."""
 
     # --- tenants -----------------------------------------------------------------------------
@@ -360,8 +395,7 @@ class EngineFront(ABC):
         """What a tenant's namespaces hold per tier, its pins, its quota evictions."""
 
     @abstractmethod
-    def tenant_figures(self, quotas: Sequence[TenantQuota]
-                       ) -> dict[str, dict[str, dict[str, int]]]:  # fmt: skip
+    def tenant_figures(self, quotas: Sequence[TenantQuota]) -> dict[str, dict[str, dict[str, int]]]:
         """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} (for /metrics)."""
 
     # --- L3 at run time ----------------------------------------------------------------------
@@ -370,8 +404,9 @@ class EngineFront(ABC):
         """The attached L3 backend: {"attached", "backend", "address", ...}."""
 
     @abstractmethod
-    def attach_storage(self, backend: str, url: str | None = None,
-                       directory: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def attach_storage(
+        self, backend: str, url: str | None = None, directory: str | None = None
+    ) -> dict[str, Any]:
         """Attaches an L3 backend (none may be attached); returns storage_info()."""
 
     @abstractmethod

@@ -235,11 +235,32 @@ class EventsWaitFor(EventCall):
     timeout: float | None
 
 
-Operation = (InScheduler | CacheStats | ModelInfo | StorageInfo | GetServerArgs | AttachStorage
-             | DetachStorage | KvBlockChanges | MatchPrefix | Evict | PinPrefix | Unpin
-             | PinSummary | Flush | FlushNamespaces | InspectTree | ApplyQuotas | TenantView
-             | TenantFigures | EventsLastSeq | EventsFirstSeq | EventsSince | EventsMissed
-             | EventsWaitFor)
+Operation = (
+    InScheduler
+    | CacheStats
+    | ModelInfo
+    | StorageInfo
+    | GetServerArgs
+    | AttachStorage
+    | DetachStorage
+    | KvBlockChanges
+    | MatchPrefix
+    | Evict
+    | PinPrefix
+    | Unpin
+    | PinSummary
+    | Flush
+    | FlushNamespaces
+    | InspectTree
+    | ApplyQuotas
+    | TenantView
+    | TenantFigures
+    | EventsLastSeq
+    | EventsFirstSeq
+    | EventsSince
+    | EventsMissed
+    | EventsWaitFor
+)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ class TokenizerManager:
 
     def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
         tok = self.tokenizer
-        is_chat = isinstance(prompt, list) and bool(prompt) and all(
-            isinstance(m, dict) for m in prompt
+        is_chat = (
+            isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
         )
         if (isinstance(prompt, str) or is_chat) and tok is None:
             raise ValueError("this model has no tokenizer: send prompts as token id lists")

@@ -27,7 +27,9 @@ class TokenToKVPoolAllocator:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if size < 0 or size % page_size != 0:
-            raise ValueError(f"size {size} must be a non-negative multiple of page_size {page_size}")
+            raise ValueError(
+                f"size {size} must be a non-negative multiple of page_size {page_size}"
+            )
         self.size = size
         self.page_size = page_size
         self.device = torch.device(device)
@@ -41,9 +43,7 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         """Every usable page free again (page 0 stays reserved)."""
-        self.free_pages = torch.arange(
-            1, self.num_pages + 1, dtype=torch.int64, device=self.device
-        )
+        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
         self.released = self.free_pages[:0]
         self._free_group = None
 

@@ -95,8 +95,9 @@ class BasePrefixCache(ABC):
         """Drop everything cached (device slots: clear the allocator alongside)."""
 
     @abstractmethod
-    def match_prefix(self, key: list[int] | tuple[int, ...], namespace: str | None = None,
-                     touch: bool = True) -> MatchResult:
+    def match_prefix(
+        self, key: list[int] | tuple[int, ...], namespace: str | None = None, touch: bool = True
+    ) -> MatchResult:
         """Longest cached page-aligned prefix of ``key``; ``touch`` counts it as a hit."""
 
     @abstractmethod
@@ -155,8 +156,9 @@ class BasePrefixCache(ABC):
         print(f"{type(self).__name__}: total={self.total_size()}")
 
     # ---- keys and namespaces -----------------------------------------------------------------
-    def key_of(self, token_ids: list[int] | tuple[int, ...], namespace: str | None = None
-               ) -> tuple[int, ...]:
+    def key_of(
+        self, token_ids: list[int] | tuple[int, ...], namespace: str | None = None
+    ) -> tuple[int, ...]:
         """The key the cache stores for ``token_ids`` of ``namespace`` (a cache that shares
         nothing needs no namespace salt)."""
         return tuple(token_ids)
@@ -200,13 +202,18 @@ class BasePrefixCache(ABC):
             return self.subtree(self.root_node)
         return [n for c in self.namespace_roots(namespaces) for n in self.subtree(c)]
 
-    def plan_eviction(self, tier: str, num_tokens: int | None = None,
-                      within: Sequence[TreeNode] | None = None) -> EvictionPlan:
+    def plan_eviction(
+        self, tier: str, num_tokens: int | None = None, within: Sequence[TreeNode] | None = None
+    ) -> EvictionPlan:
         """What evicting ``num_tokens`` (None: everything evictable) from ``tier`` would free,
         among ``within`` (None: the whole tree), in the tree's order; changes nothing."""
         nodes = self.subtree(self.root_node) if within is None else within
-        order = eviction_order(self._eviction_candidates(tier, nodes),
-                               lambda n: self.holds(n, tier), self.eviction_priority, num_tokens)
+        order = eviction_order(
+            self._eviction_candidates(tier, nodes),
+            lambda n: self.holds(n, tier),
+            self.eviction_priority,
+            num_tokens,
+        )
         return EvictionPlan(tier, tuple(order), sum(len(n.key) for n in order), self.version)
 
     def _eviction_candidates(self, tier: str, nodes: Sequence[TreeNode]) -> list[TreeNode]:
@@ -223,8 +230,10 @@ class BasePrefixCache(ABC):
 
     def _check_plan(self, plan: EvictionPlan) -> None:
         if plan.version != self.version:
-            raise StalePlanError(f"the tree changed since the plan (version {plan.version} "
-                                 f"!= {self.version}); nothing was evicted")
+            raise StalePlanError(
+                f"the tree changed since the plan (version {plan.version} "
+                f"!= {self.version}); nothing was evicted"
+            )
 
     def lock_prefix(self, key: Sequence[int], min_tokens: int = 1) -> PrefixLock | None:
         """Lock the device-cached prefix of a tree key, split so that the lock covers exactly
@@ -402,8 +411,13 @@ class BasePrefixCache(ABC):
         return None
 
     # ---- load back (L2 -> L1) ----------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, match_result: MatchResult | None = None,
-                       wait: bool = True, hold: bool = False) -> tuple[torch.Tensor, TreeNode]:
+    def init_load_back(
+        self,
+        last_node: TreeNode,
+        match_result: MatchResult | None = None,
+        wait: bool = True,
+        hold: bool = False,
+    ) -> tuple[torch.Tensor, TreeNode]:
         """Bring the host part of a match to the device; returns the device slots of the whole
         prefix and its last device node. Without a host tier the match is all on device."""
         if match_result is None:

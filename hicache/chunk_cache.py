@@ -43,8 +43,9 @@ class ChunkCache(BasePrefixCache):
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, key: list[int] | tuple[int, ...],
-                     namespace: str | None = None, touch: bool = True) -> MatchResult:
+    def match_prefix(
+        self, key: list[int] | tuple[int, ...], namespace: str | None = None, touch: bool = True
+    ) -> MatchResult:
         return MatchResult(self._empty(), self.root_node, self.root_node)
 
     def record_hit(self, node: TreeNode) -> None:
@@ -56,8 +57,8 @@ class ChunkCache(BasePrefixCache):
     def cache_finished_req(self, req: CacheRequest) -> None:
         """Free all ``kv_len`` slots of the request and its req_to_token row.
 
-            positions: 0 ................................................ kv_len
-            slots:     |            request's own: free (pages, tail included) |
+        positions: 0 ................................................ kv_len
+        slots:     |            request's own: free (pages, tail included) |
         """
         row = row_of(req)
         kv_indices = self.req_to_token_pool.req_to_token[row, : finished_kv_len(req)].long()

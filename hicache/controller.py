@@ -47,8 +47,9 @@ class LayerDoneCounter:
     bytes now).
     """
 
-    def __init__(self, num_layers: int, done: int = 0,
-                 on_wait: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, num_layers: int, done: int = 0, on_wait: Callable[[], None] | None = None
+    ) -> None:
         self.num_layers = num_layers
         self.on_wait = on_wait
         self._done = done
@@ -109,8 +110,11 @@ class CacheOperation:
         if len(ops) == 1:
             return ops[0]
         return CacheOperation(
-            torch.cat([o.host_indices for o in ops]), torch.cat([o.device_indices for o in ops]),
-            [i for o in ops for i in o.node_ids], max(o.priority for o in ops))  # fmt: skip
+            torch.cat([o.host_indices for o in ops]),
+            torch.cat([o.device_indices for o in ops]),
+            [i for o in ops for i in o.node_ids],
+            max(o.priority for o in ops),
+        )
 
 
 class HiCacheController:
@@ -138,8 +142,13 @@ class HiCacheController:
         self.notify: Callable[[], None] | None = None  # set by the owner (scheduler wake-up)
         self.storage_io: StorageIO | None = None
         if storage is not None:
-            self.storage_io = StorageIO(storage, host_pool, storage_object_size or 64,
-                                        model_fingerprint, notify=self._notify)
+            self.storage_io = StorageIO(
+                storage,
+                host_pool,
+                storage_object_size or 64,
+                model_fingerprint,
+                notify=self._notify,
+            )
         self.layer_hook = layer_hook  # test instrumentation: called after each loaded layer
         self.bytes_per_token = device_pool.bytes_per_token()
         # CUDA: one side stream per direction, so copies overlap the forward (CPU: no-ops)
@@ -158,8 +167,7 @@ class HiCacheController:
         self._inflight_loads = 0
         self._idle = threading.Condition()
         self._write_jobs: queue.Queue[CacheOperation | None] = queue.Queue()
-        self._load_jobs: queue.Queue[tuple[CacheOperation, LayerDoneCounter] | None] = (
-            queue.Queue())
+        self._load_jobs: queue.Queue[tuple[CacheOperation, LayerDoneCounter] | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._write_worker, name="hicache-write", daemon=True),
             threading.Thread(target=self._load_worker, name="hicache-load", daemon=True),
@@ -169,16 +177,18 @@ class HiCacheController:
         self._closed = False
 
     # ---- writes: device -> host ---------------------------------------------------------------
-    def write(self, device_indices: torch.Tensor, node_id: int, priority: int = 0
-              ) -> torch.Tensor | None:
+    def write(
+        self, device_indices: torch.Tensor, node_id: int, priority: int = 0
+    ) -> torch.Tensor | None:
         """Allocate and protect host slots for ``device_indices`` and queue the copy; None when
         the host pool is full (the caller may evict host and retry)."""
         host_indices = self.host_pool.alloc(len(device_indices))
         if host_indices is None:
             return None
         self.host_pool.protect(host_indices)
-        self.write_queue.append(CacheOperation(host_indices, device_indices.clone(), [node_id],
-                                               priority))
+        self.write_queue.append(
+            CacheOperation(host_indices, device_indices.clone(), [node_id], priority)
+        )
         return host_indices
 
     def start_writing(self) -> None:
@@ -197,8 +207,9 @@ class HiCacheController:
         return self._drain(self.ack_write_queue)
 
     # ---- loads: host -> device -------------------------------------------------------------
-    def load(self, host_indices: torch.Tensor, node_id: int, priority: int = 0
-             ) -> torch.Tensor | None:
+    def load(
+        self, host_indices: torch.Tensor, node_id: int, priority: int = 0
+    ) -> torch.Tensor | None:
         """Allocate device slots for ``host_indices`` and queue the copy; None when the device
         pool has no room (the caller evicts and retries)."""
         device_indices = self.device_allocator.alloc(len(host_indices))
@@ -270,7 +281,8 @@ class HiCacheController:
         self.release_loads()
         with self._idle:
             return self._idle.wait_for(
-                lambda: self._inflight_writes == 0 and self._inflight_loads == 0, timeout)
+                lambda: self._inflight_writes == 0 and self._inflight_loads == 0, timeout
+            )
 
     def shutdown(self) -> None:
         """Flush queued writes, finish in-flight work (pending storage writes), stop workers."""
@@ -292,8 +304,9 @@ class HiCacheController:
         if self.storage_io is not None:
             raise RuntimeError("an L3 backend is already attached")
         self.storage = storage
-        self.storage_io = StorageIO(storage, self.host_pool, object_size, self.model_fingerprint,
-                                    notify=self._notify)
+        self.storage_io = StorageIO(
+            storage, self.host_pool, object_size, self.model_fingerprint, notify=self._notify
+        )
         return self.storage_io
 
     def detach_storage(self, timeout: float) -> bool:
@@ -340,7 +353,8 @@ class HiCacheController:
             try:
                 with self.write_stream.running(after=op.ready):
                     self.host_pool.backup_from_device_all_layer(
-                        self.device_pool, op.host_indices, op.device_indices, self.io_backend)
+                        self.device_pool, op.host_indices, op.device_indices, self.io_backend
+                    )
                 self.write_stream.synchronize()  # host bytes complete before the ack
                 self.stats["bytes_d2h"] += len(op.host_indices) * self.bytes_per_token
             except Exception:
@@ -356,18 +370,27 @@ class HiCacheController:
             op, counter = job
             with self._idle:  # a held load (start_loading) waits for its reader
                 if not self._idle.wait_for(lambda: not self._held, HOLD_TIMEOUT_S):
-                    log.warning("a held host->device load was not released in %.0f s; "
-                                "copying it", HOLD_TIMEOUT_S)
+                    log.warning(
+                        "a held host->device load was not released in %.0f s; copying it",
+                        HOLD_TIMEOUT_S,
+                    )
                     self._held = False
             try:
                 with self.load_stream.running(after=op.ready):
                     # CUDA kernels read the host slot ids from device memory: move them once
-                    host_indices = (op.host_indices.to(self.device_pool.device)
-                                    if self.io_backend == "kernel" else op.host_indices)
+                    host_indices = (
+                        op.host_indices.to(self.device_pool.device)
+                        if self.io_backend == "kernel"
+                        else op.host_indices
+                    )
                     for layer_id in range(self.layer_num):
                         self.host_pool.load_to_device_per_layer(
-                            self.device_pool, host_indices, op.device_indices, layer_id,
-                            self.io_backend)
+                            self.device_pool,
+                            host_indices,
+                            op.device_indices,
+                            layer_id,
+                            self.io_backend,
+                        )
                         counter.increment(self.load_stream.record())
                         if self.layer_hook is not None:
                             self.layer_hook(layer_id)

@@ -50,16 +50,23 @@ class CacheEventLog:
         with self._cond:
             return self._events[0].seq if self._events else self._last_seq + 1
 
-    def emit(self, kind: str, tier: str, num_tokens: int, node_id: int | None = None,
-             namespace: str | None = None) -> CacheEvent:
+    def emit(
+        self,
+        kind: str,
+        tier: str,
+        num_tokens: int,
+        node_id: int | None = None,
+        namespace: str | None = None,
+    ) -> CacheEvent:
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown cache event kind {kind!r}")
         if tier not in TIERS:
             raise ValueError(f"unknown cache tier {tier!r}")
         with self._cond:
             self._last_seq += 1
-            ev = CacheEvent(self._last_seq, kind, tier, int(num_tokens), node_id, namespace,
-                            time.time())
+            ev = CacheEvent(
+                self._last_seq, kind, tier, int(num_tokens), node_id, namespace, time.time()
+            )
             self._events.append(ev)
             self._cond.notify_all()
         return ev

@@ -40,9 +40,12 @@ class EvictionPlan:
     version: int
 
 
-def eviction_order(candidates: Iterable[TreeNode], holds: Callable[[TreeNode], bool],
-                   priority: Callable[[TreeNode], Any], num_tokens: int | None
-                   ) -> list[TreeNode]:
+def eviction_order(
+    candidates: Iterable[TreeNode],
+    holds: Callable[[TreeNode], bool],
+    priority: Callable[[TreeNode], Any],
+    num_tokens: int | None,
+) -> list[TreeNode]:
     """The candidates an eviction of ``num_tokens`` (None: all) frees, in order: it stops once
     the freed tokens reach ``num_tokens``. ``holds(node)``: the node has KV in the tier."""
     cand = {n.id: n for n in candidates}

@@ -75,11 +75,21 @@ class HiRadixCache(RadixCache):
         # back when those land): written then (check), not dropped
         self.waiting_writes: dict[int, TreeNode] = {}
         self.counters = {"evictions": 0, "demotions": 0, "promotions": 0, "host_evictions": 0}
-        self.l3 = L3Tier(self, host_pool, controller, prefetch_policy, prefetch_timeout_base,
-                         prefetch_timeout_per_ki_token,
-                         page_size if prefetch_threshold is None else prefetch_threshold)
-        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size,
-                         eviction_policy=eviction_policy)
+        self.l3 = L3Tier(
+            self,
+            host_pool,
+            controller,
+            prefetch_policy,
+            prefetch_timeout_base,
+            prefetch_timeout_per_ki_token,
+            page_size if prefetch_threshold is None else prefetch_threshold,
+        )
+        super().__init__(
+            req_to_token_pool,
+            token_to_kv_pool_allocator,
+            page_size,
+            eviction_policy=eviction_policy,
+        )
         self.event_log = event_log
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -135,8 +145,11 @@ class HiRadixCache(RadixCache):
                     continue
                 # the write's host slots: the node's, and those of the parts split off above it
                 written, pending = [node], node.host_pending
-                while (pending is not None and (up := written[-1].parent) is not None
-                       and up.host_pending is pending):
+                while (
+                    pending is not None
+                    and (up := written[-1].parent) is not None
+                    and up.host_pending is pending
+                ):
                     written.append(up)
                 for n in written:
                     n.host_pending = None
@@ -193,8 +206,9 @@ class HiRadixCache(RadixCache):
         node.value = None
 
     # ---- match / insert ----------------------------------------------------------------------
-    def match_prefix(self, key: list[int] | tuple[int, ...],
-                     namespace: str | None = None, touch: bool = True) -> MatchResult:
+    def match_prefix(
+        self, key: list[int] | tuple[int, ...], namespace: str | None = None, touch: bool = True
+    ) -> MatchResult:
         """L1 + L2 match (no L3 I/O: see ``l3_start``). ``touch`` counts a hit and, for
         ``write_through_selective``, backs up nodes that reached two hits."""
         self.check()
@@ -207,7 +221,7 @@ class HiRadixCache(RadixCache):
         device = [n for n in path if n.value is not None]
         if touch:
             self._backup_hot(device)
-        host_len = sum(len(n.key) for n in path[len(device):])
+        host_len = sum(len(n.key) for n in path[len(device) :])
         tiers["l1"], tiers["l2"] = matched - host_len, host_len
         values = [self._device_value(n) for n in device]
         device_indices = torch.cat(values) if values else self._empty()
@@ -241,21 +255,26 @@ class HiRadixCache(RadixCache):
             if plen < len(child.key):
                 child = self._split_node(child, plen)
             if child.value is None:
-                self._set_value(child, value[pos: pos + plen].to(torch.int64).clone())
+                self._set_value(child, value[pos : pos + plen].to(torch.int64).clone())
                 self._emit("stored", "l1", plen, child)
             else:
                 device_prefix = pos + plen
             node, pos = child, pos + plen
         if pos < len(key):
-            leaf = self._add_leaf(node, key[pos:], value[pos: len(key)].to(torch.int64))
+            leaf = self._add_leaf(node, key[pos:], value[pos : len(key)].to(torch.int64))
             if self.write_policy == "write_through":
                 self._write_backup(leaf)
         self.controller.start_writing()
         return device_prefix
 
     # ---- load back (l2 -> l1) ------------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, match_result: MatchResult | None = None,
-                       wait: bool = True, hold: bool = False) -> tuple[torch.Tensor, TreeNode]:
+    def init_load_back(
+        self,
+        last_node: TreeNode,
+        match_result: MatchResult | None = None,
+        wait: bool = True,
+        hold: bool = False,
+    ) -> tuple[torch.Tensor, TreeNode]:
         """Promote the host part of the path ending at ``match_result.last_host_node`` (or
         ``last_node``) to device. Returns the device slots of the whole prefix and its new last
         device node (not locked: the caller locks it). ``wait=True`` waits until the bytes
@@ -268,7 +287,7 @@ class HiRadixCache(RadixCache):
         target = match_result.last_host_node if match_result is not None else last_node
         path = self._path(target)
         device = [n for n in path if n.value is not None]
-        host_nodes = path[len(device):]
+        host_nodes = path[len(device) :]
         host_len = sum(len(n.key) for n in host_nodes)
         if host_len == 0 or host_len < self.load_back_threshold:
             return self._device_prefix(device)
@@ -293,7 +312,7 @@ class HiRadixCache(RadixCache):
         # the copy may be running already: its ack is drained by loading_check on this thread
         offset = 0
         for node in host_nodes:
-            self._set_value(node, device_indices[offset: offset + len(node.key)])
+            self._set_value(node, device_indices[offset : offset + len(node.key)])
             offset += len(node.key)
             self._emit("promoted", "l1", len(node.key), node)
         self.counters["promotions"] += host_len
@@ -328,8 +347,11 @@ class HiRadixCache(RadixCache):
         ops = self.controller.pending_loads()
         if not ops:
             return None
-        return HostReads(torch.cat([o.device_indices for o in ops]),
-                         torch.cat([o.host_indices for o in ops]), self.host_pool.layer_kv)
+        return HostReads(
+            torch.cat([o.device_indices for o in ops]),
+            torch.cat([o.host_indices for o in ops]),
+            self.host_pool.layer_kv,
+        )
 
     def release_loads(self) -> None:
         """Let held loads copy (``init_load_back(hold=True)``)."""
@@ -342,8 +364,10 @@ class HiRadixCache(RadixCache):
 
     def _device_prefix(self, device: list[TreeNode]) -> tuple[torch.Tensor, TreeNode]:
         values = [self._device_value(n) for n in device]
-        return (torch.cat(values) if values else self._empty(),
-                device[-1] if device else self.root_node)
+        return (
+            torch.cat(values) if values else self._empty(),
+            device[-1] if device else self.root_node,
+        )
 
     # ---- writes (l1 -> l2) ---------------------------------------------------------------------
     def _maybe_backup(self, node: TreeNode) -> None:
@@ -387,8 +411,12 @@ class HiRadixCache(RadixCache):
         return [n for n in self._all_nodes() if self._is_device_leaf(n)]
 
     def _is_device_leaf(self, n: TreeNode) -> bool:
-        return (n is not self.root_node and n.value is not None and n.lock_ref == 0
-                and all(c.value is None for c in n.children.values()))
+        return (
+            n is not self.root_node
+            and n.value is not None
+            and n.lock_ref == 0
+            and all(c.value is None for c in n.children.values())
+        )
 
     def _host_protected_below(self, node: TreeNode) -> bool:
         """A pending prefetch anchors on ``node`` or a host-only descendant."""
@@ -463,7 +491,9 @@ class HiRadixCache(RadixCache):
         self.check()
         if num_tokens <= 0:
             return 0
-        heap = [(self.eviction_priority(n), n.id, n) for n in self._all_nodes() if self._is_host_leaf(n)]
+        heap = [
+            (self.eviction_priority(n), n.id, n) for n in self._all_nodes() if self._is_host_leaf(n)
+        ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -486,8 +516,14 @@ class HiRadixCache(RadixCache):
         return len(node.key)
 
     def _is_host_leaf(self, n: TreeNode) -> bool:
-        return (n is not self.root_node and n.value is None and n.host_value is not None
-                and not n.children and n.lock_ref == 0 and n.host_ref == 0)
+        return (
+            n is not self.root_node
+            and n.value is None
+            and n.host_value is not None
+            and not n.children
+            and n.lock_ref == 0
+            and n.host_ref == 0
+        )
 
     # ---- tree operations: L2 (see BasePrefixCache.walk / plan_eviction / evict_plan) -----------
     def holds(self, node: TreeNode, tier: str) -> bool:
@@ -500,12 +536,20 @@ class HiRadixCache(RadixCache):
         prefetch on or below it (``evict`` keeps it unless a backup happens to fit then, which
         a plan cannot know); l2: unlocked host-only nodes no prefetch anchors on."""
         if tier == "l2":
-            return [n for n in nodes if n.value is None and n.host_value is not None
-                    and n.lock_ref == 0 and n.host_ref == 0 and n is not self.root_node]
+            return [
+                n
+                for n in nodes
+                if n.value is None
+                and n.host_value is not None
+                and n.lock_ref == 0
+                and n.host_ref == 0
+                and n is not self.root_node
+            ]
         if tier != "l1":
             return []
-        out = [n for n in nodes
-               if n is not self.root_node and n.value is not None and n.lock_ref == 0]
+        out = [
+            n for n in nodes if n is not self.root_node and n.value is not None and n.lock_ref == 0
+        ]
         if any(n.host_value is None for n in out):
             anchored = self._anchored_paths()
             out = [n for n in out if n.host_value is not None or n.id not in anchored]
@@ -526,8 +570,10 @@ class HiRadixCache(RadixCache):
         ``evict_host`` (``_evict_host_leaf``) does, with the same events and counters."""
         self._check_plan(plan)
         leaf, evict_one, counter = (
-            (self._is_device_leaf, self._evict_device_leaf, "evictions") if plan.tier == "l1"
-            else (self._is_host_leaf, self._evict_host_leaf, "host_evictions"))
+            (self._is_device_leaf, self._evict_device_leaf, "evictions")
+            if plan.tier == "l1"
+            else (self._is_host_leaf, self._evict_host_leaf, "host_evictions")
+        )
         freed = 0
         for node in plan.nodes:
             # NOTE: only a prefetch landing while a backup makes room in L2 (``_write_backup``
@@ -550,8 +596,12 @@ class HiRadixCache(RadixCache):
         if tier == "l2":
             freed = self.evict_host(1 << 62)
             for n in self._all_nodes():
-                if (n.value is not None and n.host_value is not None and n.lock_ref == 0
-                        and n.host_ref == 0):
+                if (
+                    n.value is not None
+                    and n.host_value is not None
+                    and n.lock_ref == 0
+                    and n.host_ref == 0
+                ):
                     self.host_pool.free(n.host_value)
                     self._set_host(n, None)
                     freed += len(n.key)
@@ -566,8 +616,9 @@ class HiRadixCache(RadixCache):
     def tier_stats(self, hit_tokens: Mapping[str, int], held_tokens: int) -> TierSet:
         host_nodes = [n for n in self._all_nodes() if n.host_value is not None]
         c, s = self.counters, self.controller.stats
-        l3, l3_moves = (self.l3.storage_stats(hit_tokens[Tier.L3]) if self.l3.has_storage()
-                        else (None, Moves()))
+        l3, l3_moves = (
+            self.l3.storage_stats(hit_tokens[Tier.L3]) if self.l3.has_storage() else (None, Moves())
+        )
         l2 = L2Stats(
             capacity_tokens=self.host_pool.size,
             used_tokens=self.host_pool.size - self.host_pool.available_size(),
@@ -586,8 +637,12 @@ class HiRadixCache(RadixCache):
             ongoing_writes=len(self.ongoing_write),
             write_policy=self.write_policy,
         )
-        l1_moves = Moves(promoted_tokens=c["promotions"], demoted_tokens=c["demotions"],
-                         bytes_in=s["bytes_h2d"], bytes_out=s["bytes_d2h"])
+        l1_moves = Moves(
+            promoted_tokens=c["promotions"],
+            demoted_tokens=c["demotions"],
+            bytes_in=s["bytes_h2d"],
+            bytes_out=s["bytes_d2h"],
+        )
         return TierSet(self.l1_stats(hit_tokens[Tier.L1], held_tokens, l1_moves), l2, l3)
 
     def check_integrity(self) -> None:
@@ -675,8 +730,9 @@ class HiRadixCache(RadixCache):
         return self.l3.l3_index
 
     # ---- L3Tree: the tree operations the L3 tier calls (``hicache.l3_tree``) ---------------------
-    def tree_key(self, token_ids: list[int] | tuple[int, ...], namespace: str | None
-                 ) -> tuple[int, ...]:
+    def tree_key(
+        self, token_ids: list[int] | tuple[int, ...], namespace: str | None
+    ) -> tuple[int, ...]:
         return self._align(self.key_of(token_ids, namespace))
 
     def path_of(self, node: TreeNode) -> list[TreeNode]:
@@ -686,8 +742,9 @@ class HiRadixCache(RadixCache):
         _, node, matched = self._match_helper(key, hit=None)
         return node, matched
 
-    def hang_host_node(self, parent: TreeNode, key: tuple[int, ...],
-                       host_indices: torch.Tensor) -> TreeNode:
+    def hang_host_node(
+        self, parent: TreeNode, key: tuple[int, ...], host_indices: torch.Tensor
+    ) -> TreeNode:
         node = TreeNode(key)
         node.parent = parent
         node.in_storage = True

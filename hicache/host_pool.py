@@ -106,7 +106,8 @@ class MHATokenToKVPoolHost:
                 f"host KV pool of {size} tokens needs {nbytes / 2**30:.1f} GiB but only "
                 f"{available / 2**30:.1f} GiB of host memory is available (keeping "
                 f"{HOST_MEMORY_RESERVE / 2**30:.0f} GiB free); lower hicache_ratio or set "
-                f"hicache_size")
+                f"hicache_size"
+            )
         # [2, L, size, H, D] (layer_first) or [2, size, L, H, D] (page_first) on host
         self.kv_buffer = torch.empty(
             shape, dtype=self.store_dtype, device=self.device, pin_memory=pin_memory
@@ -211,8 +212,7 @@ class MHATokenToKVPoolHost:
         # NOTE: the device page size is not part of it: an object's flat bytes are the same
         # whichever page size wrote them.
         return (
-            f"{self.layout}:{self.store_dtype}:L{self.layer_num}:H{self.head_num}"
-            f":D{self.head_dim}"
+            f"{self.layout}:{self.store_dtype}:L{self.layer_num}:H{self.head_num}:D{self.head_dim}"
         )
 
     @property
@@ -242,8 +242,14 @@ class MHATokenToKVPoolHost:
         """Layer ``layer_id``'s K and V on host as ``[size, head_num, head_dim]`` views (strided
         for page_first), viewed as ``dtype``: read in place by a CPU forward while a load of
         them is held (``HiCacheController.start_loading``)."""
-        k, v = ((self.kv_buffer[kv, layer_id] if self.layout == "layer_first"
-                 else self.kv_buffer[kv][:, layer_id]) for kv in (0, 1))  # fmt: skip
+        k, v = (
+            (
+                self.kv_buffer[kv, layer_id]
+                if self.layout == "layer_first"
+                else self.kv_buffer[kv][:, layer_id]
+            )
+            for kv in (0, 1)
+        )
         if self.store_dtype != self.dtype:
             k, v = k.view(self.dtype), v.view(self.dtype)
         return k, v
@@ -259,10 +265,17 @@ class MHATokenToKVPoolHost:
     ) -> None:
         """Host -> device pool (an MHATokenToKVPool) for one layer."""
         transfer.transfer_per_layer(
-            self.kv_buffer, device_pool.k_buffer[layer_id], device_pool.v_buffer[layer_id],
-            host_indices, device_indices, layer_id, self.layout, self.page_size,
-            io_backend, use_triton,
-        )  # fmt: skip
+            self.kv_buffer,
+            device_pool.k_buffer[layer_id],
+            device_pool.v_buffer[layer_id],
+            host_indices,
+            device_indices,
+            layer_id,
+            self.layout,
+            self.page_size,
+            io_backend,
+            use_triton,
+        )
 
     def backup_from_device_all_layer(
         self,
@@ -274,6 +287,13 @@ class MHATokenToKVPoolHost:
     ) -> None:
         """Device pool -> host, every layer, K and V."""
         transfer.transfer_all_layer(
-            device_pool.k_buffer, device_pool.v_buffer, self.kv_buffer,
-            device_indices, host_indices, self.layout, self.page_size, io_backend, use_triton,
-        )  # fmt: skip
+            device_pool.k_buffer,
+            device_pool.v_buffer,
+            self.kv_buffer,
+            device_indices,
+            host_indices,
+            self.layout,
+            self.page_size,
+            io_backend,
+            use_triton,
+        )

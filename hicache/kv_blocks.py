@@ -86,8 +86,9 @@ class Chain:
 ROOT = Chain(0, None, ())
 
 
-def chain_blocks(chain: Chain, salt: str | None, tokens: Iterable[int],
-                 block_size: int) -> tuple[list[Block], Chain]:
+def chain_blocks(
+    chain: Chain, salt: str | None, tokens: Iterable[int], block_size: int
+) -> tuple[list[Block], Chain]:
     """The blocks that ``tokens`` (following ``chain``) complete, and the chain after them."""
     blocks: list[Block] = []
     pending, last, n = list(chain.pending), chain.last_hash, 0
@@ -173,7 +174,8 @@ class BlockView:
             node, chain, since_in = stack.pop()
             blocks, chain_out = self._blocks_in(tree, node, chain)
             since = {
-                t: (chain.pos if since_in[t] is None else since_in[t]) if _in_tier(node, t)
+                t: (chain.pos if since_in[t] is None else since_in[t])
+                if _in_tier(node, t)
                 else None
                 for t in TREE_TIERS
             }

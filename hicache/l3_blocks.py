@@ -94,8 +94,9 @@ class L3Index:
         self._storage = None
 
     # ---- the tree's hooks (scheduler thread; no-ops when the backend reports itself) ---------
-    def found(self, namespace: str | None, token_ids: Sequence[int], keys: Sequence[str],
-              hit: int) -> None:
+    def found(
+        self, namespace: str | None, token_ids: Sequence[int], keys: Sequence[str], hit: int
+    ) -> None:
         """An exists check of ``keys`` (the object keys of ``token_ids``, a path from the
         root) found the first ``hit``: they are stored; ``keys[hit]`` is not, nor what is
         chained after it."""
@@ -107,8 +108,13 @@ class L3Index:
                 self._remove(keys[hit])
             self._bound()
 
-    def stored(self, namespace: str | None, token_ids: Sequence[int], keys: Sequence[str],
-               indices: Sequence[int]) -> None:
+    def stored(
+        self,
+        namespace: str | None,
+        token_ids: Sequence[int],
+        keys: Sequence[str],
+        indices: Sequence[int],
+    ) -> None:
         """Objects ``indices`` of the path ``token_ids`` (object keys ``keys``) are stored
         (a backup acknowledged them)."""
         if self.watched:
@@ -156,8 +162,9 @@ class L3Index:
                 return L3Changes(self._published_locked(), [], True)
             dirty, self._dirty = self._dirty, set()
             now = self._in_order(dirty & self._public)
-            return L3Changes([(k, self._objects[k]) for k in now], list(dirty - self._public),
-                             False)
+            return L3Changes(
+                [(k, self._objects[k]) for k in now], list(dirty - self._public), False
+            )
 
     def __len__(self) -> int:
         """Objects known (published or waiting for their parent)."""
@@ -195,13 +202,21 @@ class L3Index:
             seed = self._seeds[namespace] = prefix_hash_seed(self._fingerprint, namespace)
         return seed
 
-    def _add_path(self, namespace: str | None, token_ids: Sequence[int], keys: Sequence[str],
-                  indices: Sequence[int]) -> None:
+    def _add_path(
+        self,
+        namespace: str | None,
+        token_ids: Sequence[int],
+        keys: Sequence[str],
+        indices: Sequence[int],
+    ) -> None:
         S = self.object_size
         for i in indices:
             if keys[i] not in self._objects:
-                self._add(keys[i], keys[i - 1] if i else None,
-                          ObjectContent.of(namespace, token_ids[i * S: (i + 1) * S]))
+                self._add(
+                    keys[i],
+                    keys[i - 1] if i else None,
+                    ObjectContent.of(namespace, token_ids[i * S : (i + 1) * S]),
+                )
 
     def _add(self, key: str, parent: str | None, content: ObjectContent) -> None:
         if key in self._objects:
@@ -295,8 +310,9 @@ class L3BlockView:
         """Has changes() not been called yet (its first call gives the whole state)?"""
         return not self._looked
 
-    def changes(self, index: L3Index | None, reset: bool = False
-                ) -> tuple[dict[str, list[Block]], dict[str, list[int]]]:
+    def changes(
+        self, index: L3Index | None, reset: bool = False
+    ) -> tuple[dict[str, list[Block]], dict[str, list[int]]]:
         """(tier -> blocks stored, tier -> block hashes removed) since the last call; ``reset``:
         the stored blocks are the whole state (and nothing is removed). An index other than
         the last one (L3 attached or detached) removes the old one's blocks."""

@@ -54,9 +54,16 @@ class PrefetchState:
 class L3Prefetch:
     """The prefetches of waiting requests, by request id."""
 
-    def __init__(self, tier: L3Tier, tree: L3Tree, host_pool: MHATokenToKVPoolHost,
-                 policy: str, timeout_base: float, timeout_per_ki_token: float,
-                 threshold: int) -> None:
+    def __init__(
+        self,
+        tier: L3Tier,
+        tree: L3Tree,
+        host_pool: MHATokenToKVPoolHost,
+        policy: str,
+        timeout_base: float,
+        timeout_per_ki_token: float,
+        threshold: int,
+    ) -> None:
         if policy not in PREFETCH_POLICIES:
             raise ValueError(f"unknown prefetch policy {policy!r}; expected {PREFETCH_POLICIES}")
         self.tier = tier
@@ -74,8 +81,14 @@ class L3Prefetch:
         """The object keys of a request's tokens (compute once per request)."""
         return self.tier.storage_keys(self.tree.tree_key(token_ids, namespace))
 
-    def start_prefetch(self, req_id: str, token_ids: list[int], namespace: str | None,
-                       match: MatchResult, keys: list[str] | None = None) -> PrefetchStart:
+    def start_prefetch(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        namespace: str | None,
+        match: MatchResult,
+        keys: list[str] | None = None,
+    ) -> PrefetchStart:
         """A waiting request matched ``token_ids`` (``match``: its L1 + L2 match; ``keys``:
         ``prefetch_keys`` of them, computed once by the caller): start reading the L3 objects
         beyond the match. Returns the tokens that will add and L3's prefix of the request.
@@ -107,8 +120,11 @@ class L3Prefetch:
         # L2 too full for all of it: the leading objects that fit, if still worth it
         fit = min(hit - first, self.host_pool.available_size() // S)
         new_tokens = (first + fit) * S - matched
-        host = self.host_pool.alloc(fit * S) if fit and new_tokens >= max(
-            1, self.prefetch_threshold) else None
+        host = (
+            self.host_pool.alloc(fit * S)
+            if fit and new_tokens >= max(1, self.prefetch_threshold)
+            else None
+        )
         if host is None:
             self._release_host(anchor)
             self.counters["prefetch_skipped"] += 1
@@ -149,8 +165,11 @@ class L3Prefetch:
         """Earliest time.monotonic() at which a waiting prefetch times out (timeout policy)."""
         if self.prefetch_policy != "timeout":
             return None
-        times = [st.op.start_time + self._timeout(st.op)
-                 for st in self.ongoing_prefetch.values() if not st.collected]
+        times = [
+            st.op.start_time + self._timeout(st.op)
+            for st in self.ongoing_prefetch.values()
+            if not st.collected
+        ]
         return min(times) if times else None
 
     def cancel_prefetch(self, req_id: str) -> None:
@@ -185,13 +204,15 @@ class L3Prefetch:
         for req_id in list(self.ongoing_prefetch):
             self.cancel_prefetch(req_id)
 
-    def fetch_from_storage(self, key: list[int], namespace: str | None = None,
-                           timeout: float | None = 60.0) -> int:
+    def fetch_from_storage(
+        self, key: list[int], namespace: str | None = None, timeout: float | None = 60.0
+    ) -> int:
         """Read ``key``'s L3 objects beyond the tree into L2 now (blocking; admin warm-up and
         tests). Returns the tokens added."""
         req_id = f"fetch-{time.monotonic_ns()}"
-        self.start_prefetch(req_id, key, namespace,
-                            self.tree.match_prefix(key, namespace=namespace, touch=False))
+        self.start_prefetch(
+            req_id, key, namespace, self.tree.match_prefix(key, namespace=namespace, touch=False)
+        )
         io = self.tier.storage_io
         if io is None or req_id not in self.ongoing_prefetch:
             return 0
@@ -212,8 +233,10 @@ class L3Prefetch:
             self._collect(st)
 
     def _timeout(self, op: PrefetchOperation) -> float:
-        return (self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token
-                * len(op.keys) * self.tier.object_size / 1024)
+        return (
+            self.prefetch_timeout_base
+            + self.prefetch_timeout_per_ki_token * len(op.keys) * self.tier.object_size / 1024
+        )
 
     def _can_terminate(self, op: PrefetchOperation) -> bool:
         if op.done or op.complete or self.prefetch_policy == "best_effort":
@@ -233,7 +256,7 @@ class L3Prefetch:
         host = st.op.host_indices
         inserted = self._insert_host(st.key[:end], st.start, host[: n * S]) if n else 0
         if n < len(st.op.keys):
-            self.host_pool.free(host[n * S:])
+            self.host_pool.free(host[n * S :])
         st.inserted = inserted
         self.counters["prefetch_tokens"] += inserted
         # the protection moves to the node that now ends the path, until admission

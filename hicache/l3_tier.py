@@ -59,10 +59,16 @@ class L3Tier:
     """L3 state and decisions over ``tree``'s host copies (``host_pool``), moved by
     ``controller``'s StorageIO."""
 
-    def __init__(self, tree: L3Tree, host_pool: MHATokenToKVPoolHost,
-                 controller: HiCacheController, prefetch_policy: str = "timeout",
-                 prefetch_timeout_base: float = 1.0, prefetch_timeout_per_ki_token: float = 0.25,
-                 prefetch_threshold: int = 0) -> None:
+    def __init__(
+        self,
+        tree: L3Tree,
+        host_pool: MHATokenToKVPoolHost,
+        controller: HiCacheController,
+        prefetch_policy: str = "timeout",
+        prefetch_timeout_base: float = 1.0,
+        prefetch_timeout_per_ki_token: float = 0.25,
+        prefetch_threshold: int = 0,
+    ) -> None:
         self.tree = tree
         self.host_pool = host_pool
         self.controller = controller
@@ -75,13 +81,28 @@ class L3Tier:
         self.backup_host_tokens = 0  # host slots protected by backups in flight
         # optional policy hook (e.g. a tenant's L3 quota): False = do not back this node up now
         self.backup_gate: Callable[[TreeNode], bool] | None = None
-        self.l3_counters = {"prefetch_started": 0, "prefetch_tokens": 0, "prefetch_skipped": 0,
-                            "prefetch_cancelled": 0, "prefetch_discarded_tokens": 0,
-                            "prefetch_partial": 0, "backup_deferred": 0,
-                            "backup_dropped_nodes": 0, "repaired_objects": 0,
-                            "backup_gated_nodes": 0, "prefetch_yielded": 0}
-        self.prefetch = L3Prefetch(self, tree, host_pool, prefetch_policy, prefetch_timeout_base,
-                                   prefetch_timeout_per_ki_token, prefetch_threshold)
+        self.l3_counters = {
+            "prefetch_started": 0,
+            "prefetch_tokens": 0,
+            "prefetch_skipped": 0,
+            "prefetch_cancelled": 0,
+            "prefetch_discarded_tokens": 0,
+            "prefetch_partial": 0,
+            "backup_deferred": 0,
+            "backup_dropped_nodes": 0,
+            "repaired_objects": 0,
+            "backup_gated_nodes": 0,
+            "prefetch_yielded": 0,
+        }
+        self.prefetch = L3Prefetch(
+            self,
+            tree,
+            host_pool,
+            prefetch_policy,
+            prefetch_timeout_base,
+            prefetch_timeout_per_ki_token,
+            prefetch_threshold,
+        )
         self.admission = L3Admission(self)
 
     @property
@@ -172,8 +193,10 @@ class L3Tier:
 
     def _backup_full(self, tokens: int) -> bool:
         """Would ``tokens`` more host slots in flight exceed the backups' share of L2?"""
-        return (self.backup_host_tokens > 0 and self.backup_host_tokens + tokens
-                > MAX_BACKUP_HOST_SHARE * self.host_pool.size)
+        return (
+            self.backup_host_tokens > 0
+            and self.backup_host_tokens + tokens > MAX_BACKUP_HOST_SHARE * self.host_pool.size
+        )
 
     def _submit_deferred(self) -> None:
         for node_id, node in list(self.deferred_backups.items()):
@@ -187,8 +210,14 @@ class L3Tier:
                 continue
             self.backup_to_storage(node)  # deferred again while a parent's write is in flight
 
-    def _submit_backup(self, path: list[TreeNode], first: int, last: int,
-                       nodes: list[TreeNode], repair_key: str | None = None) -> bool:
+    def _submit_backup(
+        self,
+        path: list[TreeNode],
+        first: int,
+        last: int,
+        nodes: list[TreeNode],
+        repair_key: str | None = None,
+    ) -> bool:
         S = self.object_size
         host = self._path_host_slots(path, first * S, last * S)
         if host is None:
@@ -226,7 +255,7 @@ class L3Tier:
                 continue
             if n.host_value is None:
                 return None
-            parts.append(n.host_value[max(lo, a) - a: min(hi, b) - a])
+            parts.append(n.host_value[max(lo, a) - a : min(hi, b) - a])
         return torch.cat(parts) if parts else None
 
     def repair(self, key: tuple[int, ...], hit: int, end: int, first_key: str) -> None:
@@ -301,15 +330,23 @@ class L3Tier:
             while n is not None:  # its position (whether or not it is still in the tree)
                 end, n = end + len(n.key), n.parent
             deferred += end // S - (end - len(node.key)) // S
-        log.warning("L3: %d objects not stored at shutdown: %d in backups still running after "
-                    "%g s, %d waiting for backup room", running + deferred, running, timeout,
-                    deferred)
+        log.warning(
+            "L3: %d objects not stored at shutdown: %d in backups still running after "
+            "%g s, %d waiting for backup room",
+            running + deferred,
+            running,
+            timeout,
+            deferred,
+        )
         io.shutdown(timeout=0.0, warn=False)
         return running + deferred
 
     def backup_in_flight_tokens(self, namespaces: frozenset[str]) -> int:
-        return sum(len(job.host_indices) for job, _, _ in self.ongoing_backup.values()
-                   if job.namespace in namespaces)
+        return sum(
+            len(job.host_indices)
+            for job, _, _ in self.ongoing_backup.values()
+            if job.namespace in namespaces
+        )
 
     def set_backup_gate(self, gate: Callable[[TreeNode], bool] | None) -> None:
         self.backup_gate = gate
@@ -334,7 +371,8 @@ class L3Tier:
         if not self.controller.wait_storage_idle(timeout):
             raise StorageBusyError(
                 f"L3 still has {self._io.pending()} backups / prefetches in flight after "
-                f"{timeout:g} s; L3 was not changed")
+                f"{timeout:g} s; L3 was not changed"
+            )
         self.storage_check()
         return self._io.storage
 
@@ -362,7 +400,7 @@ class L3Tier:
             if not path or path[-1] is not node:
                 continue
             key = tuple(t for n in path for t in n.key)
-            for k in self.storage_keys(key)[(len(key) - len(node.key)) // S:]:
+            for k in self.storage_keys(key)[(len(key) - len(node.key)) // S :]:
                 storage.delete(k)
                 self.index.lost(k)
                 deleted += 1
@@ -377,8 +415,10 @@ class L3Tier:
         if self.storage_io is not None:
             raise StorageBusyError("an L3 backend is already attached; detach it first")
         if object_size % self.tree.page_size:
-            raise ValueError(f"L3 object size {object_size} is not a multiple of the page size "
-                             f"{self.tree.page_size}")
+            raise ValueError(
+                f"L3 object size {object_size} is not a multiple of the page size "
+                f"{self.tree.page_size}"
+            )
         self.storage_io = self.controller.attach_storage(storage, object_size)
         self.object_size = object_size
         self.l3_index = self._new_l3_index()
@@ -396,7 +436,8 @@ class L3Tier:
         if not self.controller.wait_storage_idle(timeout):
             raise StorageBusyError(
                 f"L3 still has {self.storage_io.pending()} backups / prefetches in flight after "
-                f"{timeout:g} s; nothing was detached")
+                f"{timeout:g} s; nothing was detached"
+            )
         self.l3_counters["backup_dropped_nodes"] += len(self.deferred_backups)
         self.deferred_backups.clear()  # (before the check, which would submit them)
         self.storage_check()  # every op is done: releases backup slots, collects prefetches
@@ -421,7 +462,7 @@ class L3Tier:
             return False
         key = tuple(t for n in path for t in n.key)
         start, S = len(key) - len(node.key), self.object_size
-        keys = self.storage_keys(key)[start // S:]
+        keys = self.storage_keys(key)[start // S :]
         return bool(keys) and all(self.storage_io.storage.exists_mask(keys))
 
     def storage_stats(self, hit_tokens: int) -> tuple[L3Stats, Moves]:
@@ -429,9 +470,15 @@ class L3Tier:
         tokens L3 served (the scheduler's count)."""
         io = self._io
         return l3_stats(
-            hit_tokens=hit_tokens, backend=io.storage.stats(), describe=io.storage.describe(),
-            object_tokens=self.object_size, bytes_per_token=self.controller.bytes_per_token,
-            prefetch_policy=self.prefetch.prefetch_policy, io=io.stats,
-            counters=self.l3_counters, pending_backups=len(self.ongoing_backup),
+            hit_tokens=hit_tokens,
+            backend=io.storage.stats(),
+            describe=io.storage.describe(),
+            object_tokens=self.object_size,
+            bytes_per_token=self.controller.bytes_per_token,
+            prefetch_policy=self.prefetch.prefetch_policy,
+            io=io.stats,
+            counters=self.l3_counters,
+            pending_backups=len(self.ongoing_backup),
             deferred_backups=len(self.deferred_backups),
-            pending_prefetches=len(self.prefetch.ongoing_prefetch))
+            pending_prefetches=len(self.prefetch.ongoing_prefetch),
+        )

@@ -20,8 +20,9 @@ class L3Tree(Protocol):
     page_size: int
     root_node: TreeNode
 
-    def tree_key(self, token_ids: list[int] | tuple[int, ...], namespace: str | None
-                 ) -> tuple[int, ...]:
+    def tree_key(
+        self, token_ids: list[int] | tuple[int, ...], namespace: str | None
+    ) -> tuple[int, ...]:
         """The page-aligned, namespaced key the tree stores for ``token_ids``."""
         ...
 
@@ -39,13 +40,15 @@ class L3Tree(Protocol):
         ends inside, touches no access time or hit count."""
         ...
 
-    def match_prefix(self, key: list[int] | tuple[int, ...], namespace: str | None = None,
-                     touch: bool = True) -> MatchResult:
+    def match_prefix(
+        self, key: list[int] | tuple[int, ...], namespace: str | None = None, touch: bool = True
+    ) -> MatchResult:
         """The L1 + L2 match of ``key`` (BasePrefixCache.match_prefix)."""
         ...
 
-    def hang_host_node(self, parent: TreeNode, key: tuple[int, ...],
-                       host_indices: torch.Tensor) -> TreeNode:
+    def hang_host_node(
+        self, parent: TreeNode, key: tuple[int, ...], host_indices: torch.Tensor
+    ) -> TreeNode:
         """Add a host-only child of ``parent`` holding ``key`` in ``host_indices`` (an L3 read:
         its objects are in L3)."""
         ...

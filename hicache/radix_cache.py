@@ -107,8 +107,9 @@ class RadixCache(BasePrefixCache):
     # ---- namespaces ---------------------------------------------------------------------------
     # NOTE: a namespace (tenant salt) is folded into every key element as token + (ns_id << 32),
     # so tenants never share a node while sharing one pool and one eviction order.
-    def key_of(self, token_ids: list[int] | tuple[int, ...], namespace: str | None = None
-               ) -> tuple[int, ...]:
+    def key_of(
+        self, token_ids: list[int] | tuple[int, ...], namespace: str | None = None
+    ) -> tuple[int, ...]:
         if not namespace:
             return tuple(token_ids)
         ns_id = self._ns_ids.get(namespace)
@@ -130,8 +131,9 @@ class RadixCache(BasePrefixCache):
         ns = self._ns_names.get(key[0] >> 32)
         return ns, [t & 0xFFFFFFFF for t in key]
 
-    def match_prefix(self, key: list[int] | tuple[int, ...],
-                     namespace: str | None = None, touch: bool = True) -> MatchResult:
+    def match_prefix(
+        self, key: list[int] | tuple[int, ...], namespace: str | None = None, touch: bool = True
+    ) -> MatchResult:
         """Longest cached page-aligned prefix of ``key``; splits the node the match ends inside.
         ``touch``: count a hit on the matched nodes (access time, hit count). The scheduler
         matches waiting requests with ``touch=False`` and counts the hit once, at admission
@@ -151,7 +153,7 @@ class RadixCache(BasePrefixCache):
             return 0
         _, node, prefix_len = self._match_helper(key, hit=False)
         if prefix_len < len(key):
-            self._add_leaf(node, key[prefix_len:], value[prefix_len: len(key)].to(torch.int64))
+            self._add_leaf(node, key[prefix_len:], value[prefix_len : len(key)].to(torch.int64))
         return prefix_len
 
     def cache_finished_req(self, req: CacheRequest) -> None:
@@ -168,8 +170,9 @@ class RadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free(kv_indices)
             rows.free(row)
             return
-        token_ids = self.key_of((list(req.origin_input_ids) + list(req.output_ids))[:kv_len],
-                                req.cache_namespace)
+        token_ids = self.key_of(
+            (list(req.origin_input_ids) + list(req.output_ids))[:kv_len], req.cache_namespace
+        )
         aligned_len = kv_len // self.page_size * self.page_size
         allocator = self.token_to_kv_pool_allocator
         allocator.free_group_begin()
@@ -260,8 +263,12 @@ class RadixCache(BasePrefixCache):
                 continue
             parent = node.parent
             num_evicted += self._evict_leaf(node)
-            if (parent is not None and parent is not self.root_node and not parent.children
-                    and parent.lock_ref == 0):
+            if (
+                parent is not None
+                and parent is not self.root_node
+                and not parent.children
+                and parent.lock_ref == 0
+            ):
                 heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
         self.token_to_kv_pool_allocator.free_group_end()
         return num_evicted
@@ -290,8 +297,9 @@ class RadixCache(BasePrefixCache):
     def _eviction_candidates(self, tier: str, nodes: Sequence[TreeNode]) -> list[TreeNode]:
         if tier != "l1":
             return []
-        return [n for n in nodes
-                if n is not self.root_node and n.value is not None and n.lock_ref == 0]
+        return [
+            n for n in nodes if n is not self.root_node and n.value is not None and n.lock_ref == 0
+        ]
 
     def evict_plan(self, plan: EvictionPlan) -> int:
         """Frees the plan's nodes as ``evict`` frees a leaf (``_evict_leaf``)."""
@@ -343,8 +351,10 @@ class RadixCache(BasePrefixCache):
             head = list(node.key[:8]) if node is not self.root_node else "root"
             print(f"{'  ' * depth}{head} len={len(node.key)} lock={node.lock_ref}")
             stack.extend((c, depth + 1) for c in node.children.values())
-        print(f"total={self.total_size()} evictable={self._evictable_size} "
-              f"protected={self._protected_size}")
+        print(
+            f"total={self.total_size()} evictable={self._evictable_size} "
+            f"protected={self._protected_size}"
+        )
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless keys, values, locks and size counters are consistent."""
@@ -359,8 +369,9 @@ class RadixCache(BasePrefixCache):
                 raise AssertionError(f"{node!r} key length not a positive page multiple")
             if node.value is not None and len(node.value) != len(node.key):
                 raise AssertionError(f"{node!r} value length != key length")
-            if node.lock_ref < 0 or (parent is not self.root_node
-                                     and parent.lock_ref < node.lock_ref):
+            if node.lock_ref < 0 or (
+                parent is not self.root_node and parent.lock_ref < node.lock_ref
+            ):
                 raise AssertionError(f"{node!r} lock_ref inconsistent with its parent")
             if node.value is not None:
                 if node.lock_ref == 0:
@@ -368,8 +379,10 @@ class RadixCache(BasePrefixCache):
                 else:
                     protected += len(node.value)
         if (evictable, protected) != (self._evictable_size, self._protected_size):
-            raise AssertionError(f"sizes {(self._evictable_size, self._protected_size)} "
-                                 f"!= recomputed {(evictable, protected)}")
+            raise AssertionError(
+                f"sizes {(self._evictable_size, self._protected_size)} "
+                f"!= recomputed {(evictable, protected)}"
+            )
         slots = self.all_device_slots()
         if slots.numel() != torch.unique(slots).numel():
             raise AssertionError("a slot is held by two tree nodes")
@@ -435,8 +448,9 @@ class RadixCache(BasePrefixCache):
             return (node.hit_count, node.last_access_time)
         return (node.last_access_time,)
 
-    def _match_helper(self, key: tuple[int, ...], hit: bool | None = True
-                      ) -> tuple[list[torch.Tensor], TreeNode, int]:
+    def _match_helper(
+        self, key: tuple[int, ...], hit: bool | None = True
+    ) -> tuple[list[torch.Tensor], TreeNode, int]:
         """Walk ``key`` down from the root, splitting the node the match ends inside; returns
         the matched nodes' values, the deepest matched node and the matched length.
         ``hit``: True touches and counts a hit, False only refreshes the access time, None
@@ -488,8 +502,11 @@ class RadixCache(BasePrefixCache):
 
     def _collect_leaves(self) -> list[TreeNode]:
         """Unlocked device leaves: the eviction candidates."""
-        return [n for n in self._all_nodes()
-                if not n.children and n.lock_ref == 0 and n is not self.root_node]
+        return [
+            n
+            for n in self._all_nodes()
+            if not n.children and n.lock_ref == 0 and n is not self.root_node
+        ]
 
     def _evict_leaf(self, node: TreeNode) -> int:
         """Free a leaf's slots and drop it; returns the tokens freed."""

@@ -190,10 +190,20 @@ class CacheStats:
         return 1.0 - self.miss_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def l3_stats(*, hit_tokens: int, backend: Mapping[str, int], describe: Mapping[str, str],
-             object_tokens: int, bytes_per_token: int, prefetch_policy: str,
-             io: Mapping[str, int], counters: Mapping[str, int], pending_backups: int,
-             deferred_backups: int, pending_prefetches: int) -> tuple[L3Stats, Moves]:
+def l3_stats(
+    *,
+    hit_tokens: int,
+    backend: Mapping[str, int],
+    describe: Mapping[str, str],
+    object_tokens: int,
+    bytes_per_token: int,
+    prefetch_policy: str,
+    io: Mapping[str, int],
+    counters: Mapping[str, int],
+    pending_backups: int,
+    deferred_backups: int,
+    pending_prefetches: int,
+) -> tuple[L3Stats, Moves]:
     """L3's record and the L2 <-> L3 traffic (L2's), from the backend's ``stats()`` and
     ``describe()``, StorageIO's counters (``io``) and the tree's L3 counters. The backend counts
     objects; the tier figures are in tokens (whole objects of ``object_tokens``)."""
@@ -242,7 +252,10 @@ def l3_stats(*, hit_tokens: int, backend: Mapping[str, int], describe: Mapping[s
         backend_figures={k: v for k, v in backend.items() if k not in common},
         backend_details={k: v for k, v in describe.items() if k not in ("backend", "address")},
     )
-    moves = Moves(promoted_tokens=counters["prefetch_tokens"],
-                  demoted_tokens=io["backup_objects"] * object_tokens,
-                  bytes_in=b.bytes_read, bytes_out=b.bytes_written)
+    moves = Moves(
+        promoted_tokens=counters["prefetch_tokens"],
+        demoted_tokens=io["backup_objects"] * object_tokens,
+        bytes_in=b.bytes_read,
+        bytes_out=b.bytes_written,
+    )
     return l3, moves

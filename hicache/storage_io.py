@@ -90,11 +90,19 @@ class PrefetchOperation:
 class StorageIO:
     """Backup and prefetch threads over one StorageBackend for one host pool."""
 
-    def __init__(self, storage: StorageBackend, host_pool: Any, object_size: int,
-                 model_fingerprint: str, notify: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        storage: StorageBackend,
+        host_pool: Any,
+        object_size: int,
+        model_fingerprint: str,
+        notify: Callable[[], None] | None = None,
+    ) -> None:
         if object_size % host_pool.page_size:
-            raise ValueError(f"L3 object size {object_size} is not a multiple of the page size "
-                             f"{host_pool.page_size}")
+            raise ValueError(
+                f"L3 object size {object_size} is not a multiple of the page size "
+                f"{host_pool.page_size}"
+            )
         self.storage = storage
         self.host_pool = host_pool
         self.object_size = object_size
@@ -105,9 +113,15 @@ class StorageIO:
         self.ack_backup_queue: queue.Queue[BackupJob] = queue.Queue()
         self.ack_prefetch_queue: queue.Queue[PrefetchOperation] = queue.Queue()
         # objects: L3 objects; *_errors: jobs / operations that raised (see the module docstring)
-        self.stats = {"backup_objects": 0, "backup_skipped_present": 0,
-                      "backup_failed_objects": 0, "backup_errors": 0,
-                      "prefetch_objects": 0, "prefetch_errors": 0, "prefetch_misses": 0}
+        self.stats = {
+            "backup_objects": 0,
+            "backup_skipped_present": 0,
+            "backup_failed_objects": 0,
+            "backup_errors": 0,
+            "prefetch_objects": 0,
+            "prefetch_errors": 0,
+            "prefetch_misses": 0,
+        }
         self._pending = 0  # jobs + operations handed to a thread and not yet finished
         self._pending_objects = 0  # objects of the backup jobs among them
         self._reconcile_interval = RECONCILE_MIN_INTERVAL_S
@@ -115,8 +129,7 @@ class StorageIO:
         self._idle = threading.Condition()
         self._threads = [
             threading.Thread(target=self._backup_worker, name="hicache-l3-backup", daemon=True),
-            threading.Thread(target=self._prefetch_worker, name="hicache-l3-prefetch",
-                             daemon=True),
+            threading.Thread(target=self._prefetch_worker, name="hicache-l3-prefetch", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -125,8 +138,9 @@ class StorageIO:
     # ---- keys --------------------------------------------------------------------------------
     def keys(self, token_ids: list[int], namespace: str | None) -> list[str]:
         """One key per full object of ``token_ids`` (a path from the root)."""
-        return object_keys(token_ids, self.object_size,
-                           prefix_hash_seed(self.fingerprint, namespace))
+        return object_keys(
+            token_ids, self.object_size, prefix_hash_seed(self.fingerprint, namespace)
+        )
 
     # ---- producer side (scheduler thread) ----------------------------------------------------
     def backup(self, job: BackupJob) -> None:
@@ -174,9 +188,13 @@ class StorageIO:
         if not finished and warn:
             with self._idle:
                 jobs, objects = self._pending, self._pending_objects
-            log.warning("L3: %d backups/prefetches (%d objects to store) still pending at "
-                        "shutdown after %.0f s; those objects are not stored", jobs, objects,
-                        timeout)
+            log.warning(
+                "L3: %d backups/prefetches (%d objects to store) still pending at "
+                "shutdown after %.0f s; those objects are not stored",
+                jobs,
+                objects,
+                timeout,
+            )
         self._closed = True
         self.backup_queue.put(None)
         self.prefetch_queue.put(None)
@@ -243,7 +261,7 @@ class StorageIO:
         chain = object_keys(job.path_tokens, S, seed)  # [first + num] keys, root first
         job.keys = chain
         num = len(job.host_indices) // S
-        keys = chain[job.first: job.first + num]
+        keys = chain[job.first : job.first + num]
         parents = [chain[job.first + i - 1] if job.first + i > 0 else None for i in range(num)]
         present = self.storage.exists_mask(keys)
         todo = [i for i in range(num) if not present[i]]
@@ -251,14 +269,18 @@ class StorageIO:
         job.stored += num - len(todo)
         self.stats["backup_skipped_present"] += num - len(todo)
         for start in range(0, len(todo), BACKUP_BATCH_OBJECTS):
-            batch = todo[start: start + BACKUP_BATCH_OBJECTS]
+            batch = todo[start : start + BACKUP_BATCH_OBJECTS]
             # [2, L, S, H, D] (layer_first) / [2, S, L, H, D] (page_first), contiguous, on host
-            values = [self.host_pool.get_flat_data(job.host_indices[i * S: (i + 1) * S])
-                      for i in batch]
+            values = [
+                self.host_pool.get_flat_data(job.host_indices[i * S : (i + 1) * S]) for i in batch
+            ]
             at = [(job.first + i) * S for i in batch]
             ok = self.storage.batch_set(
-                [keys[i] for i in batch], values, [parents[i] for i in batch],
-                [ObjectContent.of(job.namespace, job.path_tokens[a: a + S]) for a in at])
+                [keys[i] for i in batch],
+                values,
+                [parents[i] for i in batch],
+                [ObjectContent.of(job.namespace, job.path_tokens[a : a + S]) for a in at],
+            )
             job.landed += [job.first + i for i, o in zip(batch, ok) if o]
             job.stored += sum(ok)
             job.failed += len(ok) - sum(ok)
@@ -282,19 +304,26 @@ class StorageIO:
         for start in range(0, len(op.keys), PREFETCH_BATCH_OBJECTS):
             if op.terminated:
                 return
-            values = self.storage.batch_get(op.keys[start: start + PREFETCH_BATCH_OBJECTS])
+            values = self.storage.batch_get(op.keys[start : start + PREFETCH_BATCH_OBJECTS])
             landed = 0
             for i, value in enumerate(values):
                 if value is None:
                     break
-                host = op.host_indices[(start + i) * S: (start + i + 1) * S]
+                host = op.host_indices[(start + i) * S : (start + i + 1) * S]
                 expected = self.host_pool.get_flat_data_shape(len(host))
-                data = value if isinstance(value, torch.Tensor) else torch.frombuffer(
-                    bytearray(value), dtype=self.host_pool.store_dtype)
+                data = (
+                    value
+                    if isinstance(value, torch.Tensor)
+                    else torch.frombuffer(bytearray(value), dtype=self.host_pool.store_dtype)
+                )
                 data = data.view(self.host_pool.store_dtype)
                 if data.numel() != _numel(expected):
-                    log.warning("L3 object %s has %d elements, expected %s; treated as a miss",
-                                op.keys[start + i], data.numel(), tuple(expected))
+                    log.warning(
+                        "L3 object %s has %d elements, expected %s; treated as a miss",
+                        op.keys[start + i],
+                        data.numel(),
+                        tuple(expected),
+                    )
                     self.storage.delete(op.keys[start + i])
                     break
                 self.host_pool.set_from_flat_data(host, data.reshape(expected))
@@ -311,8 +340,9 @@ class StorageIO:
 
 def reconcile_interval(took_s: float) -> float:
     """Seconds from the end of a reconcile pass that took ``took_s`` to the next one."""
-    return min(RECONCILE_MAX_INTERVAL_S,
-               max(RECONCILE_MIN_INTERVAL_S, took_s / RECONCILE_MAX_SHARE))
+    return min(
+        RECONCILE_MAX_INTERVAL_S, max(RECONCILE_MIN_INTERVAL_S, took_s / RECONCILE_MAX_SHARE)
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

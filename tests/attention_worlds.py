@@ -43,9 +43,18 @@ class AttentionWorld:
     fixed-split mode); each request's q/k/v per position come from ``seqs``; ``out[rid, pos]``
     is a token's output [heads * head_dim] once computed."""
 
-    def __init__(self, seqs: dict, geom: Geometry, name: str, seed: int, *,
-                 deterministic: bool = True, split: int | None = None, num_slots: int = 1024,
-                 table_width: int = 320) -> None:  # fmt: skip
+    def __init__(
+        self,
+        seqs: dict,
+        geom: Geometry,
+        name: str,
+        seed: int,
+        *,
+        deterministic: bool = True,
+        split: int | None = None,
+        num_slots: int = 1024,
+        table_width: int = 320,
+    ) -> None:
         heads, kv_heads, head_dim = geom
         q0 = next(iter(seqs.values()))[0]
         self.device, self.dtype = q0.device, q0.dtype

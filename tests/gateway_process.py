@@ -72,14 +72,34 @@ def start_daemon(model_dir: str, workdir: Path, *extra: str) -> Proc:
     """`hicache serve` with gRPC and HTTP on free ports, its XDG cache and log in `workdir`.
     The caller waits with wait_http_ready."""
     port, http = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"
+    }
     env.update(XDG_CACHE_HOME=str(workdir), HICACHE_LOG_LEVEL="warning")
     proc = Proc.spawn(
-        [sys.executable, "-m", "engine.client.cli", "serve", "--model", model_dir,
-         "--port", str(port), "--http-port", str(http), "--max-total-tokens", "4096",
-         "--grace-period-s", "5", *extra],
-        workdir / "daemon.log", cwd=ROOT, env=env)
+        [
+            sys.executable,
+            "-m",
+            "engine.client.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--http-port",
+            str(http),
+            "--max-total-tokens",
+            "4096",
+            "--grace-period-s",
+            "5",
+            *extra,
+        ],
+        workdir / "daemon.log",
+        cwd=ROOT,
+        env=env,
+    )
     proc.url, proc.port = f"http://127.0.0.1:{http}", port
     return proc
 
@@ -106,9 +126,23 @@ def start_smg(worker_urls: list[str], log: Path, *extra: str) -> Proc:
     assert binary is not None, "smg is not installed"
     port, prom = free_port(), free_port()
     proc = Proc.spawn(
-        [binary, "launch", "--worker-urls", *worker_urls, "--host", "127.0.0.1",
-         "--port", str(port), "--prometheus-port", str(prom), "--log-level", "warn", *extra],
-        log)
+        [
+            binary,
+            "launch",
+            "--worker-urls",
+            *worker_urls,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(prom),
+            "--log-level",
+            "warn",
+            *extra,
+        ],
+        log,
+    )
     proc.url = f"http://127.0.0.1:{port}"
     proc.metrics_url = f"http://127.0.0.1:{prom}/metrics"
     return proc
@@ -139,6 +173,7 @@ def wait_gateway_ready(proc: Proc, model: str, workers: int, timeout: float = 12
         except httpx2.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise proc.failure(f"smg not ready for {model!r} on {workers} workers in "
-                               f"{timeout:.0f}s")
+            raise proc.failure(
+                f"smg not ready for {model!r} on {workers} workers in {timeout:.0f}s"
+            )
         time.sleep(0.2)

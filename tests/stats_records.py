@@ -32,10 +32,10 @@ def l3(**figures: Any) -> L3Stats:
     return record(L3Stats, **{"backend": "file", "object_tokens": 16, **figures})
 
 
-def cache_stats(l1: L1Stats | None = None, l2: L2Stats | None = None, l3: L3Stats | None = None,
-                **figures: Any) -> CacheStats:
-    return record(CacheStats, l1=l1 if l1 is not None else record(L1Stats), l2=l2, l3=l3,
-                  **figures)
+def cache_stats(
+    l1: L1Stats | None = None, l2: L2Stats | None = None, l3: L3Stats | None = None, **figures: Any
+) -> CacheStats:
+    return record(CacheStats, l1=l1 if l1 is not None else record(L1Stats), l2=l2, l3=l3, **figures)
 
 
 # What each figure is called in Prometheus (docs/daemon.md, "Metrics"), written out here rather
@@ -50,14 +50,18 @@ TIER_FAMILIES = {  # one family per TierStats field, label tier
     "errors": "hicache_errors_total",
 }
 TRAFFIC_FAMILIES = {  # the movement fields, named after the copy (no label)
-    "l1": {"promoted_tokens": "hicache_load_back_tokens_total",
-           "bytes_in": "hicache_load_back_bytes_total",
-           "demoted_tokens": "hicache_demoted_tokens_total",
-           "bytes_out": "hicache_host_backup_bytes_total"},
-    "l2": {"promoted_tokens": "hicache_prefetched_tokens_total",
-           "bytes_in": "hicache_prefetched_bytes_total",
-           "demoted_tokens": "hicache_backuped_tokens_total",
-           "bytes_out": "hicache_backuped_bytes_total"},
+    "l1": {
+        "promoted_tokens": "hicache_load_back_tokens_total",
+        "bytes_in": "hicache_load_back_bytes_total",
+        "demoted_tokens": "hicache_demoted_tokens_total",
+        "bytes_out": "hicache_host_backup_bytes_total",
+    },
+    "l2": {
+        "promoted_tokens": "hicache_prefetched_tokens_total",
+        "bytes_in": "hicache_prefetched_bytes_total",
+        "demoted_tokens": "hicache_backuped_tokens_total",
+        "bytes_out": "hicache_backuped_bytes_total",
+    },
 }
 L3_FAMILIES = {  # L3Stats' own fields that are exported (no label)
     "prefetch_objects": "hicache_l3_prefetch_objects_total",
@@ -83,8 +87,11 @@ def samples(text: str) -> dict[tuple[str, str], float]:
     """Prometheus text -> {(sample name, its tier label or ""): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, s.labels.get("tier", "")): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, s.labels.get("tier", "")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def assert_metrics_equal(scraped: dict[tuple[str, str], float], stats: CacheStats) -> None:

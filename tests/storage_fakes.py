@@ -78,9 +78,13 @@ class GatedStorage(StorageBackend):
         self.reads.wait()
         return self.inner.batch_get(keys)
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None,
-                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
+    def batch_set(
+        self,
+        keys: Sequence[str],
+        values: Sequence[StorageValue],
+        parents: Sequence[str | None] | None = None,
+        contents: Sequence[ObjectContent | None] | None = None,
+    ) -> list[bool]:
         self.set_calls += 1
         self.writes.wait()
         return self.inner.batch_set(keys, values, parents, contents)
@@ -110,9 +114,12 @@ def delay_writes(backend: StorageBackend, seconds: float) -> None:
     instance, so a backend an Engine built itself slows down too)."""
     real = backend.batch_set
 
-    def batch_set(keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None,
-                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
+    def batch_set(
+        keys: Sequence[str],
+        values: Sequence[StorageValue],
+        parents: Sequence[str | None] | None = None,
+        contents: Sequence[ObjectContent | None] | None = None,
+    ) -> list[bool]:
         time.sleep(seconds)
         return real(keys, values, parents, contents)
 
@@ -125,9 +132,12 @@ def gate_writes(backend: StorageBackend) -> Gate:
     gate = Gate(opened=False)
     real = backend.batch_set
 
-    def batch_set(keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None,
-                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
+    def batch_set(
+        keys: Sequence[str],
+        values: Sequence[StorageValue],
+        parents: Sequence[str | None] | None = None,
+        contents: Sequence[ObjectContent | None] | None = None,
+    ) -> list[bool]:
         gate.wait()
         return real(keys, values, parents, contents)
 

@@ -22,23 +22,42 @@ def make_tokenizer(vocab_size: int = 384):
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(CORPUS * 4, vocab_size=vocab_size, min_frequency=1,
-                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
-                                  bos_token="<|im_start|>", pad_token="<|endoftext|>")
+    bpe.train_from_iterator(
+        CORPUS * 4,
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer,
+        eos_token="<|endoftext|>",
+        bos_token="<|im_start|>",
+        pad_token="<|endoftext|>",
+    )
     tok.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     return tok
 
 
 def make_config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
-                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "eos_token_id": 0,
-                  "bos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": False}
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "eos_token_id": 0,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
     common.update(overrides)
     if arch == "llama":
         return LlamaConfig(rope_theta=10000.0, **common)
@@ -79,7 +98,13 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
     for ids in prompts:
         x = torch.tensor([ids])
         with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outs.append(y[0, len(ids) :].tolist())
     return outs

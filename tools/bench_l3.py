@@ -47,8 +47,13 @@ from tests.valkey_servers import ValkeyServer
 from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
 
 STEPS = ("recompute", "l2", "file_l3", "redis_l3", "redis_l3_live")
-LABEL = {"recompute": "recompute", "l2": "L2 hit", "file_l3": "file L3 (restart)",
-         "redis_l3": "Redis L3 (restart)", "redis_l3_live": "Redis L3 (live)"}
+LABEL = {
+    "recompute": "recompute",
+    "l2": "L2 hit",
+    "file_l3": "file L3 (restart)",
+    "redis_l3": "Redis L3 (restart)",
+    "redis_l3_live": "Redis L3 (live)",
+}
 TIER = {"recompute": None, "l2": "l2", "file_l3": "l3", "redis_l3": "l3", "redis_l3_live": "l3"}
 
 
@@ -56,19 +61,28 @@ TIER = {"recompute": None, "l2": "l2", "file_l3": "l3", "redis_l3": "l3", "redis
 def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
     prompts = [distinct_prompt(100 + i, a.prompt_len, [WARMUP]) for i in range(a.reps)]
     base = {**extra_opts(a), "enable_hierarchical_cache": True}
-    file_opts = {**base, "hicache_storage_backend": "file",
-                 "hicache_storage_dir": os.path.join(tmp, "kv")}
+    file_opts = {
+        **base,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": os.path.join(tmp, "kv"),
+    }
     redis_opts = {**base, "hicache_storage_backend": "redis", "hicache_storage_url": url}
     samples: dict[str, list[dict]] = {s: [] for s in STEPS}
 
     def step(eng: Engine, name: str, ids: list[int]) -> None:
         o = timed_request(eng, ids, a.output_len, a.request_timeout)
-        ok = o.error is None and (TIER[name] is None and o.cached == 0
-                                  or TIER[name] is not None and o.tiers.get(TIER[name], 0) > 0)
+        ok = o.error is None and (
+            TIER[name] is None
+            and o.cached == 0
+            or TIER[name] is not None
+            and o.tiers.get(TIER[name], 0) > 0
+        )
         samples[name].append({"ttft_s": o.ttft_s, "tiers": o.tiers, "error": o.error, "ok": ok})
-        print(f"  {LABEL[name]:>19}: TTFT {o.ttft_s * 1e3:8.1f} ms  {tiers_str(o.tiers)}"
-              f"{'' if ok else '  NOT FROM ' + str(TIER[name]) + ' ' + str(o.error or '')}",
-              flush=True)
+        print(
+            f"  {LABEL[name]:>19}: TTFT {o.ttft_s * 1e3:8.1f} ms  {tiers_str(o.tiers)}"
+            f"{'' if ok else '  NOT FROM ' + str(TIER[name]) + ' ' + str(o.error or '')}",
+            flush=True,
+        )
 
     def engine(opts: dict) -> Engine:
         eng = Engine(**opts)
@@ -81,7 +95,8 @@ def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
             try:
                 step(eng, name, p)
                 samples.setdefault(name + "_stats", []).append(
-                    dataclasses.asdict(eng.cache_stats().l3))
+                    dataclasses.asdict(eng.cache_stats().l3)
+                )
             finally:
                 eng.shutdown()
 
@@ -100,18 +115,26 @@ def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
             timed_request(eng, p, a.output_len, a.request_timeout)
         eng.call_in_scheduler(lambda s: s.tree_cache.controller.wait_storage_idle(60))
         for p in prompts:
-            eng.call_in_scheduler(lambda s: (s.tree_cache.flush_tier("l1"),
-                                             s.tree_cache.flush_tier("l2")))
+            eng.call_in_scheduler(
+                lambda s: (s.tree_cache.flush_tier("l1"), s.tree_cache.flush_tier("l2"))
+            )
             step(eng, "redis_l3_live", p)
     finally:
         eng.shutdown()
     restarts(redis_opts, "redis_l3")
     med = {s: median(x["ttft_s"] for x in samples[s]) for s in STEPS}
     ratios = {s: med[s] / med["recompute"] for s in STEPS}
-    return {"samples": samples, "median_ttft_s": med, "vs_recompute": ratios,
-            "all_from_their_tier": all(x["ok"] for s in STEPS for x in samples[s]),
-            "target_redis_l3": {"value": ratios["redis_l3"], "limit": 0.2,
-                                "met": ratios["redis_l3"] <= 0.2}}
+    return {
+        "samples": samples,
+        "median_ttft_s": med,
+        "vs_recompute": ratios,
+        "all_from_their_tier": all(x["ok"] for s in STEPS for x in samples[s]),
+        "target_redis_l3": {
+            "value": ratios["redis_l3"],
+            "limit": 0.2,
+            "met": ratios["redis_l3"] <= 0.2,
+        },
+    }
 
 
 # ---- part 2: bandwidth -------------------------------------------------------------------------
@@ -157,8 +180,12 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
     def backend_round(store: Any) -> tuple[float, float]:
         store.clear()
         settle()
-        w = timed(lambda: [store.batch_set(keys[i:i + 32], values[i:i + 32], parents[i:i + 32])
-                           for i in range(0, n, 32)])
+        w = timed(
+            lambda: [
+                store.batch_set(keys[i : i + 32], values[i : i + 32], parents[i : i + 32])
+                for i in range(0, n, 32)
+            ]
+        )
         missed = [0]
 
         def read() -> None:
@@ -166,7 +193,7 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
             # it into L2 (keeping all 128 alive made every reply land in fresh, page-faulting
             # memory, which plain redis-py's dropped replies did not pay)
             for i in range(0, n, 4):
-                missed[0] += sum(v is None for v in store.batch_get(keys[i:i + 4]))
+                missed[0] += sum(v is None for v in store.batch_get(keys[i : i + 4]))
 
         r = timed(read)
         assert missed[0] == 0, f"{missed[0]} reads missed"
@@ -182,14 +209,14 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
         def put() -> None:
             for i in range(0, n, 32):
                 p = raw.pipeline(transaction=False)
-                for k, b in zip(keys[i:i + 32], blobs[i:i + 32]):
+                for k, b in zip(keys[i : i + 32], blobs[i : i + 32]):
                     p.set(k, b)
                 p.execute()
 
         def get() -> None:
             for i in range(0, n, 4):
                 p = raw.pipeline(transaction=False)
-                for k in keys[i:i + 4]:
+                for k in keys[i : i + 4]:
                     p.get(k)
                 p.execute()
 
@@ -199,8 +226,11 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
 
     redis_store = RedisStorageBackend(url, "benchl3")
     file_store = FileStorageBackend(os.path.join(tmp, "bw"), 1 << 40, reconcile_interval_s=None)
-    rounds = {"redis_backend": lambda: backend_round(redis_store), "plain_redis_py": plain_round,
-              "file_backend": lambda: backend_round(file_store)}
+    rounds = {
+        "redis_backend": lambda: backend_round(redis_store),
+        "plain_redis_py": plain_round,
+        "file_backend": lambda: backend_round(file_store),
+    }
     for name in rounds:
         out[name] = {"write": [], "read": []}
     # NOTE: one unmeasured round each first (the server's and the page cache's first touch of
@@ -210,20 +240,24 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
         fn()
     names = list(rounds)
     for rep in range(a.bw_reps):
-        for name in names[rep % 3:] + names[:rep % 3]:
+        for name in names[rep % 3 :] + names[: rep % 3]:
             w, r = rounds[name]()
             out[name]["write"].append(w)
             out[name]["read"].append(r)
-    med = {name: {d: median(out[name][d]) for d in ("write", "read")}
-           for name in ("redis_backend", "file_backend", "plain_redis_py")}
+    med = {
+        name: {d: median(out[name][d]) for d in ("write", "read")}
+        for name in ("redis_backend", "file_backend", "plain_redis_py")
+    }
     out["median_bytes_per_s"] = med
     # NOTE: the ratio is the median of per-rep ratios: a backend round and a plain round of one
     # rep run back to back, so the VM's drift (2-3x between reps here) cancels
     out["redis_vs_plain"] = {
         d: median(b / p for b, p in zip(out["redis_backend"][d], out["plain_redis_py"][d]))
-        for d in ("write", "read")}
-    out["target"] = {d: {"value": v, "limit": 0.8, "met": v >= 0.8}
-                     for d, v in out["redis_vs_plain"].items()}
+        for d in ("write", "read")
+    }
+    out["target"] = {
+        d: {"value": v, "limit": 0.8, "met": v >= 0.8} for d, v in out["redis_vs_plain"].items()
+    }
     return out
 
 
@@ -232,34 +266,61 @@ def markdown(ttft: dict | None, bw: dict) -> str:
     lines: list[str] = []
     if ttft is not None:
         med, rat = ttft["median_ttft_s"], ttft["vs_recompute"]
-        lines += [markdown_table(["served from", "TTFT (ms, median)", "vs recompute"],
-                                 [[LABEL[s], f"{med[s] * 1e3:.0f}", f"{rat[s]:.3f}"]
-                                  for s in STEPS])]
+        lines += [
+            markdown_table(
+                ["served from", "TTFT (ms, median)", "vs recompute"],
+                [[LABEL[s], f"{med[s] * 1e3:.0f}", f"{rat[s]:.3f}"] for s in STEPS],
+            )
+        ]
         t = ttft["target_redis_l3"]
-        lines += ["", (f"Redis L3 hit / recompute = {t['value']:.3f} (target <= 0.2: "
-                       f"{'met' if t['met'] else 'NOT MET'}); every step from its tier: "
-                       f"{ttft['all_from_their_tier']}."), ""]
+        lines += [
+            "",
+            (
+                f"Redis L3 hit / recompute = {t['value']:.3f} (target <= 0.2: "
+                f"{'met' if t['met'] else 'NOT MET'}); every step from its tier: "
+                f"{ttft['all_from_their_tier']}."
+            ),
+            "",
+        ]
     m = bw["median_bytes_per_s"]
-    lines += [(f"Objects of {bw['object_tokens']} tokens = {bw['object_bytes'] / 1e6:.2f} MB, "
-               f"{bw['objects']} per round:"), "",
-              markdown_table(["", "write MB/s", "read MB/s"],
-                             [[name, f"{m[key]['write'] / 1e6:.0f}",
-                               f"{m[key]['read'] / 1e6:.0f}"]
-                              for name, key in (("RedisStorageBackend", "redis_backend"),
-                                                ("plain redis-py SET / GET", "plain_redis_py"),
-                                                ("FileStorageBackend", "file_backend"))])]
+    lines += [
+        (
+            f"Objects of {bw['object_tokens']} tokens = {bw['object_bytes'] / 1e6:.2f} MB, "
+            f"{bw['objects']} per round:"
+        ),
+        "",
+        markdown_table(
+            ["", "write MB/s", "read MB/s"],
+            [
+                [name, f"{m[key]['write'] / 1e6:.0f}", f"{m[key]['read'] / 1e6:.0f}"]
+                for name, key in (
+                    ("RedisStorageBackend", "redis_backend"),
+                    ("plain redis-py SET / GET", "plain_redis_py"),
+                    ("FileStorageBackend", "file_backend"),
+                )
+            ],
+        ),
+    ]
     r = bw["redis_vs_plain"]
     met = all(x["met"] for x in bw["target"].values())
-    lines += ["", (f"Backend / plain redis-py (median of per-rep ratios): write "
-                   f"{r['write']:.2f}x, read {r['read']:.2f}x "
-                   f"(target >= 0.8x: {'met' if met else 'NOT MET'}).")]
+    lines += [
+        "",
+        (
+            f"Backend / plain redis-py (median of per-rep ratios): write "
+            f"{r['write']:.2f}x, read {r['read']:.2f}x "
+            f"(target >= 0.8x: {'met' if met else 'NOT MET'})."
+        ),
+    ]
     return "\n".join(lines)
 
 
 def plot_ttft(ax: Any, ttft: dict) -> None:
     med = ttft["median_ttft_s"]
-    ax.bar([LABEL[s] for s in STEPS], [med[s] * 1e3 for s in STEPS],
-           color=["tab:red", "tab:purple", "tab:brown", "tab:blue", "tab:cyan"])
+    ax.bar(
+        [LABEL[s] for s in STEPS],
+        [med[s] * 1e3 for s in STEPS],
+        color=["tab:red", "tab:purple", "tab:brown", "tab:blue", "tab:cyan"],
+    )
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (ms, log)")
     ax.set_title(f"~{ttft.get('prompt_len', '')} token prompt served from")
@@ -285,21 +346,30 @@ def plot(ttft: dict | None, bw: dict, path: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out-dir", default="docs")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra Engine option for every engine (JSON value if it parses)")
+    ap.add_argument(
+        "--opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Engine option for every engine (JSON value if it parses)",
+    )
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--objects", type=int, default=128, help="objects per bandwidth round")
     ap.add_argument("--bw-reps", type=int, default=9)
     ap.add_argument("--request-timeout", type=float, default=1800.0)
-    ap.add_argument("--bandwidth-only", action="store_true",
-                    help="part 2 only (writes bench_l3_bandwidth.json / .png)")
+    ap.add_argument(
+        "--bandwidth-only",
+        action="store_true",
+        help="part 2 only (writes bench_l3_bandwidth.json / .png)",
+    )
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     header = Header.now()
@@ -325,8 +395,10 @@ def main() -> int:
     base = os.path.join(a.out_dir, "bench_l3" + ("_bandwidth" if a.bandwidth_only else ""))
     result.update(header.record([plot(ttft, bw, base + ".png")]))
     write_json(base + ".json", result)
-    print(f"\n{header.markdown(result['plots'])}  \nResults: `{base}.json`\n\n"
-          f"{markdown(ttft, bw)}\n", flush=True)
+    print(
+        f"\n{header.markdown(result['plots'])}  \nResults: `{base}.json`\n\n{markdown(ttft, bw)}\n",
+        flush=True,
+    )
     ok = all(t["met"] for t in bw["target"].values())
     if ttft is not None:
         ok = ok and ttft["target_redis_l3"]["met"] and ttft["all_from_their_tier"]

@@ -92,8 +92,11 @@ def run_request(engine: Engine, ids: list[int], max_new: int) -> tuple[float, li
             break
     if last.error:
         raise RuntimeError(last.error)
-    return (ttft if ttft is not None else time.perf_counter() - t0), out, dict(
-        last.cached_tokens_per_tier or {})
+    return (
+        (ttft if ttft is not None else time.perf_counter() - t0),
+        out,
+        dict(last.cached_tokens_per_tier or {}),
+    )
 
 
 def stats_dict(record: Any) -> dict | None:
@@ -116,9 +119,12 @@ def tier_hits(before: dict, after: dict, prompt_tokens: int = 0) -> dict:
     tokens / the prompt tokens the cache counted (``prompt_tokens`` when it counted none)."""
     d = {k: after[k] - before[k] for k in (*TIERS, "miss", "prompt")}
     prompt = d["prompt"] or prompt_tokens or 1
-    return {"hit_tokens": {t: d[t] for t in TIERS}, "miss_tokens": d["miss"],
-            "hit_rate": {t: d[t] / prompt for t in TIERS},
-            "hit_rate_total": sum(d[t] for t in TIERS) / prompt}
+    return {
+        "hit_tokens": {t: d[t] for t in TIERS},
+        "miss_tokens": d["miss"],
+        "hit_rate": {t: d[t] / prompt for t in TIERS},
+        "hit_rate_total": sum(d[t] for t in TIERS) / prompt,
+    }
 
 
 def wait_writes(engine: Engine, timeout: float = 20.0) -> None:
@@ -136,8 +142,13 @@ def wait_writes(engine: Engine, timeout: float = 20.0) -> None:
 # ----------------------------------------------------------------------------------------------
 def model_opts(a: argparse.Namespace) -> dict:
     """Engine options that pick the model and where it runs (shared by every config)."""
-    opts = {"model": a.model, "device": a.device, "dtype": a.dtype,
-            "load_format": a.load_format, "hicache_io_backend": a.io_backend}
+    opts = {
+        "model": a.model,
+        "device": a.device,
+        "dtype": a.dtype,
+        "load_format": a.load_format,
+        "hicache_io_backend": a.io_backend,
+    }
     if a.attention_backend:
         opts["attention_backend"] = a.attention_backend
     return opts
@@ -150,9 +161,16 @@ def multiturn_configs(a: argparse.Namespace, storage_dir: str) -> list[tuple[str
         ("radix off", {**common, "disable_radix_cache": True}),
         ("L1", dict(common)),
         ("L1+L2", {**hi, "hicache_ratio": a.l2_ratio}),
-        ("L1+L2+L3", {**hi, "hicache_ratio": a.l3_ratio, "hicache_storage_backend": "file",
-                      "hicache_storage_dir": storage_dir,
-                      "hicache_storage_prefetch_policy": a.prefetch_policy}),
+        (
+            "L1+L2+L3",
+            {
+                **hi,
+                "hicache_ratio": a.l3_ratio,
+                "hicache_storage_backend": "file",
+                "hicache_storage_dir": storage_dir,
+                "hicache_storage_prefetch_policy": a.prefetch_policy,
+            },
+        ),
     ]
 
 
@@ -177,17 +195,25 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
                     prompt = history + rand_tokens(rng, a.question_len)
                     ttft, out, tiers = run_request(engine, prompt, a.output_len)
                     with lock:
-                        records.append({"client": cid, "round": r, "prompt_tokens": len(prompt),
-                                        "output_tokens": len(out), "ttft_s": ttft,
-                                        "cached_per_tier": tiers})
+                        records.append(
+                            {
+                                "client": cid,
+                                "round": r,
+                                "prompt_tokens": len(prompt),
+                                "output_tokens": len(out),
+                                "ttft_s": ttft,
+                                "cached_per_tier": tiers,
+                            }
+                        )
                     history = prompt + out
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
         REQUEUES.requeues = 0
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=client, args=(i,), daemon=True)
-                   for i in range(a.clients)]
+        threads = [
+            threading.Thread(target=client, args=(i,), daemon=True) for i in range(a.clients)
+        ]
         for t in threads:
             t.start()
         deadline = t0 + a.config_timeout
@@ -223,7 +249,8 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
         "ttft_p90_s": percentile(ttfts, 90),
         **tier_hits(before, after, ptoks),
         "per_request_cached_tiers_sum": {
-            t: sum(r["cached_per_tier"].get(t, 0) for r in records) for t in TIERS},
+            t: sum(r["cached_per_tier"].get(t, 0) for r in records) for t in TIERS
+        },
         "final_stats": {k: v for k, v in after["raw"].items()},
         "records": sorted(records, key=lambda r: (r["round"], r["client"])),
     }
@@ -244,8 +271,7 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
         return ",".join(f"{t}={tiers.get(t, 0)}" for t in TIERS)
 
     # (a) recompute + (b) L1 hit: plain radix cache with a huge device pool
-    eng = Engine(**model_opts(a), max_total_tokens=max(16384, 2 * n + 256),
-                 page_size=a.page_size)
+    eng = Engine(**model_opts(a), max_total_tokens=max(16384, 2 * n + 256), page_size=a.page_size)
     try:
         run_request(eng, warm, 1)
         rec = []
@@ -264,11 +290,17 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
         eng.shutdown()
 
     # (c) L2 hit: hierarchical cache, write-through to host (+ file L3 for part d)
-    hi_opts = dict(**model_opts(a), max_total_tokens=max(4096, n + 1024), page_size=a.page_size,
-                   enable_hierarchical_cache=True,
-                   hicache_ratio=4.0, hicache_mem_layout=a.layout,
-                   hicache_storage_backend="file", hicache_storage_dir=storage_dir,
-                   hicache_storage_prefetch_policy=a.prefetch_policy)
+    hi_opts = dict(
+        **model_opts(a),
+        max_total_tokens=max(4096, n + 1024),
+        page_size=a.page_size,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4.0,
+        hicache_mem_layout=a.layout,
+        hicache_storage_backend="file",
+        hicache_storage_dir=storage_dir,
+        hicache_storage_prefetch_policy=a.prefetch_policy,
+    )
     eng = Engine(**hi_opts)
     try:
         run_request(eng, warm, 1)
@@ -299,41 +331,80 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
         finally:
             eng.shutdown()
 
-    out["ttft_s"] = {"recompute": median(rec), "l1": median(l1), "l2": median(l2),
-                     "l3": median(l3)}
+    out["ttft_s"] = {"recompute": median(rec), "l1": median(l1), "l2": median(l2), "l3": median(l3)}
     out["ttft_all_s"] = {"recompute": rec, "l1": l1, "l2": l2, "l3": l3}
     r = out["ttft_s"]
     out["targets"] = {
         "l2_le_1.2x_l1": {"ratio": r["l2"] / r["l1"], "met": r["l2"] <= 1.2 * r["l1"]},
-        "l2_le_0.05x_recompute": {"ratio": r["l2"] / r["recompute"],
-                                  "met": r["l2"] <= 0.05 * r["recompute"]},
-        "l3_le_0.2x_recompute": {"ratio": r["l3"] / r["recompute"],
-                                 "met": r["l3"] <= 0.2 * r["recompute"]},
+        "l2_le_0.05x_recompute": {
+            "ratio": r["l2"] / r["recompute"],
+            "met": r["l2"] <= 0.05 * r["recompute"],
+        },
+        "l3_le_0.2x_recompute": {
+            "ratio": r["l3"] / r["recompute"],
+            "met": r["l3"] <= 0.2 * r["recompute"],
+        },
     }
     return out
 
 
 # ----------------------------------------------------------------------------------------------
 def md_multiturn(rows: list[dict]) -> str:
-    header = ["config", "wall (s)", "throughput (tok/s)", "output tok/s", "mean TTFT (s)",
-              "p90 TTFT (s)", "L1 hit", "L2 hit", "L3 hit", "total hit", "requests done",
-              "KV requeues"]
-    return markdown_table(header, [
-        [r["config"], f"{r['wall_s']:.1f}", f"{r['throughput_tok_s']:.0f}",
-         f"{r['output_tok_s']:.1f}", f"{r['ttft_mean_s']:.2f}", f"{r['ttft_p90_s']:.2f}",
-         *(f"{r['hit_rate'][t]:.1%}" for t in TIERS), f"{r['hit_rate_total']:.1%}",
-         f"{r['requests']}{' (TIMED OUT)' if r['timed_out'] else ''}",
-         r["kv_requeue_warnings"]] for r in rows])
+    header = [
+        "config",
+        "wall (s)",
+        "throughput (tok/s)",
+        "output tok/s",
+        "mean TTFT (s)",
+        "p90 TTFT (s)",
+        "L1 hit",
+        "L2 hit",
+        "L3 hit",
+        "total hit",
+        "requests done",
+        "KV requeues",
+    ]
+    return markdown_table(
+        header,
+        [
+            [
+                r["config"],
+                f"{r['wall_s']:.1f}",
+                f"{r['throughput_tok_s']:.0f}",
+                f"{r['output_tok_s']:.1f}",
+                f"{r['ttft_mean_s']:.2f}",
+                f"{r['ttft_p90_s']:.2f}",
+                *(f"{r['hit_rate'][t]:.1%}" for t in TIERS),
+                f"{r['hit_rate_total']:.1%}",
+                f"{r['requests']}{' (TIMED OUT)' if r['timed_out'] else ''}",
+                r["kv_requeue_warnings"],
+            ]
+            for r in rows
+        ],
+    )
 
 
 def md_ttft(t: dict) -> str:
     r = t["ttft_s"]
-    labels = (("recompute", "recompute (fresh)"), ("l1", "L1 hit"), ("l2", "L2 hit"),
-              ("l3", "L3 hit (after restart)"))
+    labels = (
+        ("recompute", "recompute (fresh)"),
+        ("l1", "L1 hit"),
+        ("l2", "L2 hit"),
+        ("l3", "L3 hit (after restart)"),
+    )
     return markdown_table(
         ["served from", "TTFT median (ms)", "x recompute", "x L1 hit", "cached_tokens_per_tier"],
-        [[label, f"{r[k] * 1e3:.1f}", f"{r[k] / r['recompute']:.3f}", f"{r[k] / r['l1']:.2f}",
-          t["checks"][k][0]] for k, label in labels])
+        [
+            [
+                label,
+                f"{r[k] * 1e3:.1f}",
+                f"{r[k] / r['recompute']:.3f}",
+                f"{r[k] / r['l1']:.2f}",
+                t["checks"][k][0],
+            ]
+            for k, label in labels
+        ],
+    )
 
 
 def plot_tier_hits(ax, names: list, rows: list[dict]) -> None:
@@ -380,9 +451,12 @@ def plot_ttft(t: dict, path: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="HF dir / .gguf (default: the embedded SmolLM2); with --load-format "
-                         "dummy a dir with only config.json, e.g. tools/configs/llama3-8b")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="HF dir / .gguf (default: the embedded SmolLM2); with --load-format "
+        "dummy a dir with only config.json, e.g. tools/configs/llama3-8b",
+    )
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
@@ -402,8 +476,12 @@ def main() -> None:
     ap.add_argument("--ttft-prompt-len", type=int, default=2000)
     ap.add_argument("--ttft-reps", type=int, default=3)
     ap.add_argument("--ttft-l3-reps", type=int, default=2)
-    ap.add_argument("--config-timeout", type=float, default=150.0,
-                    help="give up on a config (livelock guard) after this many seconds")
+    ap.add_argument(
+        "--config-timeout",
+        type=float,
+        default=150.0,
+        help="give up on a config (livelock guard) after this many seconds",
+    )
     ap.add_argument("--no-ttft", action="store_true")
     ap.add_argument("--only-ttft", action="store_true")
     ap.add_argument("--configs", default="", help="comma list of config names to run")
@@ -425,9 +503,12 @@ def main() -> None:
                     continue
                 t0 = time.perf_counter()
                 r = run_multiturn(name, opts, a)
-                print(f"[{name}] done in {time.perf_counter() - t0:.1f}s: "
-                      f"{r['throughput_tok_s']:.0f} tok/s, TTFT mean {r['ttft_mean_s']:.2f}s, "
-                      f"hits {r['hit_tokens']} miss {r['miss_tokens']}", flush=True)
+                print(
+                    f"[{name}] done in {time.perf_counter() - t0:.1f}s: "
+                    f"{r['throughput_tok_s']:.0f} tok/s, TTFT mean {r['ttft_mean_s']:.2f}s, "
+                    f"hits {r['hit_tokens']} miss {r['miss_tokens']}",
+                    flush=True,
+                )
                 rows.append(r)
             result["multiturn"] = rows
             print("\n" + md_multiturn(rows) + "\n", flush=True)

@@ -42,11 +42,21 @@ from tools.benchlib import Header, write_json
 from tools.plot_bench import plot
 
 QUESTIONS = [
-    "What is the capital of France?", "Name three primary colors.", "How do bees make honey?",
-    "Why is the sky blue?", "What is 12 times 12?", "Describe a cat in one sentence.",
-    "What is photosynthesis?", "Who wrote Hamlet?", "What is a prime number?",
-    "How far is the Moon?", "What does a CPU do?", "Name a famous painting.",
-    "What is gravity?", "How many legs does a spider have?", "What is rain?",
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "How do bees make honey?",
+    "Why is the sky blue?",
+    "What is 12 times 12?",
+    "Describe a cat in one sentence.",
+    "What is photosynthesis?",
+    "Who wrote Hamlet?",
+    "What is a prime number?",
+    "How far is the Moon?",
+    "What does a CPU do?",
+    "Name a famous painting.",
+    "What is gravity?",
+    "How many legs does a spider have?",
+    "What is rain?",
     "Why do we sleep?",
 ]
 
@@ -75,8 +85,9 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_model(model_path: str | None, load_format: str, device: torch.device, dtype: torch.dtype,
-             seed: int) -> torch.nn.Module:
+def hf_model(
+    model_path: str | None, load_format: str, device: torch.device, dtype: torch.dtype, seed: int
+) -> torch.nn.Module:
     """The transformers model on ``device`` / ``dtype`` with the weights the engine loads:
     the checkpoint (``auto``), or the engine loader's seeded random weights (``dummy``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -92,8 +103,9 @@ def hf_model(model_path: str | None, load_format: str, device: torch.device, dty
     missing, unexpected = model.load_state_dict(hf_state_dict(ours), strict=False)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
-        raise RuntimeError(f"weights do not map onto transformers: missing {missing}, "
-                           f"unexpected {unexpected}")
+        raise RuntimeError(
+            f"weights do not map onto transformers: missing {missing}, unexpected {unexpected}"
+        )
     del ours
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -109,21 +121,28 @@ def check_same_weights(eng: Engine, model: torch.nn.Module) -> str:
     differ = [n for n, t in dense.items() if not torch.equal(t, theirs[n].to(t.device))]
     if differ:
         raise RuntimeError(f"engine and transformers weights differ: {differ[:5]}")
-    return (f"{len(dense)} of {len(ours)} tensors bit-equal"
-            + (f"; {len(ours) - len(dense)} oneDNN-packed, not compared" if len(dense) < len(ours)
-               else ""))  # fmt: skip
+    return f"{len(dense)} of {len(ours)} tensors bit-equal" + (
+        f"; {len(ours) - len(dense)} oneDNN-packed, not compared" if len(dense) < len(ours) else ""
+    )
 
 
-def hf_generate(model, pad: int, prompts: list[list[int]], max_new: int,
-                device: torch.device) -> float:
+def hf_generate(
+    model, pad: int, prompts: list[list[int]], max_new: int, device: torch.device
+) -> float:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                       do_sample=False, pad_token_id=pad)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     sync(device)
     return time.perf_counter() - t0
 
@@ -138,17 +157,19 @@ def matmul_floor(cfg, batch: int, steps: int, packed: bool = False) -> float:
     hd = h // cfg.num_attention_heads
     qkv = h + 2 * cfg.num_key_value_heads * hd
     # weights stored [out, in] as in a checkpoint; F.linear is the matmul models call
-    ws = [(torch.randn(qkv, h), torch.randn(h, h), torch.randn(2 * inter, h),
-           torch.randn(h, inter)) for _ in range(layers)]
+    ws = [
+        (torch.randn(qkv, h), torch.randn(h, h), torch.randn(2 * inter, h), torch.randn(h, inter))
+        for _ in range(layers)
+    ]
     head = torch.randn(cfg.vocab_size, h)
     lin = torch.nn.functional.linear
     if packed:
-        ws = [tuple(torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer)
-              for layer in ws]
+        ws = [tuple(torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer) for layer in ws]
         head = torch.ops.mkldnn._reorder_linear_weight(head, 16)
 
         def lin(x, w):  # same call shape as F.linear
             return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
     x = torch.randn(batch, h)
     best = float("inf")
     with torch.no_grad():
@@ -171,10 +192,14 @@ def _flush(s) -> None:
 
 
 def chat_ids(tok, system: str, q: str) -> list[int]:
-    return list(tok.apply_chat_template([{"role": "system", "content": system},
-                                         {"role": "user", "content": q}],
-                                        add_generation_prompt=True, tokenize=True,
-                                        return_dict=False))
+    return list(
+        tok.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
 
 
 def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -192,27 +217,44 @@ def timed_generate(eng: Engine, prompts: list[list[int]], sp: dict, device: torc
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=None, help="write results JSON here")
     ap.add_argument("--plot", default=None, help="and its figure here (tools/plot_bench.py)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                    help="auto = float32 on CPU, bfloat16 on CUDA (as the engine)")
-    ap.add_argument("--model", default=None,
-                    help="HF dir / .gguf (default: the embedded SmolLM2); with --load-format "
-                         "dummy a dir with only config.json, e.g. tools/configs/llama3-8b")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="auto = float32 on CPU, bfloat16 on CUDA (as the engine)",
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="HF dir / .gguf (default: the embedded SmolLM2); with --load-format "
+        "dummy a dir with only config.json, e.g. tools/configs/llama3-8b",
+    )
     ap.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS))
-    ap.add_argument("--attention-backend", default=None,
-                    help="engine attention backend (default: torch_native on CPU; flashinfer "
-                         "if installed, else triton, on CUDA)")
-    ap.add_argument("--kv-cache-gb", type=float, default=None,
-                    help="engine KV pool size (default: the engine's)")
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="engine attention backend (default: torch_native on CPU; flashinfer "
+        "if installed, else triton, on CUDA)",
+    )
+    ap.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="engine KV pool size (default: the engine's)",
+    )
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error(f"--device cuda: no CUDA device here (torch {torch.__version__}, "
-                 "torch.cuda.is_available() is False)")
+        ap.error(
+            f"--device cuda: no CUDA device here (torch {torch.__version__}, "
+            "torch.cuda.is_available() is False)"
+        )
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     backend = args.attention_backend or default_backend(device, dtype)
@@ -221,9 +263,16 @@ def main() -> None:
     # transformers first: with dummy weights it briefly holds a second copy of the model,
     # and on CUDA the engine sizes its KV pool from the memory left
     model = hf_model(args.model, args.load_format, device, dtype, seed=0)
-    eng = Engine(args.model, args.device, dtype=args.dtype, load_format=args.load_format,
-                 random_seed=0, attention_backend=backend, kv_cache_memory_gb=args.kv_cache_gb,
-                 max_running_requests=32)
+    eng = Engine(
+        args.model,
+        args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        random_seed=0,
+        attention_backend=backend,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        max_running_requests=32,
+    )
     same = check_same_weights(eng, model)
     tok = load_tokenizer(resolve_model_dir(args.model))
     if tok is not None:
@@ -233,11 +282,15 @@ def main() -> None:
         eos = model.config.eos_token_id
         pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
     n_new = args.new_tokens
-    res: dict = {"device": args.device, "dtype": str(dtype).split(".")[-1],
-                 "model": args.model or "embedded SmolLM2-135M-Instruct",
-                 "load_format": args.load_format, "attention_backend": backend,
-                 "weights": same,
-                 "prompts": "chat template" if tok is not None else "seeded random token ids"}
+    res: dict = {
+        "device": args.device,
+        "dtype": str(dtype).split(".")[-1],
+        "model": args.model or "embedded SmolLM2-135M-Instruct",
+        "load_format": args.load_format,
+        "attention_backend": backend,
+        "weights": same,
+        "prompts": "chat template" if tok is not None else "seeded random token ids",
+    }
     rng = random.Random(0)
     vocab = model.config.vocab_size
 
@@ -259,17 +312,29 @@ def main() -> None:
     hf_generate(model, pad, prompts[:2], 4, device)  # warm-up
     t_hf = min(hf_generate(model, pad, prompts, n_new, device) for _ in range(2))
     total = len(prompts) * n_new
-    res["a"] = {"engine_s": t_eng, "hf_s": t_hf, "engine_tok_s": total / t_eng,
-                "hf_tok_s": total / t_hf, "speedup_vs_hf": t_hf / t_eng,
-                "engine_step_ms": t_eng / n_new * 1e3, "hf_step_ms": t_hf / n_new * 1e3}
+    res["a"] = {
+        "engine_s": t_eng,
+        "hf_s": t_hf,
+        "engine_tok_s": total / t_eng,
+        "hf_tok_s": total / t_hf,
+        "speedup_vs_hf": t_hf / t_eng,
+        "engine_step_ms": t_eng / n_new * 1e3,
+        "hf_step_ms": t_hf / n_new * 1e3,
+    }
     if device.type == "cpu":
         floor_step = matmul_floor(model.config, len(prompts), 20)
         t_floor = floor_step * n_new
         packed_step = matmul_floor(model.config, len(prompts), 20, packed=True)
-        res["a"].update({"floor_s": t_floor, "floor_tok_s": total / t_floor,
-                         "vs_floor": t_floor / t_eng, "floor_step_ms": floor_step * 1e3,
-                         "onednn_floor_step_ms": packed_step * 1e3,
-                         "vs_onednn_floor": packed_step * n_new / t_eng})
+        res["a"].update(
+            {
+                "floor_s": t_floor,
+                "floor_tok_s": total / t_floor,
+                "vs_floor": t_floor / t_eng,
+                "floor_step_ms": floor_step * 1e3,
+                "onednn_floor_step_ms": packed_step * 1e3,
+                "vs_onednn_floor": packed_step * n_new / t_eng,
+            }
+        )
     else:
         res["a"]["floor"] = "skipped: the F.linear / oneDNN matmul floors are CPU-only"
         print("(a) matmul floors skipped: CPU-only (F.linear / oneDNN)", file=sys.stderr)
@@ -286,8 +351,13 @@ def main() -> None:
     t_eng_b, outs = timed_generate(eng, shared, sp_b, device)
     cached = sum(o.cached_tokens for o in outs)
     t_hf_b = hf_generate(model, pad, shared, 16, device)
-    res["b"] = {"prompt_tokens": len(shared[0]), "engine_s": t_eng_b, "hf_s": t_hf_b,
-                "speedup_vs_hf": t_hf_b / t_eng_b, "cached_tokens": cached}
+    res["b"] = {
+        "prompt_tokens": len(shared[0]),
+        "engine_s": t_eng_b,
+        "hf_s": t_hf_b,
+        "speedup_vs_hf": t_hf_b / t_eng_b,
+        "cached_tokens": cached,
+    }
     eng.shutdown()
     res.update(header.record([args.plot]))
     if args.plot:

@@ -118,10 +118,13 @@ def reset_logs() -> None:
 
 def log_summary() -> dict:
     c = LOGS["counts"]
-    return {"kv_requeue_warnings": REQUEUES.requeues, "warnings": dict(c),
-            "logged_warnings": sum(v for k, v in c.items() if k.startswith("WARNING")),
-            "logged_errors": sum(v for k, v in c.items() if not k.startswith("WARNING")),
-            "tracebacks": list(LOGS["tracebacks"])}
+    return {
+        "kv_requeue_warnings": REQUEUES.requeues,
+        "warnings": dict(c),
+        "logged_warnings": sum(v for k, v in c.items() if k.startswith("WARNING")),
+        "logged_errors": sum(v for k, v in c.items() if not k.startswith("WARNING")),
+        "tracebacks": list(LOGS["tracebacks"]),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,8 +156,7 @@ def timed_request(eng: Engine, ids: list[int], max_new: int, timeout_s: float) -
                 return Outcome(NAN, NAN, out, {}, 0, "the scheduler thread stopped")
             if time.perf_counter() - t0 > timeout_s:
                 eng.abort(h.rid)
-                return Outcome(NAN, NAN, out, {}, 0, f"no result after {timeout_s:.0f} s "
-                                                     "(aborted)")
+                return Outcome(NAN, NAN, out, {}, 0, f"no result after {timeout_s:.0f} s (aborted)")
             continue
         if ttft is None and c.token_ids:
             ttft = time.perf_counter() - t0
@@ -162,8 +164,14 @@ def timed_request(eng: Engine, ids: list[int], max_new: int, timeout_s: float) -
         last = c
     total = time.perf_counter() - t0
     err = last.error or ("aborted" if last.finish_reason == "abort" else None)
-    return Outcome(ttft if ttft is not None else total, total, out,
-                   dict(last.cached_tokens_per_tier or {}), last.cached_tokens, err)
+    return Outcome(
+        ttft if ttft is not None else total,
+        total,
+        out,
+        dict(last.cached_tokens_per_tier or {}),
+        last.cached_tokens,
+        err,
+    )
 
 
 def tiers_str(t: dict) -> str:
@@ -179,11 +187,23 @@ def extra_opts(a: argparse.Namespace) -> dict:
 # mode sequence
 # ----------------------------------------------------------------------------------------------
 STEPS = ("a_cold", "l1_hit", "b_pressure", "b_no_pressure", "l2_hit", "l3_hit")
-STEP_LABEL = {"a_cold": "A cold", "l1_hit": "L1 hit", "b_pressure": "B", "b_no_pressure":
-              "B no pressure", "l2_hit": "L2 hit", "l3_hit": "L3 hit"}
+STEP_LABEL = {
+    "a_cold": "A cold",
+    "l1_hit": "L1 hit",
+    "b_pressure": "B",
+    "b_no_pressure": "B no pressure",
+    "l2_hit": "L2 hit",
+    "l3_hit": "L3 hit",
+}
 # step -> the tier its prompt must come from (None: nothing cached)
-STEP_TIER = {"a_cold": None, "l1_hit": "l1", "b_pressure": None, "b_no_pressure": None,
-             "l2_hit": "l2", "l3_hit": "l3"}
+STEP_TIER = {
+    "a_cold": None,
+    "l1_hit": "l1",
+    "b_pressure": None,
+    "b_no_pressure": None,
+    "l2_hit": "l2",
+    "l3_hit": "l3",
+}
 
 
 def distinct_prompt(seed: int, n: int, avoid: list[list[int]]) -> list[int]:
@@ -200,23 +220,41 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
     A = distinct_prompt(1, n, [WARMUP])
     B = distinct_prompt(2, n, [WARMUP, A])
     fresh = [distinct_prompt(10 + i, n, [WARMUP, A, B]) for i in range(a.reps)]
-    opts = {**extra_opts(a), "enable_hierarchical_cache": True,
-            "max_total_tokens": a.device_tokens, "hicache_ratio": a.l2_ratio,
-            "hicache_storage_backend": "file",
-            "hicache_storage_dir": os.path.join(tmp, f"l3_page{P}"), "page_size": P}
-    res: dict[str, Any] = {"page_size": P, "prompt_tokens": n,
-                           "engine_opts": {k: v for k, v in opts.items()
-                                           if k != "hicache_storage_dir"},
-                           "samples": {s: [] for s in STEPS}, "errors": []}
+    opts = {
+        **extra_opts(a),
+        "enable_hierarchical_cache": True,
+        "max_total_tokens": a.device_tokens,
+        "hicache_ratio": a.l2_ratio,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": os.path.join(tmp, f"l3_page{P}"),
+        "page_size": P,
+    }
+    res: dict[str, Any] = {
+        "page_size": P,
+        "prompt_tokens": n,
+        "engine_opts": {k: v for k, v in opts.items() if k != "hicache_storage_dir"},
+        "samples": {s: [] for s in STEPS},
+        "errors": [],
+    }
     samples = res["samples"]
 
     def step(eng: Engine, name: str, ids: list[int]) -> Outcome:
         o = timed_request(eng, ids, a.output_len, a.request_timeout)
-        samples[name].append({"ttft_s": o.ttft_s, "total_s": o.total_s, "tiers": o.tiers,
-                              "cached": o.cached, "error": o.error})
-        print(f"  page {P} {STEP_LABEL[name]:>13}: TTFT {o.ttft_s * 1e3:8.1f} ms, total "
-              f"{o.total_s * 1e3:8.1f} ms, {tiers_str(o.tiers)}"
-              f"{'  ERROR ' + o.error if o.error else ''}", flush=True)
+        samples[name].append(
+            {
+                "ttft_s": o.ttft_s,
+                "total_s": o.total_s,
+                "tiers": o.tiers,
+                "cached": o.cached,
+                "error": o.error,
+            }
+        )
+        print(
+            f"  page {P} {STEP_LABEL[name]:>13}: TTFT {o.ttft_s * 1e3:8.1f} ms, total "
+            f"{o.total_s * 1e3:8.1f} ms, {tiers_str(o.tiers)}"
+            f"{'  ERROR ' + o.error if o.error else ''}",
+            flush=True,
+        )
         if o.error:
             res["errors"].append(f"{STEP_LABEL[name]}: {o.error}")
         return o
@@ -247,7 +285,8 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
             eng.shutdown()  # flushes the pending L3 backups
             res["shutdown_s"] = time.perf_counter() - t0
         res["l3_files_after_shutdown"] = sum(
-            f.endswith(".kv") for _, _, fs in os.walk(opts["hicache_storage_dir"]) for f in fs)
+            f.endswith(".kv") for _, _, fs in os.walk(opts["hicache_storage_dir"]) for f in fs
+        )
 
     def l3_engine() -> None:
         eng = Engine(**opts)
@@ -259,8 +298,11 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
             eng.shutdown()
 
     def no_pressure_engine() -> None:
-        big = {**opts, "max_total_tokens": (a.reps + 2) * (n + a.output_len + 2 * P),
-               "hicache_storage_dir": os.path.join(tmp, f"l3_page{P}_nopressure")}
+        big = {
+            **opts,
+            "max_total_tokens": (a.reps + 2) * (n + a.output_len + 2 * P),
+            "hicache_storage_dir": os.path.join(tmp, f"l3_page{P}_nopressure"),
+        }
         eng = Engine(**big)
         try:
             timed_request(eng, WARMUP, 1, a.request_timeout)
@@ -304,8 +346,7 @@ def check_sequence(res: dict, opts: dict) -> None:
             if tier is not None:
                 want = (n - 1) // unit[tier] * unit[tier]
                 if x["tiers"].get(tier, 0) < want:
-                    flags.append(f"{STEP_LABEL[s]}: {tiers_str(x['tiers'])}, want "
-                                 f"{tier}>={want}")
+                    flags.append(f"{STEP_LABEL[s]}: {tiers_str(x['tiers'])}, want {tier}>={want}")
                     break
     r = ttft
 
@@ -313,11 +354,17 @@ def check_sequence(res: dict, opts: dict) -> None:
         v = r[num] / r[den] if r[den] and not math.isnan(r[den]) else NAN
         return {"ratio": v, "limit": limit, "met": bool(v <= limit)}
 
-    res.update(ttft_s=ttft, total_s=total, flags=flags, targets={
-        "b_le_1.3x_no_pressure": ratio("b_pressure", "b_no_pressure", 1.3),
-        "l2_le_1.2x_l1": ratio("l2_hit", "l1_hit", 1.2),
-        "l2_le_0.05x_recompute": ratio("l2_hit", "a_cold", 0.05),
-        "l3_le_0.2x_recompute": ratio("l3_hit", "a_cold", 0.2)})
+    res.update(
+        ttft_s=ttft,
+        total_s=total,
+        flags=flags,
+        targets={
+            "b_le_1.3x_no_pressure": ratio("b_pressure", "b_no_pressure", 1.3),
+            "l2_le_1.2x_l1": ratio("l2_hit", "l1_hit", 1.2),
+            "l2_le_0.05x_recompute": ratio("l2_hit", "a_cold", 0.05),
+            "l3_le_0.2x_recompute": ratio("l3_hit", "a_cold", 0.2),
+        },
+    )
 
 
 def fmt_target(t: dict) -> str:
@@ -327,15 +374,36 @@ def fmt_target(t: dict) -> str:
 
 
 def md_sequence(rows: list[dict]) -> str:
-    header = ["page", "A cold", "L1 hit", "B", "B no pressure", "L2 hit", "L3 hit",
-              "B / B no press. (<=1.3)", "L2 / L1 (<=1.2)", "L2 / cold (<=0.05)",
-              "L3 / cold (<=0.2)", "flags"]
-    ttft = markdown_table(header, [
-        [r["page_size"], *(cell(r["ttft_s"][s], ".0f", 1e3) for s in STEPS),
-         *(fmt_target(v) for v in r["targets"].values()), "; ".join(r["flags"]) or "ok"]
-        for r in rows])
-    total = markdown_table(["page", *(STEP_LABEL[s] for s in STEPS)], [
-        [r["page_size"], *(cell(r["total_s"][s], ".0f", 1e3) for s in STEPS)] for r in rows])
+    header = [
+        "page",
+        "A cold",
+        "L1 hit",
+        "B",
+        "B no pressure",
+        "L2 hit",
+        "L3 hit",
+        "B / B no press. (<=1.3)",
+        "L2 / L1 (<=1.2)",
+        "L2 / cold (<=0.05)",
+        "L3 / cold (<=0.2)",
+        "flags",
+    ]
+    ttft = markdown_table(
+        header,
+        [
+            [
+                r["page_size"],
+                *(cell(r["ttft_s"][s], ".0f", 1e3) for s in STEPS),
+                *(fmt_target(v) for v in r["targets"].values()),
+                "; ".join(r["flags"]) or "ok",
+            ]
+            for r in rows
+        ],
+    )
+    total = markdown_table(
+        ["page", *(STEP_LABEL[s] for s in STEPS)],
+        [[r["page_size"], *(cell(r["total_s"][s], ".0f", 1e3) for s in STEPS)] for r in rows],
+    )
     return f"{ttft}\n\nTotal time per request (TTFT + decode), ms:\n\n{total}"
 
 
@@ -345,12 +413,16 @@ def plot_sequence(rows: list[dict], path: str, n: int) -> str:
     for i, r in enumerate(rows):
         v = [r["ttft_s"][s] * 1e3 for s in STEPS]
         xs = [j + (i - (len(rows) - 1) / 2) * w for j in range(len(STEPS))]
-        bars = ax.bar(xs, [0 if math.isnan(y) else y for y in v], w,
-                      label=f"page {r['page_size']}")
+        bars = ax.bar(xs, [0 if math.isnan(y) else y for y in v], w, label=f"page {r['page_size']}")
         for b, y in zip(bars, v):
-            ax.text(b.get_x() + b.get_width() / 2, max(y, 1) if not math.isnan(y) else 1,
-                    "fail" if math.isnan(y) else f"{y:.0f}", ha="center", va="bottom",
-                    fontsize=7)
+            ax.text(
+                b.get_x() + b.get_width() / 2,
+                max(y, 1) if not math.isnan(y) else 1,
+                "fail" if math.isnan(y) else f"{y:.0f}",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     ax.set_xticks(range(len(STEPS)))
     ax.set_xticklabels([STEP_LABEL[s] for s in STEPS])
     ax.set_yscale("log")
@@ -375,8 +447,9 @@ def run_sequence_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
         shutil.rmtree(os.path.join(tmp, f"l3_page{P}_nopressure"), ignore_errors=True)
     result["sequence"] = rows
     result["markdown"] = md_sequence(rows)
-    result["plots"] = [plot_sequence(rows, os.path.join(a.out_dir, "bench_pressure_sequence.png"),
-                                     a.prompt_len)]
+    result["plots"] = [
+        plot_sequence(rows, os.path.join(a.out_dir, "bench_pressure_sequence.png"), a.prompt_len)
+    ]
     return any(r["errors"] for r in rows)
 
 
@@ -409,14 +482,25 @@ def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> d
                     if time.perf_counter() >= deadline:
                         break
                     start = time.perf_counter() - t0
-                    o = timed_request(eng, prompt, a.output_len,
-                                      deadline + a.drain_s - time.perf_counter())
+                    o = timed_request(
+                        eng, prompt, a.output_len, deadline + a.drain_s - time.perf_counter()
+                    )
                     with lock:
-                        records.append({
-                            "client": cid, "conversation": conv, "round": rnd, "start_s": start,
-                            "end_s": time.perf_counter() - t0, "prompt_tokens": len(prompt),
-                            "output_tokens": len(o.output_ids), "ttft_s": o.ttft_s,
-                            "e2e_s": o.total_s, "cached_per_tier": o.tiers, "error": o.error})
+                        records.append(
+                            {
+                                "client": cid,
+                                "conversation": conv,
+                                "round": rnd,
+                                "start_s": start,
+                                "end_s": time.perf_counter() - t0,
+                                "prompt_tokens": len(prompt),
+                                "output_tokens": len(o.output_ids),
+                                "ttft_s": o.ttft_s,
+                                "e2e_s": o.total_s,
+                                "cached_per_tier": o.tiers,
+                                "error": o.error,
+                            }
+                        )
                     if o.error:
                         break  # the conversation is lost; start a new one
                     prompt = prompt + o.output_ids
@@ -424,8 +508,9 @@ def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> d
                         time.sleep(a.think_s)
                 conv += 1
 
-        threads = [threading.Thread(target=client, args=(i,), daemon=True)
-                   for i in range(a.clients)]
+        threads = [
+            threading.Thread(target=client, args=(i,), daemon=True) for i in range(a.clients)
+        ]
         for t in threads:
             t.start()
         next_beat = time.perf_counter() + 30
@@ -439,8 +524,11 @@ def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> d
                 with lock:
                     done = len(records)
                     bad = sum(1 for r in records if r["error"])
-                print(f"  [{name}] {time.perf_counter() - t0:.0f} s: {done} requests done, "
-                      f"{bad} failed", flush=True)
+                print(
+                    f"  [{name}] {time.perf_counter() - t0:.0f} s: {done} requests done, "
+                    f"{bad} failed",
+                    flush=True,
+                )
         stuck = sum(t.is_alive() for t in threads)
         after = stats_snapshot(eng)
     finally:
@@ -458,26 +546,43 @@ def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> d
         if r["error"]:
             errors[r["error"]] = errors.get(r["error"], 0) + 1
     return {
-        "config": name, "engine_opts": {k: v for k, v in opts.items()
-                                        if k != "hicache_storage_dir"},
-        "duration_s": duration, "wall_s": wall, "requests": len(recs), "ok": len(ok),
-        "failed": len(recs) - len(ok) + stuck, "stuck_clients": stuck, "errors": errors,
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
-        "ttft_p99_s": percentile(ttfts, 99), "ttft_max_s": max(ttfts, default=NAN),
-        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
-        "prompt_tokens": ptoks, "output_tokens": otoks,
-        "throughput_tok_s": (ptoks + otoks) / wall, "requests_s": len(ok) / wall,
-        **tier_hits(before, after), "stats_prompt_tokens": after["prompt"] - before["prompt"],
-        **log_summary(), "final_stats": after["raw"], "records": recs,
+        "config": name,
+        "engine_opts": {k: v for k, v in opts.items() if k != "hicache_storage_dir"},
+        "duration_s": duration,
+        "wall_s": wall,
+        "requests": len(recs),
+        "ok": len(ok),
+        "failed": len(recs) - len(ok) + stuck,
+        "stuck_clients": stuck,
+        "errors": errors,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_max_s": max(ttfts, default=NAN),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "prompt_tokens": ptoks,
+        "output_tokens": otoks,
+        "throughput_tok_s": (ptoks + otoks) / wall,
+        "requests_s": len(ok) / wall,
+        **tier_hits(before, after),
+        "stats_prompt_tokens": after["prompt"] - before["prompt"],
+        **log_summary(),
+        "final_stats": after["raw"],
+        "records": recs,
     }
 
 
 def failed_run(name: str, opts: dict, e: BaseException) -> dict:
     tb = traceback.format_exc()
     print(f"  [{name}] FAILED: {type(e).__name__}: {e}\n{tb}", flush=True)
-    return {"config": name, "engine_opts": {k: v for k, v in opts.items()
-                                            if k != "hicache_storage_dir"},
-            "error": f"{type(e).__name__}: {e}", "traceback": tb, **log_summary()}
+    return {
+        "config": name,
+        "engine_opts": {k: v for k, v in opts.items() if k != "hicache_storage_dir"},
+        "error": f"{type(e).__name__}: {e}",
+        "traceback": tb,
+        **log_summary(),
+    }
 
 
 def load_configs(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
@@ -485,67 +590,136 @@ def load_configs(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
     out = []
     for pol in [p.strip() for p in a.policies.split(",") if p.strip()]:
         label = f"{pol} (default)" if pol == "lpm" else pol
-        out.append((label, {**base, "schedule_policy": pol, "enable_hierarchical_cache": True,
-                            "hicache_ratio": a.l2_ratio, "hicache_storage_backend": "file",
-                            "hicache_storage_dir": os.path.join(tmp, f"load_{pol}")}))
+        out.append(
+            (
+                label,
+                {
+                    **base,
+                    "schedule_policy": pol,
+                    "enable_hierarchical_cache": True,
+                    "hicache_ratio": a.l2_ratio,
+                    "hicache_storage_backend": "file",
+                    "hicache_storage_dir": os.path.join(tmp, f"load_{pol}"),
+                },
+            )
+        )
     return out
 
 
 def tier_configs(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
     base = {**extra_opts(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
     hi = {**base, "enable_hierarchical_cache": True, "hicache_ratio": a.tier_l2_ratio}
-    return [("radix off", {**base, "disable_radix_cache": True}), ("L1", dict(base)),
-            ("L1+L2", hi), ("L1+L2+L3", {**hi, "hicache_storage_backend": "file",
-                                         "hicache_storage_dir": os.path.join(tmp, "tiers_l3")})]
+    return [
+        ("radix off", {**base, "disable_radix_cache": True}),
+        ("L1", dict(base)),
+        ("L1+L2", hi),
+        (
+            "L1+L2+L3",
+            {
+                **hi,
+                "hicache_storage_backend": "file",
+                "hicache_storage_dir": os.path.join(tmp, "tiers_l3"),
+            },
+        ),
+    ]
 
 
 def md_rows(header: list[str], rows: list[dict], cells: Any) -> str:
     """A markdown table: ``[row["config"], *cells(row)]`` per row; a failed config gets one
     FAILED cell."""
-    return markdown_table(header, [[r["config"], f"FAILED: {r['error']}"] if "error" in r
-                                   else [r["config"], *cells(r)] for r in rows])
+    return markdown_table(
+        header,
+        [
+            [r["config"], f"FAILED: {r['error']}"] if "error" in r else [r["config"], *cells(r)]
+            for r in rows
+        ],
+    )
 
 
 def md_load(rows: list[dict]) -> str:
-    header = ["policy", "requests ok", "failed", "TTFT p50 (s)", "p90", "p99", "max",
-              "e2e p50 (s)", "tok/s", "req/s", "L1 / L2 / L3 hit", "KV requeues",
-              "warnings / errors logged"]
+    header = [
+        "policy",
+        "requests ok",
+        "failed",
+        "TTFT p50 (s)",
+        "p90",
+        "p99",
+        "max",
+        "e2e p50 (s)",
+        "tok/s",
+        "req/s",
+        "L1 / L2 / L3 hit",
+        "KV requeues",
+        "warnings / errors logged",
+    ]
 
     def cells(r: dict) -> list[object]:
         h = r["hit_rate"]
-        return [r["ok"], r["failed"],
-                *(cell(r[k], ".2f") for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-                                              "ttft_max_s", "e2e_p50_s")),
-                f"{r['throughput_tok_s']:.0f}", f"{r['requests_s']:.2f}",
-                f"{h['l1']:.0%} / {h['l2']:.0%} / {h['l3']:.0%}", r["kv_requeue_warnings"],
-                f"{r['logged_warnings']} / {r['logged_errors']}"]
+        return [
+            r["ok"],
+            r["failed"],
+            *(
+                cell(r[k], ".2f")
+                for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_max_s", "e2e_p50_s")
+            ),
+            f"{r['throughput_tok_s']:.0f}",
+            f"{r['requests_s']:.2f}",
+            f"{h['l1']:.0%} / {h['l2']:.0%} / {h['l3']:.0%}",
+            r["kv_requeue_warnings"],
+            f"{r['logged_warnings']} / {r['logged_errors']}",
+        ]
 
     return md_rows(header, rows, cells)
 
 
 def load_targets(rows: list[dict]) -> dict:
     by = {r["config"].split()[0]: r for r in rows if "error" not in r}
-    out: dict[str, Any] = {"zero_failed": {"met": bool(by) and len(by) == len(rows)
-                                           and all(r["failed"] == 0 for r in by.values())}}
+    out: dict[str, Any] = {
+        "zero_failed": {
+            "met": bool(by) and len(by) == len(rows) and all(r["failed"] == 0 for r in by.values())
+        }
+    }
     if "fcfs" in by and "lpm" in by:
         f, d = by["fcfs"], by["lpm"]
-        for key, col, lim in (("p50_le_0.5x_fcfs", "ttft_p50_s", 0.5),
-                              ("max_le_1.5x_fcfs", "ttft_max_s", 1.5)):
+        for key, col, lim in (
+            ("p50_le_0.5x_fcfs", "ttft_p50_s", 0.5),
+            ("max_le_1.5x_fcfs", "ttft_max_s", 1.5),
+        ):
             v = d[col] / f[col] if f[col] else NAN
             out[key] = {"ratio": v, "limit": lim, "met": bool(v <= lim)}
     return out
 
 
 def md_tiers(rows: list[dict]) -> str:
-    header = ["config", "requests ok", "failed", "tok/s", "req/s", "TTFT p50 (s)", "p99",
-              "L1 hit", "L2 hit", "L3 hit", "total hit", "KV requeues",
-              "warnings / errors logged"]
+    header = [
+        "config",
+        "requests ok",
+        "failed",
+        "tok/s",
+        "req/s",
+        "TTFT p50 (s)",
+        "p99",
+        "L1 hit",
+        "L2 hit",
+        "L3 hit",
+        "total hit",
+        "KV requeues",
+        "warnings / errors logged",
+    ]
 
     def cells(r: dict) -> list[object]:
-        return [r["ok"], r["failed"], f"{r['throughput_tok_s']:.0f}", f"{r['requests_s']:.2f}",
-                cell(r["ttft_p50_s"], ".2f"), cell(r["ttft_p99_s"], ".2f"),
-                *(f"{r['hit_rate'][t]:.1%}" for t in TIERS), f"{r['hit_rate_total']:.1%}",
-                r["kv_requeue_warnings"], f"{r['logged_warnings']} / {r['logged_errors']}"]
+        return [
+            r["ok"],
+            r["failed"],
+            f"{r['throughput_tok_s']:.0f}",
+            f"{r['requests_s']:.2f}",
+            cell(r["ttft_p50_s"], ".2f"),
+            cell(r["ttft_p99_s"], ".2f"),
+            *(f"{r['hit_rate'][t]:.1%}" for t in TIERS),
+            f"{r['hit_rate_total']:.1%}",
+            r["kv_requeue_warnings"],
+            f"{r['logged_warnings']} / {r['logged_errors']}",
+        ]
 
     return md_rows(header, rows, cells)
 
@@ -587,8 +761,11 @@ def plot_load(rows: list[dict], tiers: list[dict], path: str) -> str:
 
 def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
     per_conv = a.first_len + (a.rounds - 1) * (a.output_len + a.question_len) + a.output_len
-    result["workload"] = {"max_context_tokens": per_conv, "working_set_tokens":
-                          a.clients * per_conv, "device_tokens": a.device_tokens}
+    result["workload"] = {
+        "max_context_tokens": per_conv,
+        "working_set_tokens": a.clients * per_conv,
+        "device_tokens": a.device_tokens,
+    }
 
     def run_or_fail(name: str, opts: dict, duration: float) -> dict:
         try:
@@ -601,9 +778,12 @@ def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
         print(f"[load] {name}: {a.clients} clients, {a.duration:.0f} s", flush=True)
         rows.append(r := run_or_fail(name, opts, a.duration))
         if "error" not in r:
-            print(f"  [{name}] {r['ok']} ok, {r['failed']} failed, TTFT p50 "
-                  f"{r['ttft_p50_s']:.2f} s max {r['ttft_max_s']:.2f} s, "
-                  f"{r['throughput_tok_s']:.0f} tok/s", flush=True)
+            print(
+                f"  [{name}] {r['ok']} ok, {r['failed']} failed, TTFT p50 "
+                f"{r['ttft_p50_s']:.2f} s max {r['ttft_max_s']:.2f} s, "
+                f"{r['throughput_tok_s']:.0f} tok/s",
+                flush=True,
+            )
     result["load"], result["load_targets"] = rows, load_targets(rows)
     md = [md_load(rows), ""]
     for k, v in result["load_targets"].items():
@@ -613,8 +793,9 @@ def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
     if a.tiers:
         l1l2 = int(a.device_tokens * (1 + a.tier_l2_ratio))
         ws = a.clients * per_conv
-        note = (f"working set ~{ws} tokens ({a.clients} clients x {per_conv}) vs L1+L2 = "
-                f"{l1l2} tokens")
+        note = (
+            f"working set ~{ws} tokens ({a.clients} clients x {per_conv}) vs L1+L2 = {l1l2} tokens"
+        )
         if ws <= l1l2:
             note += " -- NOT larger: raise --clients or lower --tier-l2-ratio"
         print(f"[tiers] {note}", flush=True)
@@ -631,28 +812,54 @@ def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
 
 # ----------------------------------------------------------------------------------------------
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--mode", choices=["sequence", "load"], default="sequence")
     ap.add_argument("--out-dir", default="docs", help="for bench_pressure_<mode>.json / .png")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra Engine option for every engine (value parsed as JSON if it "
-                         "can be), e.g. --opt hicache_storage_prefetch_policy=wait_complete")
-    ap.add_argument("--output-len", type=int, default=None,
-                    help="new tokens per request (default: 8 sequence, 16 load)")
-    ap.add_argument("--device-tokens", type=int, default=None,
-                    help="L1 size, max_total_tokens (default: 2600 sequence, 3000 load)")
-    ap.add_argument("--request-timeout", type=float, default=1800.0,
-                    help="sequence: give up on (and abort) one request after this many s")
+    ap.add_argument(
+        "--opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Engine option for every engine (value parsed as JSON if it "
+        "can be), e.g. --opt hicache_storage_prefetch_policy=wait_complete",
+    )
+    ap.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="new tokens per request (default: 8 sequence, 16 load)",
+    )
+    ap.add_argument(
+        "--device-tokens",
+        type=int,
+        default=None,
+        help="L1 size, max_total_tokens (default: 2600 sequence, 3000 load)",
+    )
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=1800.0,
+        help="sequence: give up on (and abort) one request after this many s",
+    )
     g = ap.add_argument_group("sequence")
     g.add_argument("--page-sizes", default="1,16,64")
     g.add_argument("--prompt-len", type=int, default=2000)
-    g.add_argument("--l2-ratio", type=float, default=None,
-                   help="hicache_ratio (default: 3.0 sequence, 2.0 = engine default for load)")
-    g.add_argument("--reps", type=int, default=5,
-                   help="samples per hit step (median reported; one slow sample in 3 flips it)")
+    g.add_argument(
+        "--l2-ratio",
+        type=float,
+        default=None,
+        help="hicache_ratio (default: 3.0 sequence, 2.0 = engine default for load)",
+    )
+    g.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="samples per hit step (median reported; one slow sample in 3 flips it)",
+    )
     g = ap.add_argument_group("load")
     g.add_argument("--clients", type=int, default=16)
     g.add_argument("--duration", type=float, default=180.0)
@@ -663,9 +870,13 @@ def main() -> int:
     g.add_argument("--think-s", type=float, default=0.0)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--policies", default="fcfs,lpm")
-    g.add_argument("--drain-s", type=float, default=300.0,
-                   help="after the deadline, requests still running get this long (then they "
-                        "are aborted and count as failed)")
+    g.add_argument(
+        "--drain-s",
+        type=float,
+        default=300.0,
+        help="after the deadline, requests still running get this long (then they "
+        "are aborted and count as failed)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tiers", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--tier-duration", type=float, default=90.0)

@@ -51,15 +51,21 @@ from tools.benchlib import (
 FULL = {"concurrency": "1,16,64", "duration_s": 30.0, "warmup_s": 5.0, "max_new_tokens": 64}
 QUICK = {"concurrency": "1,4", "duration_s": 5.0, "warmup_s": 2.0, "max_new_tokens": 16}
 # mode -> (--processes, daemon options)
-MODES = {"single": ("single", ["--disable-overlap"]), "split": ("split", ["--disable-overlap"]),
-         "single+overlap": ("single", ["--no-disable-overlap"]),
-         "split+overlap": ("split", ["--no-disable-overlap"])}
+MODES = {
+    "single": ("single", ["--disable-overlap"]),
+    "split": ("split", ["--disable-overlap"]),
+    "single+overlap": ("single", ["--no-disable-overlap"]),
+    "split+overlap": ("split", ["--no-disable-overlap"]),
+}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="single,split,split+overlap",
-                   help=f"comma-separated, of {','.join(MODES)}")
+    p.add_argument(
+        "--modes",
+        default="single,split,split+overlap",
+        help=f"comma-separated, of {','.join(MODES)}",
+    )
     p.add_argument("--concurrency", help=f"client counts ({FULL['concurrency']})")
     p.add_argument("--transports", default="grpc,http")
     p.add_argument("--duration-s", type=float, help=f"measured window ({FULL['duration_s']:g})")
@@ -68,10 +74,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help=f"({FULL['max_new_tokens']})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--settle-s", type=float, default=2.0, help="idle pause between runs")
-    p.add_argument("--daemon-arg", action="append", default=[],
-                   help="extra `hicache serve` argument (repeatable, e.g. --daemon-arg=--x=1)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: concurrency 1,4, 5 s, 16 new tokens")
+    p.add_argument(
+        "--daemon-arg",
+        action="append",
+        default=[],
+        help="extra `hicache serve` argument (repeatable, e.g. --daemon-arg=--x=1)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: concurrency 1,4, 5 s, 16 new tokens"
+    )
     p.add_argument("--out", default="docs/bench_serving.json")
     p.add_argument("--plot", default="docs/bench_serving.png")
     a = p.parse_args()
@@ -86,8 +97,9 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-async def one_run(d: sl.Daemon, transport: str, c: int, a: argparse.Namespace,
-                  num_words: int) -> dict[str, Any]:
+async def one_run(
+    d: sl.Daemon, transport: str, c: int, a: argparse.Namespace, num_words: int
+) -> dict[str, Any]:
     # NOTE: the seed leaves the mode out, so that both modes get the same prompts.
     make_prompt = sl.prompt_maker(f"{a.seed}-{transport}-{c}", num_words)
     if transport == "grpc":
@@ -117,15 +129,23 @@ def bench_mode(mode: str, a: argparse.Namespace, result: dict[str, Any], save: A
             wpt = sl.words_per_token(d.addr, a.seed)
             num_words = max(1, round(a.prompt_tokens * wpt))
             info["prompt_words"] = num_words
-            print(f"[{mode}] SERVING after {info['startup_s']:.1f}s; prompts of {num_words} "
-                  "words", flush=True)
+            print(
+                f"[{mode}] SERVING after {info['startup_s']:.1f}s; prompts of {num_words} words",
+                flush=True,
+            )
             for c in a.concurrency:
                 for transport in a.transports:
                     load = os.getloadavg()
                     t0 = time.time()
                     run = asyncio.run(one_run(d, transport, c, a, num_words))
-                    run = {"mode": mode, "transport": transport, "concurrency": c,
-                           "loadavg_before": load, "started_at": t0, **run}
+                    run = {
+                        "mode": mode,
+                        "transport": transport,
+                        "concurrency": c,
+                        "loadavg_before": load,
+                        "started_at": t0,
+                        **run,
+                    }
                     result["runs"].append(run)
                     save()
                     print(f"[{mode}] {row(run)}", flush=True)
@@ -140,14 +160,33 @@ def bench_mode(mode: str, a: argparse.Namespace, result: dict[str, Any], save: A
 
 
 # --- report -----------------------------------------------------------------------------------
-HEADER = ["mode", "transport", "conc", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms",
-          "ITL p50 ms", "ITL p99 ms", "errors"]
+HEADER = [
+    "mode",
+    "transport",
+    "conc",
+    "out tok/s",
+    "req/s",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "ITL p50 ms",
+    "ITL p99 ms",
+    "errors",
+]
 
 
 def cells(r: dict[str, Any]) -> list[str]:
-    return [r["mode"], r["transport"], str(r["concurrency"]), cell(r["out_tok_s"]),
-            cell(r["req_s"], ".2f"), cell(r["ttft_ms"]["p50"]), cell(r["ttft_ms"]["p99"]),
-            cell(r["itl_ms"]["p50"]), cell(r["itl_ms"]["p99"]), str(r["errors"])]
+    return [
+        r["mode"],
+        r["transport"],
+        str(r["concurrency"]),
+        cell(r["out_tok_s"]),
+        cell(r["req_s"], ".2f"),
+        cell(r["ttft_ms"]["p50"]),
+        cell(r["ttft_ms"]["p99"]),
+        cell(r["itl_ms"]["p50"]),
+        cell(r["itl_ms"]["p99"]),
+        str(r["errors"]),
+    ]
 
 
 def row(r: dict[str, Any]) -> str:
@@ -170,43 +209,80 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         single = by.get(("single", transport, c))
         if mode == "single" or single is None:
             continue
-        out.append({"mode": mode, "transport": transport, "concurrency": c,
-                    "out_tok_s": div(split["out_tok_s"], single["out_tok_s"]),
-                    "ttft_p50": div(split["ttft_ms"]["p50"], single["ttft_ms"]["p50"]),
-                    "itl_p50": div(split["itl_ms"]["p50"], single["itl_ms"]["p50"])})
+        out.append(
+            {
+                "mode": mode,
+                "transport": transport,
+                "concurrency": c,
+                "out_tok_s": div(split["out_tok_s"], single["out_tok_s"]),
+                "ttft_p50": div(split["ttft_ms"]["p50"], single["ttft_ms"]["p50"]),
+                "itl_p50": div(split["itl_ms"]["p50"], single["itl_ms"]["p50"]),
+            }
+        )
     return out
 
 
 def ratio_table(rs: list[dict[str, Any]]) -> str:
     """Each mode over single (the ratios)."""
-    return markdown_table(["mode", "transport", "conc", "out tok/s / single", "TTFT p50 / single",
-                           "ITL p50 / single"],
-                          [[r["mode"], r["transport"], r["concurrency"], cell(r["out_tok_s"], ".2f"),
-                            cell(r["ttft_p50"], ".2f"), cell(r["itl_p50"], ".2f")] for r in rs])
+    return markdown_table(
+        [
+            "mode",
+            "transport",
+            "conc",
+            "out tok/s / single",
+            "TTFT p50 / single",
+            "ITL p50 / single",
+        ],
+        [
+            [
+                r["mode"],
+                r["transport"],
+                r["concurrency"],
+                cell(r["out_tok_s"], ".2f"),
+                cell(r["ttft_p50"], ".2f"),
+                cell(r["itl_p50"], ".2f"),
+            ]
+            for r in rs
+        ],
+    )
 
 
 # a color per mode, a line style per transport
-COLORS = {"single": "tab:blue", "split": "tab:orange", "split+overlap": "tab:green",
-          "single+overlap": "tab:purple"}
+COLORS = {
+    "single": "tab:blue",
+    "split": "tab:orange",
+    "split+overlap": "tab:green",
+    "single+overlap": "tab:purple",
+}
 STYLES = {"grpc": "-", "http": "--"}
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    panels = [("out_tok_s", None, "output tok/s"), ("ttft_ms", "p50", "TTFT p50 (ms)"),
-              ("itl_ms", "p50", "ITL p50 (ms)")]
+    panels = [
+        ("out_tok_s", None, "output tok/s"),
+        ("ttft_ms", "p50", "TTFT p50 (ms)"),
+        ("itl_ms", "p50", "ITL p50 (ms)"),
+    ]
     fig, axes = subplots(1, 3, figsize=(15, 4.5))
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     series = sorted({(r["mode"], r["transport"]) for r in result["runs"]})
     for ax, (key, sub, title) in zip(axes, panels, strict=True):
         for mode, transport in series:
-            rs = sorted((r for r in result["runs"]
-                         if (r["mode"], r["transport"]) == (mode, transport)),
-                        key=lambda r: r["concurrency"])
+            rs = sorted(
+                (r for r in result["runs"] if (r["mode"], r["transport"]) == (mode, transport)),
+                key=lambda r: r["concurrency"],
+            )
             ys = [r[key] if sub is None else r[key][sub] for r in rs]
             ys = [float("nan") if y is None else y for y in ys]
-            ax.plot([r["concurrency"] for r in rs], ys, marker="o", color=COLORS[mode],
-                    linestyle=STYLES[transport], label=f"{mode} / {transport}")
+            ax.plot(
+                [r["concurrency"] for r in rs],
+                ys,
+                marker="o",
+                color=COLORS[mode],
+                linestyle=STYLES[transport],
+                label=f"{mode} / {transport}",
+            )
         ax.set_xscale("log", base=2)
         cs = sorted({r["concurrency"] for r in result["runs"]})
         ax.set_xticks(cs, [str(c) for c in cs])
@@ -220,9 +296,12 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.yaxis.set_minor_formatter(NullFormatter())
     axes[0].legend()
     cfg = result["config"]
-    fig.suptitle(f"hicache serve, SmolLM2-135M: {cfg['prompt_tokens']}-token prompts, "
-                 f"{cfg['max_new_tokens']} new tokens, {cfg['duration_s']:g} s per point; "
-                 f"{describe_machine(result['machine'])}", fontsize=10)
+    fig.suptitle(
+        f"hicache serve, SmolLM2-135M: {cfg['prompt_tokens']}-token prompts, "
+        f"{cfg['max_new_tokens']} new tokens, {cfg['duration_s']:g} s per point; "
+        f"{describe_machine(result['machine'])}",
+        fontsize=10,
+    )
     save_figure(fig, path)
 
 
@@ -231,9 +310,20 @@ def main() -> int:
     header = Header.now()
     result: dict[str, Any] = {
         **header.record(),
-        "config": {k: getattr(a, k) for k in ("modes", "transports", "concurrency", "duration_s",
-                                              "warmup_s", "prompt_tokens", "max_new_tokens",
-                                              "seed", "quick")},
+        "config": {
+            k: getattr(a, k)
+            for k in (
+                "modes",
+                "transports",
+                "concurrency",
+                "duration_s",
+                "warmup_s",
+                "prompt_tokens",
+                "max_new_tokens",
+                "seed",
+                "quick",
+            )
+        },
         "daemons": [],
         "runs": [],
     }

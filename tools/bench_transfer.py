@@ -73,8 +73,10 @@ class Geometry(NamedTuple):
 
     def describe(self) -> str:
         short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-        return (f"{self.layers} layers x {self.heads} kv heads x {self.head_dim}, "
-                f"{short.get(self.dtype, str(self.dtype))}")
+        return (
+            f"{self.layers} layers x {self.heads} kv heads x {self.head_dim}, "
+            f"{short.get(self.dtype, str(self.dtype))}"
+        )
 
 
 GEOMETRIES = {
@@ -118,7 +120,10 @@ def _cuda_once(fn: Callable[[], object]) -> float:
 
 
 def paired_median_seconds(
-    fn: Callable[[], object], ref: Callable[[], object], reps: int, device: torch.device,
+    fn: Callable[[], object],
+    ref: Callable[[], object],
+    reps: int,
+    device: torch.device,
     warmup: int = 2,
 ) -> tuple[float, float]:
     """Median of ``reps`` for ``fn`` and for the reference copy, run alternately after
@@ -143,8 +148,9 @@ def scattered_slots(num_tokens: int, page_size: int, first_page: int, g: torch.G
     return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
-def churned_requests(alloc, free, page_size: int, rng: random.Random, rounds: int = 40,
-                     batch: int = 8) -> list[torch.Tensor]:
+def churned_requests(
+    alloc, free, page_size: int, rng: random.Random, rounds: int = 40, batch: int = 8
+) -> list[torch.Tensor]:
     """Slot lists of the live requests after ``rounds`` of batched prefill + decode, freeing
     half of the requests at random after each round (and whenever an alloc fails)."""
     live: list[list[torch.Tensor]] = []
@@ -155,8 +161,9 @@ def churned_requests(alloc, free, page_size: int, rng: random.Random, rounds: in
         return slots
 
     for _ in range(rounds):
-        reqs = [[take(max(rng.randrange(32, 512) // page_size, 1) * page_size)]
-                for _ in range(batch)]  # fmt: skip
+        reqs = [
+            [take(max(rng.randrange(32, 512) // page_size, 1) * page_size)] for _ in range(batch)
+        ]
         used = [0] * batch
         for _ in range(rng.randrange(8, 128)):  # decode: one token per request per step
             for i, req in enumerate(reqs):
@@ -187,8 +194,10 @@ def make_slots(pattern: str, num_tokens: int, page_size: int, seed: int):
     """(device slots, host slots) of ``pattern``, on CPU."""
     if pattern == "random":
         g = torch.Generator().manual_seed(seed)
-        return (scattered_slots(num_tokens, page_size, 1, g),
-                scattered_slots(num_tokens, page_size, 0, g))  # fmt: skip
+        return (
+            scattered_slots(num_tokens, page_size, 1, g),
+            scattered_slots(num_tokens, page_size, 0, g),
+        )
     if pattern == "allocator":
         return allocator_slots(num_tokens, page_size, random.Random(seed))
     return torch.arange(page_size, page_size + num_tokens), torch.arange(num_tokens)
@@ -205,15 +214,21 @@ def make_pools(
     geom: Geometry, layout: str, page_size: int, device: torch.device
 ) -> tuple[MHATokenToKVPool, MHATokenToKVPoolHost]:
     """Device pool on ``device`` and host pool (pinned when CUDA is available) of ``geom``."""
-    dev = MHATokenToKVPool(POOL_TOKENS, page_size, geom.dtype, geom.heads, geom.head_dim,
-                           geom.layers, device)  # fmt: skip
-    host = MHATokenToKVPoolHost(POOL_TOKENS, page_size, geom.dtype, geom.heads, geom.head_dim,
-                                geom.layers, layout=layout)  # fmt: skip
+    dev = MHATokenToKVPool(
+        POOL_TOKENS, page_size, geom.dtype, geom.heads, geom.head_dim, geom.layers, device
+    )
+    host = MHATokenToKVPoolHost(
+        POOL_TOKENS, page_size, geom.dtype, geom.heads, geom.head_dim, geom.layers, layout=layout
+    )
     return dev, host
 
 
 def make_cases(
-    geom: Geometry, layout: str, page_size: int, dev_idx: torch.Tensor, host_idx: torch.Tensor,
+    geom: Geometry,
+    layout: str,
+    page_size: int,
+    dev_idx: torch.Tensor,
+    host_idx: torch.Tensor,
     backends: tuple[str, ...] = IO_BACKENDS,
 ) -> dict[str, Callable[[], object]]:
     """The timed CPU copies for one host layout, page size and index pattern."""
@@ -227,9 +242,15 @@ def make_cases(
 
     def backup_direct() -> None:
         transfer_all_layer(
-            dev.k_buffer, dev.v_buffer, host.kv_buffer, dev_idx, host_idx, layout, page_size,
+            dev.k_buffer,
+            dev.v_buffer,
+            host.kv_buffer,
+            dev_idx,
+            host_idx,
+            layout,
+            page_size,
             "direct",
-        )  # fmt: skip
+        )
 
     cases: dict[str, Callable[[], object]] = {
         "whole-token gather (get_flat_data)": lambda: host.get_flat_data(host_idx, out=flat),
@@ -237,7 +258,8 @@ def make_cases(
     }
     if "kernel" in backends:
         cases["backup device->host, all layers"] = lambda: host.backup_from_device_all_layer(
-            dev, host_idx, dev_idx)
+            dev, host_idx, dev_idx
+        )
     if "direct" in backends:
         cases["backup, direct (run merge)"] = backup_direct
     if "kernel" in backends:
@@ -246,8 +268,12 @@ def make_cases(
 
 
 def device_cases(
-    geom: Geometry, dev: MHATokenToKVPool, host: MHATokenToKVPoolHost, dev_idx: torch.Tensor,
-    host_idx: torch.Tensor, backend: str,
+    geom: Geometry,
+    dev: MHATokenToKVPool,
+    host: MHATokenToKVPoolHost,
+    dev_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    backend: str,
 ) -> list[tuple[str, str, Callable[[], object]]]:
     """(path, direction "h2d" / "d2h", copy) of one io backend, as the controller calls them."""
     # NOTE: the Triton kernels read page ids from device memory, so "kernel" gets both index
@@ -273,8 +299,11 @@ Cell = tuple[str, str, int, str]  # (path, host layout, page size, pattern)
 
 
 def run(
-    num_tokens: int, reps: int, page_sizes: tuple[int, ...] = (1, 16),
-    geom: Geometry = GEOMETRIES["smollm2-135m"], backends: tuple[str, ...] = IO_BACKENDS,
+    num_tokens: int,
+    reps: int,
+    page_sizes: tuple[int, ...] = (1, 16),
+    geom: Geometry = GEOMETRIES["smollm2-135m"],
+    backends: tuple[str, ...] = IO_BACKENDS,
 ) -> tuple[dict[Cell, tuple[float, float]], dict]:
     """CPU: ({cell: (GB/s, x plain copy)}, {(pattern, page size): mean joint run in tokens});
     each cell's plain copy is timed alternately with it."""
@@ -295,13 +324,19 @@ def run(
                 for name, fn in cases.items():
                     seconds, plain_seconds = paired_best_seconds(fn, plain, reps)
                     cells[(name, layout, page_size, pattern)] = (
-                        nbytes / seconds / 1e9, plain_seconds / seconds)
+                        nbytes / seconds / 1e9,
+                        plain_seconds / seconds,
+                    )
     return cells, runs
 
 
 def run_device(
-    num_tokens: int, reps: int, page_sizes: tuple[int, ...], geom: Geometry,
-    backends: tuple[str, ...], device: torch.device,
+    num_tokens: int,
+    reps: int,
+    page_sizes: tuple[int, ...],
+    geom: Geometry,
+    backends: tuple[str, ...],
+    device: torch.device,
 ) -> tuple[dict[Cell, tuple[float, float]], dict, dict[str, list[float]]]:
     """``--device cuda``: ({cell: (GB/s, x pinned memcpy)}, mean joint runs, {"h2d" / "d2h":
     the reference's GB/s of every cell}); each cell's reference (a contiguous pinned
@@ -326,12 +361,13 @@ def run_device(
             host.kv_buffer.view(torch.uint8).fill_(1)  # values do not matter; bytes resident
             for pattern, (dev_idx, host_idx) in slots.items():
                 for backend in backends:
-                    for name, way, fn in device_cases(geom, dev, host, dev_idx, host_idx,
-                                                      backend):  # fmt: skip
+                    for name, way, fn in device_cases(geom, dev, host, dev_idx, host_idx, backend):
                         seconds, ref_seconds = paired_median_seconds(fn, refs[way], reps, device)
                         peaks[way].append(nbytes / ref_seconds / 1e9)
                         cells[(name, layout, page_size, pattern)] = (
-                            nbytes / seconds / 1e9, ref_seconds / seconds)
+                            nbytes / seconds / 1e9,
+                            ref_seconds / seconds,
+                        )
             del dev, host
     return cells, runs, peaks
 
@@ -343,22 +379,32 @@ def print_table(cells: dict[Cell, tuple[float, float]], ratio: str) -> None:
     rows = []
     for name, layout, page_size in dict.fromkeys(k[:3] for k in cells):  # in run order
         by = [cells[(name, layout, page_size, p)] for p in PATTERNS]
-        rows.append([name, layout, page_size,
-                     *(f"{v:.{d}f}" for gbps, r in by for v, d in ((gbps, 1), (r, 2)))])
+        rows.append(
+            [
+                name,
+                layout,
+                page_size,
+                *(f"{v:.{d}f}" for gbps, r in by for v, d in ((gbps, 1), (r, 2))),
+            ]
+        )
     print("\n" + markdown_table(header, rows))
 
 
 def save_json(path: str, meta: dict, cells: dict[Cell, tuple[float, float]], runs: dict) -> None:
     res = dict(meta)
-    res["mean_joint_run_tokens"] = [{"pattern": p, "page_size": ps, "tokens": r}
-                                    for (p, ps), r in runs.items()]  # fmt: skip
-    res["cells"] = [{"path": n, "layout": lay, "page_size": ps, "pattern": pat, "gbps": g,
-                     "x_ref": r} for (n, lay, ps, pat), (g, r) in cells.items()]  # fmt: skip
+    res["mean_joint_run_tokens"] = [
+        {"pattern": p, "page_size": ps, "tokens": r} for (p, ps), r in runs.items()
+    ]
+    res["cells"] = [
+        {"path": n, "layout": lay, "page_size": ps, "pattern": pat, "gbps": g, "x_ref": r}
+        for (n, lay, ps, pat), (g, r) in cells.items()
+    ]
     print(f"wrote {write_json(path, res, indent=2)}")
 
 
-def plot(path: str, cells: dict[Cell, tuple[float, float]], title: str, ref: str,
-         target: float) -> bool:
+def plot(
+    path: str, cells: dict[Cell, tuple[float, float]], title: str, ref: str, target: float
+) -> bool:
     """The ratios per cell and pattern; False (and a line said) without matplotlib, which a
     GPU machine's python may lack."""
     rows = list(dict.fromkeys(k[:3] for k in cells))
@@ -369,8 +415,12 @@ def plot(path: str, cells: dict[Cell, tuple[float, float]], title: str, ref: str
         print(f"matplotlib is not installed: no {path}")
         return False
     for i, pattern in enumerate(PATTERNS):
-        ax.barh([r + i * height for r in range(len(rows))],
-                [cells[(*row, pattern)][1] for row in rows], height=height, label=pattern)
+        ax.barh(
+            [r + i * height for r in range(len(rows))],
+            [cells[(*row, pattern)][1] for row in rows],
+            height=height,
+            label=pattern,
+        )
     ax.axvline(target, color="k", ls="--", lw=1, label=f"target {target}x")
     ax.set_yticks([r + height for r in range(len(rows))])
     ax.set_yticklabels([f"{n} | {lay} | page {ps}" for n, lay, ps in rows], fontsize=7)
@@ -388,12 +438,19 @@ def main() -> None:
     ap.add_argument("--geometry", default="smollm2-135m", choices=sorted(GEOMETRIES))
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="passes over the table; each cell reports its median-ratio pass")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="passes over the table; each cell reports its median-ratio pass",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--page-sizes", default="1,16", help="comma list, e.g. 1,16,64")
-    ap.add_argument("--io-backends", default="kernel,direct",
-                    help="comma list of device<->host io backends to time (kernel, direct)")
+    ap.add_argument(
+        "--io-backends",
+        default="kernel,direct",
+        help="comma list of device<->host io backends to time (kernel, direct)",
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--png", default=None, help="also plot the ratios here (needs matplotlib)")
     args = ap.parse_args()
@@ -404,60 +461,98 @@ def main() -> None:
     if not 0 < args.tokens <= POOL_TOKENS // 2 or any(args.tokens % p for p in page_sizes):
         ap.error(f"--tokens must be in 1..{POOL_TOKENS // 2} and a multiple of every page size")
     if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error(f"--device cuda: no CUDA device here (torch {torch.__version__}, "
-                 "torch.cuda.is_available() is False)")
+        ap.error(
+            f"--device cuda: no CUDA device here (torch {torch.__version__}, "
+            "torch.cuda.is_available() is False)"
+        )
     geom = GEOMETRIES[args.geometry]
     header = Header.now()
     if args.threads:
         # NOTE: on a busy 2-core machine, intra-op threads that wait on each other can be 10x slower
         torch.set_num_threads(args.threads)
     nbytes = args.tokens * geom.token_bytes()
-    meta = {"device": args.device, "geometry": geom.name, "layers": geom.layers,
-            "kv_heads": geom.heads, "head_dim": geom.head_dim, "dtype": str(geom.dtype),
-            "tokens": args.tokens, "bytes_per_op": nbytes, "page_sizes": list(page_sizes),
-            "io_backends": list(backends), "reps": args.reps, "rounds": args.rounds,
-            "target_x_ref": TARGET[args.device]}  # fmt: skip
+    meta = {
+        "device": args.device,
+        "geometry": geom.name,
+        "layers": geom.layers,
+        "kv_heads": geom.heads,
+        "head_dim": geom.head_dim,
+        "dtype": str(geom.dtype),
+        "tokens": args.tokens,
+        "bytes_per_op": nbytes,
+        "page_sizes": list(page_sizes),
+        "io_backends": list(backends),
+        "reps": args.reps,
+        "rounds": args.rounds,
+        "target_x_ref": TARGET[args.device],
+    }
     if args.device == "cuda":
         device = torch.device("cuda")
-        passes = [run_device(args.tokens, args.reps, page_sizes, geom, backends, device)
-                  for _ in range(args.rounds)]  # fmt: skip
+        passes = [
+            run_device(args.tokens, args.reps, page_sizes, geom, backends, device)
+            for _ in range(args.rounds)
+        ]
         peaks = {way: sorted(g for p in passes for g in p[2][way]) for way in ("h2d", "d2h")}
         peak = {way: v[len(v) // 2] for way, v in peaks.items()}
         name = torch.cuda.get_device_name(device)
         ref, ratio = "pinned memcpy (cudaMemcpyAsync, same direction)", "x memcpy"
-        print(f"{args.tokens} tokens ({nbytes / 1e6:.0f} MB per copy), {geom.describe()}, {name}, "
-              f"torch {torch.__version__}, CUDA events, median of {args.reps} after 2 warm-ups, "
-              f"median of {args.rounds} passes; pinned memcpy peak H2D {peak['h2d']:.1f} GB/s "
-              f"({peaks['h2d'][0]:.1f}..{peaks['h2d'][-1]:.1f}), D2H {peak['d2h']:.1f} GB/s "
-              f"({peaks['d2h'][0]:.1f}..{peaks['d2h'][-1]:.1f}); target: kernel H2D >= "
-              f"{TARGET['cuda']}x memcpy")  # fmt: skip
-        meta.update({"device_name": name, "reference": ref,
-                     "timing": f"CUDA events, median of {args.reps} after 2 warm-ups",
-                     "peak_gbps": peak,
-                     "index_placement": "kernel: host and device slots on the GPU; direct: "
-                                        "host slots on CPU, device slots on the GPU"})
+        print(
+            f"{args.tokens} tokens ({nbytes / 1e6:.0f} MB per copy), {geom.describe()}, {name}, "
+            f"torch {torch.__version__}, CUDA events, median of {args.reps} after 2 warm-ups, "
+            f"median of {args.rounds} passes; pinned memcpy peak H2D {peak['h2d']:.1f} GB/s "
+            f"({peaks['h2d'][0]:.1f}..{peaks['h2d'][-1]:.1f}), D2H {peak['d2h']:.1f} GB/s "
+            f"({peaks['d2h'][0]:.1f}..{peaks['d2h'][-1]:.1f}); target: kernel H2D >= "
+            f"{TARGET['cuda']}x memcpy"
+        )
+        meta.update(
+            {
+                "device_name": name,
+                "reference": ref,
+                "timing": f"CUDA events, median of {args.reps} after 2 warm-ups",
+                "peak_gbps": peak,
+                "index_placement": "kernel: host and device slots on the GPU; direct: "
+                "host slots on CPU, device slots on the GPU",
+            }
+        )
     else:
-        passes = [(*run(args.tokens, args.reps, page_sizes, geom, backends), {})
-                  for _ in range(args.rounds)]  # fmt: skip
+        passes = [
+            (*run(args.tokens, args.reps, page_sizes, geom, backends), {})
+            for _ in range(args.rounds)
+        ]
         ref, ratio = "plain contiguous copy", "x"
-        meta.update({"reference": "dst.copy_(src) of the same bytes",
-                     "timing": f"best of {args.reps}", "threads": torch.get_num_threads()})
+        meta.update(
+            {
+                "reference": "dst.copy_(src) of the same bytes",
+                "timing": f"best of {args.reps}",
+                "threads": torch.get_num_threads(),
+            }
+        )
     runs = passes[0][1]
-    cells = {k: sorted((p[0][k] for p in passes), key=lambda c: c[1])[len(passes) // 2]
-             for k in passes[0][0]}  # fmt: skip
+    cells = {
+        k: sorted((p[0][k] for p in passes), key=lambda c: c[1])[len(passes) // 2]
+        for k in passes[0][0]
+    }
     if args.device == "cpu":
         plain = sorted(gbps / r for gbps, r in cells.values())
-        print(f"{args.tokens} tokens, {geom.describe()}, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}, "
-              f"median of {args.rounds} passes, load average {os.getloadavg()[0]:.1f}; plain "
-              f"contiguous copy {plain[len(plain) // 2]:.1f} GB/s (median; "
-              f"{plain[0]:.1f}..{plain[-1]:.1f})")  # fmt: skip
+        print(
+            f"{args.tokens} tokens, {geom.describe()}, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}, "
+            f"median of {args.rounds} passes, load average {os.getloadavg()[0]:.1f}; plain "
+            f"contiguous copy {plain[len(plain) // 2]:.1f} GB/s (median; "
+            f"{plain[0]:.1f}..{plain[-1]:.1f})"
+        )
     by_page = sorted(runs.items(), key=lambda item: item[0][1])
-    print("mean joint run (tokens): "
-          + ", ".join(f"{p} page {ps}: {r:.1f}" for (p, ps), r in by_page))
+    print(
+        "mean joint run (tokens): " + ", ".join(f"{p} page {ps}: {r:.1f}" for (p, ps), r in by_page)
+    )
     print_table(cells, ratio)
-    plotted = bool(args.png) and plot(args.png, cells, f"{geom.name}, {args.tokens} tokens, "
-                                      f"{args.device}", ref, TARGET[args.device])
+    plotted = bool(args.png) and plot(
+        args.png,
+        cells,
+        f"{geom.name}, {args.tokens} tokens, {args.device}",
+        ref,
+        TARGET[args.device],
+    )
     meta.update(header.record([args.png] if plotted else []))
     if args.json:
         save_json(args.json, meta, cells, runs)

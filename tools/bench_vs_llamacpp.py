@@ -68,8 +68,14 @@ def completer(client: httpx.AsyncClient, url: str) -> Complete:
     servers see the same prompts whatever text each produced.)"""
 
     async def complete(ids: list[int], max_tokens: int) -> int:
-        body = {"model": "default", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": False}
+        body = {
+            "model": "default",
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": False,
+        }
         r = await client.post(f"{url}/v1/completions", json=body)
         r.raise_for_status()
         return int(r.json()["usage"]["completion_tokens"])
@@ -122,12 +128,17 @@ async def w_multiturn(complete: Complete, rng: random.Random) -> dict[str, float
     return {"out_tok_s": sum(totals) / dt, "wall_s": dt}
 
 
-WORKLOADS = {"single": w_single, "batch16": w_batch16, "shared_prefix": w_shared_prefix,
-             "multiturn": w_multiturn}
+WORKLOADS = {
+    "single": w_single,
+    "batch16": w_batch16,
+    "shared_prefix": w_shared_prefix,
+    "multiturn": w_multiturn,
+}
 
 
-async def run_all(urls: dict[str, str], seed: str, repeat: int,
-                  names: list[str]) -> dict[str, dict[str, Any]]:
+async def run_all(
+    urls: dict[str, str], seed: str, repeat: int, names: list[str]
+) -> dict[str, dict[str, Any]]:
     """Every workload ``repeat`` times on each server (``{side: base url}``), the sides taking
     turns repetition by repetition; ``{side: {workload: runs and medians}}``."""
     async with httpx.AsyncClient(timeout=1800) as client:
@@ -143,9 +154,11 @@ async def run_all(urls: dict[str, str], seed: str, repeat: int,
                     runs[side].append(await WORKLOADS[name](complete, rng))
                     print(f"  {side} {name} #{i}: {runs[side][-1]}", flush=True)
             for side, rs in runs.items():
-                out[side][name] = {"runs": rs,
-                                   "out_tok_s": median(r["out_tok_s"] for r in rs),
-                                   "wall_s": median(r["wall_s"] for r in rs)}
+                out[side][name] = {
+                    "runs": rs,
+                    "out_tok_s": median(r["out_tok_s"] for r in rs),
+                    "wall_s": median(r["wall_s"] for r in rs),
+                }
         return out
 
 
@@ -175,8 +188,9 @@ def table(result: dict[str, Any]) -> str:
             cells = [f"{h['wall_s']:.1f} s", f"{ll['wall_s']:.1f} s"]
         ok = "met" if r >= TARGETS[name] else "not met"
         rows.append([name, *cells, f"**{r:.2f}x**", f">= {TARGETS[name]:g}x ({ok})"])
-    return markdown_table(["workload", "hicache", "llama-server", "hicache / llama.cpp",
-                           "target"], rows)
+    return markdown_table(
+        ["workload", "hicache", "llama-server", "hicache / llama.cpp", "target"], rows
+    )
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -184,16 +198,30 @@ def plot(result: dict[str, Any], path: str) -> None:
     names = list(rs)
     fig, ax = subplots(figsize=(8, 4.5))
     bars = ax.bar(names, [rs[n] for n in names], color="tab:blue")
-    ax.scatter(names, [TARGETS[n] for n in names], marker="_", s=900, color="tab:red",
-               zorder=3, label="target")
+    ax.scatter(
+        names,
+        [TARGETS[n] for n in names],
+        marker="_",
+        s=900,
+        color="tab:red",
+        zorder=3,
+        label="target",
+    )
     ax.axhline(1.0, color="gray", linewidth=0.8)
     for bar, n in zip(bars, names, strict=True):
-        ax.annotate(f"{rs[n]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom")
+        ax.annotate(
+            f"{rs[n]:.2f}x",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+        )
     ax.set_yscale("log")
     ax.set_ylabel("hicache / llama-server (higher = hicache better)")
-    ax.set_title(f"SmolLM2-135M Q4_1 GGUF, {result['config']['threads']} threads each; "
-                 f"{describe_machine(result['machine'])}", fontsize=9)
+    ax.set_title(
+        f"SmolLM2-135M Q4_1 GGUF, {result['config']['threads']} threads each; "
+        f"{describe_machine(result['machine'])}",
+        fontsize=9,
+    )
     ax.legend()
     save_figure(fig, path)
 
@@ -217,8 +245,14 @@ def main() -> int:
     gguf = default_model_path()
     header = Header.now()
     result: dict[str, Any] = {
-        "config": {"threads": a.threads, "gguf": Path(gguf).name, "repeat": a.repeat,
-                   "hicache_args": a.hicache_args, "llama_server": str(binary)}}
+        "config": {
+            "threads": a.threads,
+            "gguf": Path(gguf).name,
+            "repeat": a.repeat,
+            "hicache_args": a.hicache_args,
+            "llama_server": str(binary),
+        }
+    }
     work = Path(tempfile.mkdtemp(prefix="bench-vs-llamacpp-"))
     try:
         print("llama-server ...", flush=True)
@@ -230,8 +264,11 @@ def main() -> int:
             d = sl.Daemon("split", work, a.hicache_args.split())
             d.start()
             try:
-                both = asyncio.run(run_all({"llama_server": ls.url, "hicache": d.http_url},
-                                           a.seed, a.repeat, names))
+                both = asyncio.run(
+                    run_all(
+                        {"llama_server": ls.url, "hicache": d.http_url}, a.seed, a.repeat, names
+                    )
+                )
                 result.update(both)
                 result["hicache_config"] = sl.server_facts(d.addr)["config"]
             finally:

@@ -65,20 +65,25 @@ def _base_flags(script: Path | None) -> list[str]:
     assert image, out
     flags = re.search(r"^build flags:(.*)$", out, re.MULTILINE)
     extra = [] if flags is None or "none needed" in flags.group(1) else flags.group(1).split()
-    return [*extra, f"--build-arg=BASE_IMAGE={image.group(1) or image.group(2)}",
-            "--build-arg=TORCH_INDEX_URL="]
+    return [
+        *extra,
+        f"--build-arg=BASE_IMAGE={image.group(1) or image.group(2)}",
+        "--build-arg=TORCH_INDEX_URL=",
+    ]
 
 
 def ensure_images(project: Project, args: argparse.Namespace, workdir: Path) -> None:
     flags: list[str] | None = None
     for s in project.services.values():
-        if s.build is None or any(s.image == o.image for o in project.services.values()
-                                  if o.name < s.name and o.build is not None):
+        if s.build is None or any(
+            s.image == o.image
+            for o in project.services.values()
+            if o.name < s.name and o.build is not None
+        ):
             continue
         if args.rebuild or inspect_image(s.image) is None:
             if flags is None:
-                flags = _base_flags(args.base_script) + [f"--build-arg={a}"
-                                                         for a in args.build_arg]
+                flags = _base_flags(args.base_script) + [f"--build-arg={a}" for a in args.build_arg]
             say(f"build {s.image} from {s.build.dockerfile.relative_to(ROOT)} ...")
             took = build(s, flags, workdir / f"build-{s.name}.log")
             say(f"built {s.image} in {took:.0f} s")
@@ -106,17 +111,31 @@ def _maker(net_: net.Network) -> Callable[[Service, Path], Running]:
             assert image is not None
             return ContainerService(service, net_, log, image)
         if service.image.startswith("valkey/valkey:"):
-            ping = ("import redis; r = redis.Redis(port=6379, socket_timeout=3); "
-                    "print('PONG' if r.ping() else 'no PONG')")
-            return StandInService(service, net_, log, server_binary(),
-                                  ["--protected-mode", "no"], [sys.executable, "-c", ping])
+            ping = (
+                "import redis; r = redis.Redis(port=6379, socket_timeout=3); "
+                "print('PONG' if r.ping() else 'no PONG')"
+            )
+            return StandInService(
+                service,
+                net_,
+                log,
+                server_binary(),
+                ["--protected-mode", "no"],
+                [sys.executable, "-c", ping],
+            )
         raise SystemExit(f"{service.name}: no way to run image {service.image} here")
+
     return make
 
 
-CHECKS = (("serving", checks.check_serving), ("next turn", checks.check_next_turn),
-          ("shared L3", checks.check_shared_l3), ("healthchecks", checks.check_healthchecks),
-          ("stop a daemon", checks.check_stop_daemon), ("stop valkey", checks.check_stop_valkey))
+CHECKS = (
+    ("serving", checks.check_serving),
+    ("next turn", checks.check_next_turn),
+    ("shared L3", checks.check_shared_l3),
+    ("healthchecks", checks.check_healthchecks),
+    ("stop a daemon", checks.check_stop_daemon),
+    ("stop valkey", checks.check_stop_valkey),
+)
 
 
 def _up_and_check(stack: Stack, nonce: str) -> list[str]:
@@ -125,8 +144,10 @@ def _up_and_check(stack: Stack, nonce: str) -> list[str]:
         stack.up()
         ctx = checks.context(stack, say, nonce)
         checks.wait_gateway(ctx)
-        say("resident memory: " + ", ".join(f"{n} {r.rss_bytes() / 2**30:.2f} GiB"
-                                            for n, r in stack.running.items()))
+        say(
+            "resident memory: "
+            + ", ".join(f"{n} {r.rss_bytes() / 2**30:.2f} GiB" for n, r in stack.running.items())
+        )
     except Exception as e:  # noqa: BLE001 - shown, then everything is stopped
         say(f"FAIL up: {type(e).__name__}: {e}")
         return ["up"]
@@ -150,8 +171,10 @@ def run_inside(args: argparse.Namespace, project: Project) -> int:
     published = [(p, addresses[s.name]) for s in project.services.values() for p in s.ports]
     forwarders = net.Forwarders(published)
     forwarders.start()
-    say("published: " + ", ".join(f"{p.host_ip}:{p.host_port} -> {a}:{p.container_port}"
-                                  for p, a in published))
+    say(
+        "published: "
+        + ", ".join(f"{p.host_ip}:{p.host_port} -> {a}:{p.container_port}" for p, a in published)
+    )
     stack = Stack(project, net_, workdir, _maker(net_), say)
     failed: list[str] = []
     try:
@@ -168,8 +191,7 @@ def run_inside(args: argparse.Namespace, project: Project) -> int:
     for name, run in stack.running.items():
         if failed:
             say(f"--- {name} log ({run.log}):\n{run.output(3000)}")
-    say(f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'} "
-        f"(logs in {workdir})")
+    say(f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'} (logs in {workdir})")
     return 1 if failed else 0
 
 
@@ -177,9 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compose", type=Path, default=COMPOSE_FILE)
     p.add_argument("--workdir", default=None, help="logs (default: a new temporary folder)")
-    p.add_argument("--base-script", type=Path,
-                   default=SHARED_BASE_SCRIPT if SHARED_BASE_SCRIPT.exists() else None,
-                   help="prints a local base image and its buildah flags (default: %(default)s)")
+    p.add_argument(
+        "--base-script",
+        type=Path,
+        default=SHARED_BASE_SCRIPT if SHARED_BASE_SCRIPT.exists() else None,
+        help="prints a local base image and its buildah flags (default: %(default)s)",
+    )
     p.add_argument("--build-arg", action="append", default=[], help="K=V, for every build")
     p.add_argument("--rebuild", action="store_true", help="build the images even if present")
     p.add_argument("--in-host", action="store_true", help=argparse.SUPPRESS)
@@ -198,9 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     net_ = net.create(project.services)
     say("network: " + ", ".join(f"{n} {a}" for n, a in net_.addresses.items()))
     try:
-        inner = [sys.executable, str(Path(__file__).resolve()), "--in-host",
-                 "--compose", str(args.compose), "--workdir", str(workdir),
-                 "--addresses", json.dumps(net_.addresses), "--nonce", secrets.token_hex(4)]
+        inner = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--in-host",
+            "--compose",
+            str(args.compose),
+            "--workdir",
+            str(workdir),
+            "--addresses",
+            json.dumps(net_.addresses),
+            "--nonce",
+            secrets.token_hex(4),
+        ]
         return subprocess.call(["ip", "netns", "exec", net_.host, *inner])
     finally:
         net.teardown()

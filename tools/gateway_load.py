@@ -27,6 +27,7 @@ TOPICS = [
 # where its prefix is (tokenizing the reply again can move the boundary by a token or two)
 LANDED_SHARE = 0.9
 
+
 @dataclass(frozen=True)
 class Record:
     conv: int
@@ -37,14 +38,29 @@ class Record:
     ttft_s: float
 
 
-async def one_turn(client: httpx2.AsyncClient, url: str, messages: list[dict[str, str]],
-                   conv: int, turn: int, max_tokens: int) -> tuple[Record, str]:
+async def one_turn(
+    client: httpx2.AsyncClient,
+    url: str,
+    messages: list[dict[str, str]],
+    conv: int,
+    turn: int,
+    max_tokens: int,
+) -> tuple[Record, str]:
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json={
-            "model": "bench", "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}) as r:
+    async with client.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={
+            "model": "bench",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -57,18 +73,38 @@ async def one_turn(client: httpx2.AsyncClient, url: str, messages: list[dict[str
             usage = chunk.get("usage") or usage
     if usage is None:
         raise RuntimeError("the stream ended without a usage chunk")
-    rec = Record(conv, turn, usage["prompt_tokens"],
-                 (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                 usage["completion_tokens"], ttft if ttft is not None else time.perf_counter() - t0)
+    rec = Record(
+        conv,
+        turn,
+        usage["prompt_tokens"],
+        (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        usage["completion_tokens"],
+        ttft if ttft is not None else time.perf_counter() - t0,
+    )
     return rec, "".join(text)
 
 
-async def drive(url_of: list[str], restart: Callable[[], str] | None, conversations: int,
-                turns: int, clients: int, max_tokens: int, tag: str) -> tuple[list[Record], float]:
+async def drive(
+    url_of: list[str],
+    restart: Callable[[], str] | None,
+    conversations: int,
+    turns: int,
+    clients: int,
+    max_tokens: int,
+    tag: str,
+) -> tuple[list[Record], float]:
     """The closed-loop load; ``restart()`` (returning the new URL) runs between the halves when
     given. ``url_of[0]`` is the current gateway (or daemon) URL."""
-    history = [[{"role": "system", "content": f"Run {tag}, conversation {c}. "
-                 + " ".join(TOPICS[(c + k) % 4] for k in range(8))}] for c in range(conversations)]
+    history = [
+        [
+            {
+                "role": "system",
+                "content": f"Run {tag}, conversation {c}. "
+                + " ".join(TOPICS[(c + k) % 4] for k in range(8)),
+            }
+        ]
+        for c in range(conversations)
+    ]
     records: list[Record] = []
 
     async def client_loop(k: int, lo: int, hi: int, http: httpx2.AsyncClient) -> None:
@@ -92,5 +128,3 @@ async def drive(url_of: list[str], restart: Callable[[], str] | None, conversati
 
 def rate(rs: list[Record]) -> float:
     return sum(r.cached for r in rs) / max(1, sum(r.prompt for r in rs))
-
-

@@ -17,9 +17,19 @@ from tools.benchlib import daemon_env, free_port, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 # the daemons' L3 counters a run records (GetCacheStats, summed over its daemons)
-L3_COUNTERS = ("prefetch_started", "prefetch_tokens", "prefetch_skipped", "prefetch_partial",
-               "prefetch_yielded", "prefetch_discarded_tokens", "backup_deferred",
-               "backup_dropped_nodes", "hits", "misses", "errors")
+L3_COUNTERS = (
+    "prefetch_started",
+    "prefetch_tokens",
+    "prefetch_skipped",
+    "prefetch_partial",
+    "prefetch_yielded",
+    "prefetch_discarded_tokens",
+    "backup_deferred",
+    "backup_dropped_nodes",
+    "hits",
+    "misses",
+    "errors",
+)
 RETRY = (httpx2.HTTPError, OSError)
 
 
@@ -37,22 +47,42 @@ class Gateway:
     metrics_url: str
 
 
-def start_daemons(model: str | None, n: int, work: Path, extra: list[str],
-                  out: list[Daemon]) -> None:
+def start_daemons(
+    model: str | None, n: int, work: Path, extra: list[str], out: list[Daemon]
+) -> None:
     """Starts ``n`` daemons into ``out`` (the caller stops them, ready or not)."""
     for i in range(n):
         port, http = free_port(), free_port()
         (work / f"d{i}").mkdir(parents=True, exist_ok=True)
         log = open(work / f"daemon{i}.log", "w")  # noqa: SIM115 - the process owns it
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.client.cli", "serve",
-             *(["--model", model] if model else []), "--port", str(port), "--http-port",
-             str(http), "--served-model-name", "bench", *extra],
-            cwd=ROOT, env=daemon_env(work / f"d{i}"), stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "engine.client.cli",
+                "serve",
+                *(["--model", model] if model else []),
+                "--port",
+                str(port),
+                "--http-port",
+                str(http),
+                "--served-model-name",
+                "bench",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=daemon_env(work / f"d{i}"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         out.append(Daemon(proc, port, http))
     for i, d in enumerate(out):
-        wait_until(lambda d=d: httpx2.get(f"http://127.0.0.1:{d.http_port}/health").is_success,
-                   f"daemon {work / f'daemon{i}.log'}", proc=d.proc, retry_on=RETRY)
+        wait_until(
+            lambda d=d: httpx2.get(f"http://127.0.0.1:{d.http_port}/health").is_success,
+            f"daemon {work / f'daemon{i}.log'}",
+            proc=d.proc,
+            retry_on=RETRY,
+        )
 
 
 def start_gateway(smg: str, urls: list[str], policy: str, log: Path) -> Gateway:
@@ -61,13 +91,33 @@ def start_gateway(smg: str, urls: list[str], policy: str, log: Path) -> Gateway:
     port, prom = free_port(), free_port()
     log_file = open(log, "a")  # noqa: SIM115 - the process owns it
     proc = subprocess.Popen(
-        [smg, "launch", "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
-         "--port", str(port), "--prometheus-port", str(prom), "--log-level", "warn"],
-        stdout=log_file, stderr=subprocess.STDOUT)
+        [
+            smg,
+            "launch",
+            "--worker-urls",
+            *urls,
+            "--policy",
+            policy,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(prom),
+            "--log-level",
+            "warn",
+        ],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
     gw = Gateway(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prom}/metrics")
     try:
-        wait_until(lambda: gateway_ready(gw.url, "bench", len(urls)), f"gateway {log}",
-                   proc=proc, retry_on=RETRY)
+        wait_until(
+            lambda: gateway_ready(gw.url, "bench", len(urls)),
+            f"gateway {log}",
+            proc=proc,
+            retry_on=RETRY,
+        )
     except BaseException:
         stop_process(proc)
         raise
@@ -94,8 +144,11 @@ def daemon_metrics(daemons: list[Daemon]) -> dict[str, float]:
     """Summed over the daemons: prefix-cache hit tokens per tier, the L1 + L2 capacity, tokens
     evicted from L1 and L2, and the L3 counters (GetCacheStats)."""
     out: dict[str, float] = {}
-    names = {"hicache_prefix_cache_hits_total": "hits", "hicache_max_total_num_tokens":
-             "capacity", "hicache_evicted_tokens_total": "evicted"}
+    names = {
+        "hicache_prefix_cache_hits_total": "hits",
+        "hicache_max_total_num_tokens": "capacity",
+        "hicache_evicted_tokens_total": "evicted",
+    }
     pat = re.compile(rf'^({"|".join(names)})\{{tier="(l[123])"\}} (\S+)$', re.MULTILINE)
     for d in daemons:
         text = httpx2.get(f"http://127.0.0.1:{d.http_port}/metrics").text
@@ -107,5 +160,3 @@ def daemon_metrics(daemons: list[Daemon]) -> dict[str, float]:
                 out[f"l3_{k}"] = out.get(f"l3_{k}", 0.0) + l3.extra.get(k, 0.0)
             out["object_tokens"] = l3.extra["object_tokens"]
     return out
-
-

@@ -39,8 +39,14 @@ def generate(out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     include = Path(grpc_tools.__file__).parent / "_proto"
-    args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+    ]
     args += [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed: " + " ".join(args))
@@ -63,8 +69,14 @@ def _generate_smg(out_dir: Path, include: Path) -> list[Path]:
 
     smg_dir = out_dir / "smg"
     smg_dir.mkdir(parents=True, exist_ok=True)
-    args = ["grpc_tools.protoc", f"-I{SMG_PROTO_ROOT}", f"-I{include}", f"--python_out={smg_dir}",
-            f"--pyi_out={smg_dir}", f"--grpc_python_out={smg_dir}"]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{SMG_PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={smg_dir}",
+        f"--pyi_out={smg_dir}",
+        f"--grpc_python_out={smg_dir}",
+    ]
     args += [p.name for p in sorted(SMG_PROTO_ROOT.glob("*.proto"))]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed: " + " ".join(args))
@@ -84,11 +96,16 @@ def check(out_dir: Path = OUT_DIR) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp)
         files = generate(fresh)
-        drift = [str(f) for f in files
-                 if not (out_dir / f).exists() or not filecmp.cmp(fresh / f, out_dir / f,
-                                                                  shallow=False)]
-        committed = {p.relative_to(out_dir) for p in out_dir.rglob("*_pb2*.py*")
-                     if "__pycache__" not in p.parts}
+        drift = [
+            str(f)
+            for f in files
+            if not (out_dir / f).exists() or not filecmp.cmp(fresh / f, out_dir / f, shallow=False)
+        ]
+        committed = {
+            p.relative_to(out_dir)
+            for p in out_dir.rglob("*_pb2*.py*")
+            if "__pycache__" not in p.parts
+        }
         drift += [f"{f} (stale)" for f in sorted(committed - set(files))]
     return drift
 

@@ -28,11 +28,14 @@ def plot(res: dict[str, Any], out: str) -> None:
     if "onednn_floor_step_ms" in a:
         names.append("oneDNN\nmatmul floor")
         values.append(a["floor_tok_s"] * a["floor_step_ms"] / a["onednn_floor_step_ms"])
-    axes[0].bar(names, values, color=["tab:blue", "tab:gray", "tab:green", "tab:olive"][: len(names)])
+    axes[0].bar(
+        names, values, color=["tab:blue", "tab:gray", "tab:green", "tab:olive"][: len(names)]
+    )
     axes[0].set_title("(a) 16 prompts x 64 new tokens (tok/s)")
     b = res["b"]
-    axes[1].bar(["hicache", "transformers"], [b["engine_s"], b["hf_s"]],
-                color=["tab:blue", "tab:gray"])
+    axes[1].bar(
+        ["hicache", "transformers"], [b["engine_s"], b["hf_s"]], color=["tab:blue", "tab:gray"]
+    )
     axes[1].set_title(f"(b) 16 x shared {b['prompt_tokens']}-token prompt (s, lower is better)")
     model = f"{res.get('model', 'SmolLM2-135M')} {res.get('dtype', 'fp32')}"  # older JSON: neither
     fig.suptitle(f"{model} on {describe_machine(res['machine'])}")

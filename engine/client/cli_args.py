@@ -106,11 +106,18 @@ def add_client_commands(sub: Any, handlers: dict[str, Callable[[argparse.Namespa
     p = cmd("storage", "show, attach or detach the daemon's L3 backend")
     p.add_argument("action", nargs="?", choices=("show", "attach", "detach"), default="show")
     p.add_argument("--backend", choices=("file", "redis"), help="attach: the backend")
-    p.add_argument("--url", default="", help="attach redis: redis://host:port/db, rediss://..., "
-                   "redis-cluster://h:p,h:p")
+    p.add_argument(
+        "--url",
+        default="",
+        help="attach redis: redis://host:port/db, rediss://..., redis-cluster://h:p,h:p",
+    )
     p.add_argument("--dir", default="", help="attach file: the directory (default: the daemon's)")
-    p.add_argument("--wait", type=float, default=None,
-                   help="detach: seconds to wait for in-flight L3 work (30)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        help="detach: seconds to wait for in-flight L3 work (30)",
+    )
 
     p = cmd("events", "follow cache events")
     p.add_argument(

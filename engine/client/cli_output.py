@@ -139,8 +139,9 @@ def stats_report(resp: admin_pb2.GetCacheStatsResponse, out: TextIO = sys.stdout
     )
 
 
-def server_info_report(info: gen_pb2.GetServerInfoResponse, tiers: str | None,
-                       out: TextIO = sys.stdout) -> None:  # fmt: skip
+def server_info_report(
+    info: gen_pb2.GetServerInfoResponse, tiers: str | None, out: TextIO = sys.stdout
+) -> None:
     """GetServerInfoResponse as ``key: value`` lines; ``config`` (JSON-encoded values) as an
     indented block with its values decoded."""
     out.write(f"version: {info.version}\n")

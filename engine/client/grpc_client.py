@@ -353,7 +353,8 @@ class HicacheClient(_Base):
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         # the grpcio-health-checking stubs declare no HealthStub methods (grpc adds them at run time)
         r = self.health_stub.Check(  # type: ignore[attr-defined]
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 

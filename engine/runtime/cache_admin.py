@@ -50,16 +50,18 @@ def pin_summary(scheduler: AdminScheduler) -> tuple[int, int]:
 
 
 # --- keys and matches ------------------------------------------------------------------------
-def _tree_key(tree: BasePrefixCache, key: list[int], namespace: str | None
-              ) -> tuple[list[int], int]:
+def _tree_key(
+    tree: BasePrefixCache, key: list[int], namespace: str | None
+) -> tuple[list[int], int]:
     """The key as the tree stores it for this namespace (``key_of``), and how many tokens of
     it are the namespace's own (a tree that prepends them; none when it folds them in)."""
     full = list(tree.key_of(list(key), namespace))
     return full, len(full) - len(key)
 
 
-def match_prefix(scheduler: AdminScheduler, key: list[int], namespace: str | None = None
-                 ) -> MatchInfo:
+def match_prefix(
+    scheduler: AdminScheduler, key: list[int], namespace: str | None = None
+) -> MatchInfo:
     """What of ``key`` is cached, per tier, without changing the tree (``walk``)."""
     tree = scheduler.tree_cache
     per_tier = dict.fromkeys(TIERS, 0)
@@ -141,8 +143,9 @@ def pin(
     if lock is None:
         return None
     now = time.monotonic() if now is None else now
-    return scheduler.admin_pins.add(lock, lock.tokens - skip, now + ttl_s if ttl_s > 0 else None,
-                                    owner)
+    return scheduler.admin_pins.add(
+        lock, lock.tokens - skip, now + ttl_s if ttl_s > 0 else None, owner
+    )
 
 
 def unpin(

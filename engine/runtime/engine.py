@@ -73,8 +73,7 @@ class Engine(EngineFront):
         # backups and still run torch ops while the interpreter finalizes (abort: "terminate
         # called without an active exception"). An engine not shut down is stopped at exit.
         # The hook holds the engine's parts, never the Engine: a dropped Engine is still freed.
-        self._at_exit = functools.partial(_stop_threads, self._stop, self._thread,
-                                          self.scheduler)
+        self._at_exit = functools.partial(_stop_threads, self._stop, self._thread, self.scheduler)
         atexit.register(self._at_exit)
 
     # --- requests ----------------------------------------------------------------------------
@@ -142,8 +141,9 @@ class Engine(EngineFront):
     def model_info(self) -> dict[str, Any]:
         return self.runner.model_info()
 
-    def kv_block_changes(self, block_size: int, salt_key: bytes,
-                         reset: bool = False) -> BlockChanges:  # fmt: skip
+    def kv_block_changes(
+        self, block_size: int, salt_key: bytes, reset: bool = False
+    ) -> BlockChanges:
         return self._admin(lambda s: kv_block_changes(s, block_size, salt_key, reset))
 
     # --- cache admin (engine/runtime/cache_admin.py, tenant_cache.py) -------------------------
@@ -153,15 +153,34 @@ class Engine(EngineFront):
     def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchInfo:
         return self._admin(lambda s: cache_admin.match_prefix(s, key, namespace))
 
-    def evict(self, tier: str, num_tokens: int | None = None, prefix: list[int] | None = None,
-              namespace: str | None = None, dry_run: bool = False,
-              namespaces: frozenset[str] | None = None) -> EvictInfo:  # fmt: skip
-        return self._admin(lambda s: cache_admin.evict(
-            s, tier, num_tokens=num_tokens, prefix=prefix, namespace=namespace, dry_run=dry_run,
-            namespaces=namespaces))  # fmt: skip
+    def evict(
+        self,
+        tier: str,
+        num_tokens: int | None = None,
+        prefix: list[int] | None = None,
+        namespace: str | None = None,
+        dry_run: bool = False,
+        namespaces: frozenset[str] | None = None,
+    ) -> EvictInfo:
+        return self._admin(
+            lambda s: cache_admin.evict(
+                s,
+                tier,
+                num_tokens=num_tokens,
+                prefix=prefix,
+                namespace=namespace,
+                dry_run=dry_run,
+                namespaces=namespaces,
+            )
+        )
 
-    def pin(self, key: list[int], namespace: str | None = None, ttl_s: float = 0.0,
-            owner: str | None = None) -> Pin | None:  # fmt: skip
+    def pin(
+        self,
+        key: list[int],
+        namespace: str | None = None,
+        ttl_s: float = 0.0,
+        owner: str | None = None,
+    ) -> Pin | None:
         return self._admin(lambda s: cache_admin.pin(s, key, namespace, ttl_s, owner=owner))
 
     def unpin(self, pin_id: str | None = None, owner: str | None = None) -> tuple[int, int]:
@@ -173,15 +192,21 @@ class Engine(EngineFront):
     def flush(self, tiers: list[str] | None = None) -> FlushInfo:
         return self._admin(lambda s: cache_admin.flush(s, tiers))
 
-    def flush_namespaces(self, namespaces: frozenset[str], tiers: list[str] | None,
-                         owner: str | None) -> FlushInfo:  # fmt: skip
+    def flush_namespaces(
+        self, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
+    ) -> FlushInfo:
         return self._admin(lambda s: tenant_cache.flush(s, namespaces, tiers, owner))
 
-    def inspect_tree(self, offset: int = 0, limit: int = 100, preview_tokens: int = 16,
-                     namespaces: frozenset[str] | None = None
-                     ) -> tuple[list[NodeInfo], int]:  # fmt: skip
+    def inspect_tree(
+        self,
+        offset: int = 0,
+        limit: int = 100,
+        preview_tokens: int = 16,
+        namespaces: frozenset[str] | None = None,
+    ) -> tuple[list[NodeInfo], int]:
         return self._admin(
-            lambda s: cache_admin.inspect_tree(s, offset, limit, preview_tokens, namespaces))
+            lambda s: cache_admin.inspect_tree(s, offset, limit, preview_tokens, namespaces)
+        )
 
     def apply_quotas(self, quotas: Sequence[TenantQuota]) -> None:
         self._admin(lambda s: tenant_cache.apply_quotas(s, quotas))
@@ -189,8 +214,7 @@ class Engine(EngineFront):
     def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> TenantView:
         return self._admin(lambda s: tenant_cache.tenant_view(s, tenant, namespaces))
 
-    def tenant_figures(self, quotas: Sequence[TenantQuota]
-                       ) -> dict[str, dict[str, dict[str, int]]]:  # fmt: skip
+    def tenant_figures(self, quotas: Sequence[TenantQuota]) -> dict[str, dict[str, dict[str, int]]]:
         return self._admin(lambda s: tenant_cache.tenant_figures(s, quotas))
 
     # --- L3 at run time -----------------------------------------------------------------------
@@ -198,25 +222,29 @@ class Engine(EngineFront):
         """The attached L3 backend: {"attached", "backend", "address", ...} (see storage_info)."""
         return self.call_in_scheduler(lambda s: s.tree_cache.storage_info())
 
-    def attach_storage(self, backend: str, url: str | None = None,
-                       directory: str | None = None) -> dict[str, Any]:
+    def attach_storage(
+        self, backend: str, url: str | None = None, directory: str | None = None
+    ) -> dict[str, Any]:
         """Attach an L3 backend to the running engine (none may be attached); its objects
         are the ones a daemon with the same model and options would use. Returns storage_info.
         The backend is built here (a directory scan may take a while), attached on the
         scheduler thread between steps."""
         tree = self.scheduler.tree_cache
         if not isinstance(tree, HiRadixCache):
-            raise TierUnavailableError("L3 needs the hierarchical cache "
-                                       "(enable_hierarchical_cache)")
+            raise TierUnavailableError(
+                "L3 needs the hierarchical cache (enable_hierarchical_cache)"
+            )
         object_size = self.server_args.hicache_storage_page_size
         assert object_size is not None, "ServerArgs derives it from page_size when not given"
         storage = hicache_setup.build_storage(
-            self.server_args, hicache_setup.storage_scope(tree.controller.model_fingerprint,
-                                                          tree.host_pool),
-            backend=backend, url=url, directory=directory)  # fmt: skip
+            self.server_args,
+            hicache_setup.storage_scope(tree.controller.model_fingerprint, tree.host_pool),
+            backend=backend,
+            url=url,
+            directory=directory,
+        )
         try:
-            self.call_in_scheduler(
-                lambda s: s.tree_cache.attach_storage(storage, object_size))
+            self.call_in_scheduler(lambda s: s.tree_cache.attach_storage(storage, object_size))
         except BaseException:
             hicache_setup.close_storage(storage)
             raise
@@ -230,8 +258,9 @@ class Engine(EngineFront):
         """Stop using L3 (pending backups and prefetches finish first; see
         HiRadixCache.detach_storage). Returns what was attached (storage_info before)."""
         if not self.scheduler.tree_cache.can_attach_storage():
-            raise TierUnavailableError("L3 needs the hierarchical cache "
-                                       "(enable_hierarchical_cache)")
+            raise TierUnavailableError(
+                "L3 needs the hierarchical cache (enable_hierarchical_cache)"
+            )
 
         def detach(s: Scheduler) -> dict[str, Any]:
             before = s.tree_cache.storage_info()

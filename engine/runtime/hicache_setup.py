@@ -18,7 +18,11 @@ log = logging.getLogger(__name__)
 
 
 def model_fingerprint(
-    hf_config: Any, dtype: Any, object_size: int, quantization: str = "none", numerics: str = "",
+    hf_config: Any,
+    dtype: Any,
+    object_size: int,
+    quantization: str = "none",
+    numerics: str = "",
 ) -> str:
     """Hash of the model config, KV dtype, L3 object size, weight quantization and the numeric
     path that computed the KV (``ModelRunner.numerics``): objects of another model (or object
@@ -27,7 +31,8 @@ def model_fingerprint(
     cfg = to_json(use_diff=False) if to_json is not None else repr(hf_config)
     weights = "" if quantization == "none" else f"|W{quantization}"
     return hashlib.sha256(
-        f"{cfg}|{dtype}|S{object_size}{weights}|N{numerics}".encode()).hexdigest()[:32]
+        f"{cfg}|{dtype}|S{object_size}{weights}|N{numerics}".encode()
+    ).hexdigest()[:32]
 
 
 def storage_scope(fingerprint: str, host_pool: Any) -> str:
@@ -37,8 +42,13 @@ def storage_scope(fingerprint: str, host_pool: Any) -> str:
     return hashlib.sha256(full.encode()).hexdigest()[:16]
 
 
-def build_storage(args: ServerArgs, scope: str, backend: str | None = None,
-                  url: str | None = None, directory: str | None = None) -> Any:
+def build_storage(
+    args: ServerArgs,
+    scope: str,
+    backend: str | None = None,
+    url: str | None = None,
+    directory: str | None = None,
+) -> Any:
     """The L3 backend ``args`` name (or ``backend`` / ``url`` / ``directory``: a run-time
     attach); None with L3 off."""
     backend = backend if backend is not None else args.hicache_storage_backend
@@ -49,10 +59,11 @@ def build_storage(args: ServerArgs, scope: str, backend: str | None = None,
 
         redis_url = url or args.hicache_storage_url
         if not redis_url:
-            raise ValueError("the redis L3 backend needs a URL (redis://host:port/db, "
-                             "rediss://..., redis-cluster://h:p,h:p)")
-        return RedisStorageBackend(redis_url, scope,
-                                   key_prefix=args.hicache_storage_key_prefix)
+            raise ValueError(
+                "the redis L3 backend needs a URL (redis://host:port/db, "
+                "rediss://..., redis-cluster://h:p,h:p)"
+            )
+        return RedisStorageBackend(redis_url, scope, key_prefix=args.hicache_storage_key_prefix)
     if backend != "file":
         raise ValueError(f"unknown hicache_storage_backend {backend!r} (file, redis)")
     from hicache.storage.file import FileStorageBackend
@@ -60,39 +71,62 @@ def build_storage(args: ServerArgs, scope: str, backend: str | None = None,
     directory = os.path.expanduser(directory or args.hicache_storage_dir or DEFAULT_STORAGE_DIR)
     # NOTE: no rescan inside stats() (it runs on the scheduler thread): the L3 backup thread
     # rescans when idle (hicache.storage_io)
-    return FileStorageBackend(directory, int(args.hicache_storage_size_gb * (1 << 30)),
-                              reconcile_interval_s=None)
+    return FileStorageBackend(
+        directory, int(args.hicache_storage_size_gb * (1 << 30)), reconcile_interval_s=None
+    )
 
 
 def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
     kv_pool, allocator, ps = runner.kv_pool, runner.allocator, args.page_size
-    size = host_pool_size(allocator.size, ps, kv_pool.bytes_per_token(), args.hicache_ratio,
-                          args.hicache_size)
+    size = host_pool_size(
+        allocator.size, ps, kv_pool.bytes_per_token(), args.hicache_ratio, args.hicache_size
+    )
     if size <= allocator.size and args.hicache_write_policy != "write_back":
         # NOTE: with write-through every device page also holds a host page, so a host pool no
         # larger than the device pool is all copies of L1: nothing host-only survives and an L3
         # prefetch has nowhere to land (SGLang refuses this size outright).
-        log.warning("host pool (%d tokens) is not larger than the device pool (%d): L2 will "
-                    "only mirror L1 and L3 prefetches will be skipped; use hicache_ratio > 1",
-                    size, allocator.size)
+        log.warning(
+            "host pool (%d tokens) is not larger than the device pool (%d): L2 will "
+            "only mirror L1 and L3 prefetches will be skipped; use hicache_ratio > 1",
+            size,
+            allocator.size,
+        )
     host_pool = MHATokenToKVPoolHost(
-        size, ps, kv_pool.dtype, kv_pool.head_num, kv_pool.head_dim, kv_pool.layer_num,
-        layout=args.hicache_mem_layout)  # fmt: skip
+        size,
+        ps,
+        kv_pool.dtype,
+        kv_pool.head_num,
+        kv_pool.head_dim,
+        kv_pool.layer_num,
+        layout=args.hicache_mem_layout,
+    )
     sps = args.hicache_storage_page_size
     assert sps is not None, "ServerArgs derives it from page_size when not given"
-    fingerprint = model_fingerprint(runner.hf_config, kv_pool.dtype, sps, runner.quantization,
-                                    runner.numerics)
+    fingerprint = model_fingerprint(
+        runner.hf_config, kv_pool.dtype, sps, runner.quantization, runner.numerics
+    )
     controller = HiCacheController(
-        kv_pool, host_pool, allocator, io_backend=args.hicache_io_backend,
+        kv_pool,
+        host_pool,
+        allocator,
+        io_backend=args.hicache_io_backend,
         storage=build_storage(args, storage_scope(fingerprint, host_pool)),
-        model_fingerprint=fingerprint, storage_object_size=sps)  # fmt: skip
-    return HiRadixCache(runner.req_to_token_pool, allocator, ps, host_pool, controller,
-                        write_policy=args.hicache_write_policy,
-                        eviction_policy=args.radix_eviction_policy,
-                        prefetch_threshold=args.hicache_prefetch_threshold,
-                        prefetch_policy=args.hicache_storage_prefetch_policy,
-                        prefetch_timeout_base=args.hicache_prefetch_timeout_base,
-                        prefetch_timeout_per_ki_token=args.hicache_prefetch_timeout_per_ki_token)
+        model_fingerprint=fingerprint,
+        storage_object_size=sps,
+    )
+    return HiRadixCache(
+        runner.req_to_token_pool,
+        allocator,
+        ps,
+        host_pool,
+        controller,
+        write_policy=args.hicache_write_policy,
+        eviction_policy=args.radix_eviction_policy,
+        prefetch_threshold=args.hicache_prefetch_threshold,
+        prefetch_policy=args.hicache_storage_prefetch_policy,
+        prefetch_timeout_base=args.hicache_prefetch_timeout_base,
+        prefetch_timeout_per_ki_token=args.hicache_prefetch_timeout_per_ki_token,
+    )
 
 
 def close_storage(storage: Any) -> None:

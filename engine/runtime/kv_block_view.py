@@ -11,28 +11,29 @@ from typing import Any
 from hicache.kv_blocks import TIERS, Block, BlockChanges, BlockView
 from hicache.l3_blocks import L3BlockView
 
-_VIEWS: weakref.WeakKeyDictionary[Any, tuple[BlockView, L3BlockView]] = (
-    weakref.WeakKeyDictionary())
+_VIEWS: weakref.WeakKeyDictionary[Any, tuple[BlockView, L3BlockView]] = weakref.WeakKeyDictionary()
 
 
 def _views(scheduler: Any, block_size: int, salt_key: bytes) -> tuple[BlockView, L3BlockView]:
     tree = scheduler.tree_cache
     views = _VIEWS.get(tree)
     if views is None or views[0].block_size != block_size or views[0].salt_key != salt_key:
-        views = _VIEWS[tree] = (BlockView(block_size, salt_key),
-                                L3BlockView(block_size, salt_key))
+        views = _VIEWS[tree] = (BlockView(block_size, salt_key), L3BlockView(block_size, salt_key))
     return views
 
 
 def kv_blocks(scheduler: Any, block_size: int, salt_key: bytes) -> dict[str, list[Block]]:
     """tier -> the cache's full blocks in that tier now, parents before children."""
     tree = scheduler.tree_cache
-    return {**BlockView(block_size, salt_key).snapshot(tree),
-            **L3BlockView(block_size, salt_key).snapshot(tree.l3_objects())}
+    return {
+        **BlockView(block_size, salt_key).snapshot(tree),
+        **L3BlockView(block_size, salt_key).snapshot(tree.l3_objects()),
+    }
 
 
-def kv_block_changes(scheduler: Any, block_size: int, salt_key: bytes,
-                     reset: bool = False) -> BlockChanges:
+def kv_block_changes(
+    scheduler: Any, block_size: int, salt_key: bytes, reset: bool = False
+) -> BlockChanges:
     """The blocks stored / removed per tier since the last call (reset: the whole state).
     NOTE: one caller per daemon (its KvEventPublisher): the views remember what they gave."""
     tree_view, l3_view = _views(scheduler, block_size, salt_key)

@@ -57,30 +57,44 @@ class ModelRunner:
         )
         if self.quantization != "none":
             count = quantize_linears(self.model, self.quantization)
-            log.info("quantized %d linear layers to %s (kernels: %s)", count, self.quantization,
-                     kernel_status())
+            log.info(
+                "quantized %d linear layers to %s (kernels: %s)",
+                count,
+                self.quantization,
+                kernel_status(),
+            )
         self.linear_backend = resolve_linear_backend(args.linear_backend, self.device, self.dtype)
         if self.linear_backend in ("cpu", "onednn"):
-            log.info("prepacked %d dense linear layers for %s",
-                     prepack_linears(self.model, self.linear_backend), self.linear_backend)
+            log.info(
+                "prepacked %d dense linear layers for %s",
+                prepack_linears(self.model, self.linear_backend),
+                self.linear_backend,
+            )
         self.deterministic = deterministic.enabled(args, self.device)
         if self.deterministic:
-            log.info("deterministic inference: %d layers batch-invariant",
-                     deterministic.install(self.model))
+            log.info(
+                "deterministic inference: %d layers batch-invariant",
+                deterministic.install(self.model),
+            )
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
-        self.max_context_len: int = (args.context_length if args.context_length
-                                     else getattr(cfg, "max_position_embeddings", 4096))
+        self.max_context_len: int = (
+            args.context_length
+            if args.context_length
+            else getattr(cfg, "max_position_embeddings", 4096)
+        )
         self._init_pools()
         # The CPU path: norms, RoPE, SiLU, products and attention on the C kernels, one numeric
         # path per token row (batch-invariant) for every quantization mode
-        self.cpu_kernels = (self.device.type == "cpu" and self.dtype == torch.float32
-                            and KERNELS.get() is not None)
-        self._torch_ops = (enable_cpu_kernels(self.model, self.max_context_len)
-                           if self.cpu_kernels else [])
+        self.cpu_kernels = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and KERNELS.get() is not None
+        )
+        self._torch_ops = (
+            enable_cpu_kernels(self.model, self.max_context_len) if self.cpu_kernels else []
+        )
         cpu_attn = self.cpu_kernels and cpu_attention_supports(
             cfg.num_attention_heads, self.num_kv_heads, self.head_dim
         )
@@ -91,17 +105,24 @@ class ModelRunner:
         self.attn_backend = create_backend(attn, self)
         self.batch_invariant = self._batch_invariant()
         # what computed the KV, for the L3 fingerprint: another numeric path's objects never match
-        self.numerics = ("cpu-invariant-1" if self.batch_invariant else
-                         f"{self.device.type}|{self.linear_backend}|{type(self.attn_backend).__name__}"
-                         f"{'|deterministic' if self.deterministic else ''}")
+        self.numerics = (
+            "cpu-invariant-1"
+            if self.batch_invariant
+            else f"{self.device.type}|{self.linear_backend}|{type(self.attn_backend).__name__}"
+            f"{'|deterministic' if self.deterministic else ''}"
+        )
         if self.device.type == "cpu" and not self.batch_invariant:
-            log.warning("CPU path not batch-invariant (%s): a prompt's tokens may depend on the "
-                        "batch it runs in and on where its prefix's KV came from",
-                        self._why_not_invariant)
+            log.warning(
+                "CPU path not batch-invariant (%s): a prompt's tokens may depend on the "
+                "batch it runs in and on where its prefix's KV came from",
+                self._why_not_invariant,
+            )
         # one C call per decode step for the whole stack, where the model and setup allow
-        self.fused_decode = self.cpu_kernels and (
-            why_not := install_fused_decode(self.model, self.kv_pool, self.attn_backend)
-        ) is None
+        self.fused_decode = (
+            self.cpu_kernels
+            and (why_not := install_fused_decode(self.model, self.kv_pool, self.attn_backend))
+            is None
+        )
         if self.cpu_kernels and not self.fused_decode:
             log.info("fused CPU decode off: %s", why_not)
         self.cuda_graph_runner: CudaGraphRunner | None = None

@@ -22,8 +22,9 @@ class PinTable:
         self._locks: dict[str, PrefixLock] = {}
         self._ids = itertools.count(1)
 
-    def add(self, lock: PrefixLock, tokens: int, expires_at: float | None,
-            owner: str | None) -> Pin:
+    def add(
+        self, lock: PrefixLock, tokens: int, expires_at: float | None, owner: str | None
+    ) -> Pin:
         """Record a lock the tree gave (``lock_prefix``) as a new pin."""
         pin = Pin(f"pin-{next(self._ids)}", tokens, expires_at, owner, lock.node.id)
         self.pins[pin.pin_id] = pin

@@ -102,8 +102,9 @@ class SchedulerServer:
             case ipc.MatchPrefix():
                 return self.engine.match_prefix(op.key, op.namespace)
             case ipc.Evict():
-                return self.engine.evict(op.tier, op.num_tokens, op.prefix, op.namespace,
-                                         op.dry_run, op.namespaces)  # fmt: skip
+                return self.engine.evict(
+                    op.tier, op.num_tokens, op.prefix, op.namespace, op.dry_run, op.namespaces
+                )
             case ipc.PinPrefix():
                 return self.engine.pin(op.key, op.namespace, op.ttl_s, op.owner)
             case ipc.Unpin():
@@ -115,8 +116,9 @@ class SchedulerServer:
             case ipc.FlushNamespaces():
                 return self.engine.flush_namespaces(op.namespaces, op.tiers, op.owner)
             case ipc.InspectTree():
-                return self.engine.inspect_tree(op.offset, op.limit, op.preview_tokens,
-                                                op.namespaces)  # fmt: skip
+                return self.engine.inspect_tree(
+                    op.offset, op.limit, op.preview_tokens, op.namespaces
+                )
             case ipc.ApplyQuotas():
                 return self.engine.apply_quotas(op.quotas)
             case ipc.TenantView():

@@ -145,8 +145,9 @@ class OutputStream:
     held_text: str = ""  # final_only: text produced since the last chunk
 
     @classmethod
-    def open(cls, tokenizer: Any, params: SamplingParams,
-             sink: Callable[[StreamChunk], None] | None) -> OutputStream:
+    def open(
+        cls, tokenizer: Any, params: SamplingParams, sink: Callable[[StreamChunk], None] | None
+    ) -> OutputStream:
         text_tokenizer = tokenizer if sink is None or params.stop else None
         text = TextStream(text_tokenizer, params.skip_special_tokens, params.stop)
         chunks: queue.Queue[StreamChunk | BaseException] = queue.Queue()

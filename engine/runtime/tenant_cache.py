@@ -39,8 +39,11 @@ def usage(tree: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUs
         stack.extend((c, end) for c in n.children.values())
         for tier in TIERS:
             if tier == "l3":
-                held = (end // per_object - start // per_object) * per_object if (
-                    per_object and n.in_storage) else 0
+                held = (
+                    (end // per_object - start // per_object) * per_object
+                    if (per_object and n.in_storage)
+                    else 0
+                )
             else:
                 held = len(n.key) if tree.holds(n, tier) else 0
             if held:
@@ -107,8 +110,9 @@ class QuotaEnforcer:
             if over > 0:
                 # NOTE: no settle: the scheduler thread must not wait for copies here; nodes
                 # still locked (by a backup, a request, a pin) are retried every RETRY_S.
-                info = cache_admin.evict(scheduler, tier, num_tokens=over,
-                                         namespaces=q.namespaces, settle_first=False)
+                info = cache_admin.evict(
+                    scheduler, tier, num_tokens=over, namespaces=q.namespaces, settle_first=False
+                )
                 q.evicted_tokens[tier] += info.evicted_tokens
                 within = within and info.evicted_tokens >= over
         return within
@@ -154,16 +158,16 @@ def flush(
     unpinned, _ = cache_admin.unpin(scheduler, None, owner)
     freed = 0
     if "l3" in wanted:  # before L1 / L2 drop the nodes that name the objects
-        tree.delete_from_storage(
-            [n for n in tree.namespace_nodes(namespaces) if n.in_storage])
+        tree.delete_from_storage([n for n in tree.namespace_nodes(namespaces) if n.in_storage])
     for t in MEMORY_TIERS:
         if t in wanted:
             freed += cache_admin.evict(scheduler, t, namespaces=namespaces).evicted_tokens
     return cache_admin.FlushInfo(wanted, freed, unpinned)
 
 
-def tenant_figures(scheduler: Scheduler, tenants: Sequence[TenantQuota]
-                   ) -> dict[str, dict[str, dict[str, int]]]:
+def tenant_figures(
+    scheduler: Scheduler, tenants: Sequence[TenantQuota]
+) -> dict[str, dict[str, dict[str, int]]]:
     """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} for /metrics; the evictions
     are the enforcer's (`tenants` give the names, namespaces and quotas)."""
     enforcer = scheduler.quota_enforcer

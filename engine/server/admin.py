@@ -40,12 +40,18 @@ def tier_message(tier: Tier, stats: TierStats | None) -> admin_pb2.TierStats:
     numbers in ``extra`` and its facts in ``info``; None: the tier is not configured."""
     if stats is None:
         return admin_pb2.TierStats(tier=TIER_TO_ENUM[tier], enabled=False)
-    return admin_pb2.TierStats(tier=TIER_TO_ENUM[tier], enabled=True, extra=stats.figures(),
-                               info=stats.facts(), **stats.core())
+    return admin_pb2.TierStats(
+        tier=TIER_TO_ENUM[tier],
+        enabled=True,
+        extra=stats.figures(),
+        info=stats.facts(),
+        **stats.core(),
+    )
 
 
-def stats_message(stats: CacheStats, admin_pinned_tokens: int,
-                  num_pins: int) -> admin_pb2.GetCacheStatsResponse:
+def stats_message(
+    stats: CacheStats, admin_pinned_tokens: int, num_pins: int
+) -> admin_pb2.GetCacheStatsResponse:
     return admin_pb2.GetCacheStatsResponse(
         tiers=[tier_message(t, stats.tier(t)) for t in Tier],
         miss_tokens=stats.miss_tokens,
@@ -77,8 +83,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
     def __init__(self, state: DaemonState):
         self.state = state
 
-    async def _ids(self, engine: EngineFront, prompt: common_pb2.Prompt, present: bool,
-                   field: str) -> list[int]:  # fmt: skip
+    async def _ids(
+        self, engine: EngineFront, prompt: common_pb2.Prompt, present: bool, field: str
+    ) -> list[int]:
         p = validate.prompt(prompt, present, engine.vocab_size, field)
         return await self.state.run_input(engine.tokenize, p)
 
@@ -95,8 +102,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         num_pins, pinned = await st.run(engine.pin_summary)
         return stats_message(stats, pinned, num_pins)
 
-    async def _tenant_stats(self, engine: EngineFront, who: Principal, stats: CacheStats
-                            ) -> admin_pb2.GetCacheStatsResponse:  # fmt: skip
+    async def _tenant_stats(
+        self, engine: EngineFront, who: Principal, stats: CacheStats
+    ) -> admin_pb2.GetCacheStatsResponse:
         """A tenant's view: its namespaces' tokens per tier, its quota as the capacity (the
         tier's without one), its quota evictions, its pins; nothing of anyone else's."""
         tenant, namespaces = who.tenant, who.namespaces()
@@ -151,8 +159,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
         t0 = time.monotonic()
 
-        def resp(stage: admin_pb2.PrefetchStage, per_tier: dict[str, int],
-                 **kw: Any) -> admin_pb2.PrefetchResponse:  # fmt: skip
+        def resp(
+            stage: admin_pb2.PrefetchStage, per_tier: dict[str, int], **kw: Any
+        ) -> admin_pb2.PrefetchResponse:
             return admin_pb2.PrefetchResponse(
                 stage=stage,
                 prompt_tokens=len(ids),

@@ -102,13 +102,18 @@ class Daemon:
         self.port = 0
         self.metrics_port = 0
         # KV events for routers: starts with its first subscriber
-        self.kv_events = KvEventPublisher(self.state, settings.kv_events_block_size,
-                                          salt_key=settings.kv_events_salt())
-        zmq_config = (KvEventsConfig.parse(settings.kv_events_config)
-                      if settings.kv_events_config else None)
+        self.kv_events = KvEventPublisher(
+            self.state, settings.kv_events_block_size, salt_key=settings.kv_events_salt()
+        )
+        zmq_config = (
+            KvEventsConfig.parse(settings.kv_events_config) if settings.kv_events_config else None
+        )
         # vLLM-format events over ZMQ (--kv-events-config), from the model's load on
-        self.zmq_events = (ZmqKvEvents(zmq_config, self.kv_events)
-                           if zmq_config is not None and zmq_config.enabled else None)
+        self.zmq_events = (
+            ZmqKvEvents(zmq_config, self.kv_events)
+            if zmq_config is not None and zmq_config.enabled
+            else None
+        )
         self.http: HttpApi | None = None  # the OpenAI-compatible API (--http-port)
         self.http_port = 0
         self.load_error: BaseException | None = None
@@ -129,9 +134,7 @@ class Daemon:
             ("grpc.so_reuseport", 0),
         ]
         interceptors: list[grpc.aio.ServerInterceptor] = (
-            [AuthInterceptor(s.token, s.admin_token, self.state.tenants)]
-            if s.auth_enabled
-            else []
+            [AuthInterceptor(s.token, s.admin_token, self.state.tenants)] if s.auth_enabled else []
         )
         interceptors.append(DecodeGuard())
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -187,11 +190,17 @@ class Daemon:
         asyncio.get_running_loop().create_task(self._load())
         log.info("listening on %s:%d (%s)", s.host, self.port, "TLS" if s.tls_cert else "plaintext")
         if not s.auth_enabled:
-            log.info("no authentication (no --token, --admin-token or tenant): every client that "
-                     "reaches %s:%d is served as one user, with every admin RPC", s.host, self.port)
+            log.info(
+                "no authentication (no --token, --admin-token or tenant): every client that "
+                "reaches %s:%d is served as one user, with every admin RPC",
+                s.host,
+                self.port,
+            )
         elif s.tenants:
-            log.info("tenants: %s", ", ".join(
-                f"{t.name} (namespaces {'|'.join(t.namespaces)})" for t in s.tenants))
+            log.info(
+                "tenants: %s",
+                ", ".join(f"{t.name} (namespaces {'|'.join(t.namespaces)})" for t in s.tenants),
+            )
         if self.server_args is not None:
             log.info("cache tiers: %s", describe_tiers(self.server_args.public_dict()))
         return self.port

@@ -26,9 +26,11 @@ Resp = TypeVar("Resp")
 # NOTE: SMG's worker HealthCheck is a probe like grpc.health's: it says only healthy or not
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", f"/{SGLANG_SERVICE}/HealthCheck")
 ADMIN_MUTATIONS = frozenset(
-    [f"/{CACHE_ADMIN_SERVICE}/{m}" for m in (
-        "Prefetch", "Evict", "Pin", "Unpin", "Flush", "AttachStorage", "DetachStorage"
-    )] + [f"/{SGLANG_SERVICE}/FlushCache"]
+    [
+        f"/{CACHE_ADMIN_SERVICE}/{m}"
+        for m in ("Prefetch", "Evict", "Pin", "Unpin", "Flush", "AttachStorage", "DetachStorage")
+    ]
+    + [f"/{SGLANG_SERVICE}/FlushCache"]
 )
 TENANT_MUTATIONS = frozenset(
     [f"/{CACHE_ADMIN_SERVICE}/{m}" for m in ("Prefetch", "Evict", "Pin", "Unpin", "Flush")]
@@ -115,8 +117,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails],
-                               Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Req, Resp] | None:
         handler = await continuation(handler_call_details)

@@ -43,6 +43,7 @@ async def _reject(request: Undecodable, context: grpc.aio.ServicerContext) -> No
 
 def _guard_unary(behavior: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
     """`behavior`: a coroutine function, or a plain one (the grpc stubs' type for it)."""
+
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
             await _reject(request, context)
@@ -76,11 +77,13 @@ def guarded(handler: grpc.RpcMethodHandler[Req, Resp]) -> grpc.RpcMethodHandler[
     if handler.response_streaming:
         assert handler.unary_stream is not None, "grpc sets the behaviour of its shape"
         wrapped = grpc.unary_stream_rpc_method_handler(
-            _guard_stream(handler.unary_stream), decode, serialize)
+            _guard_stream(handler.unary_stream), decode, serialize
+        )
     else:
         assert handler.unary_unary is not None, "grpc sets the behaviour of its shape"
         wrapped = grpc.unary_unary_rpc_method_handler(
-            _guard_unary(handler.unary_unary), decode, serialize)
+            _guard_unary(handler.unary_unary), decode, serialize
+        )
     # NOTE: the deserializer may now give an Undecodable, which the guard answers before the
     # handler's behaviour runs: the behaviour still sees only `Req`s
     return cast("grpc.RpcMethodHandler[Req, Resp]", wrapped)
@@ -89,8 +92,9 @@ def guarded(handler: grpc.RpcMethodHandler[Req, Resp]) -> grpc.RpcMethodHandler[
 class DecodeGuard(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails],
-                               Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Req, Resp] | None:
         handler = await continuation(handler_call_details)

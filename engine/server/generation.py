@@ -91,11 +91,11 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                     )
                 if chunk.finished:
                     if chunk.finish_reason == "abort" and rid in st.drain_aborted:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                            "the server is shutting down: the request was aborted")
-                    yield gen_pb2.GenerateResponse(
-                        request_id=client_rid, complete=complete(chunk)
-                    )
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            "the server is shutting down: the request was aborted",
+                        )
+                    yield gen_pb2.GenerateResponse(request_id=client_rid, complete=complete(chunk))
         finally:
             run.release()  # client cancel, deadline, or server shutdown: the KV is freed
 

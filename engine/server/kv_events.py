@@ -106,8 +106,13 @@ def diff(old: dict[str, dict[int, Block]], new: dict[str, list[Block]]) -> list[
 
 
 class KvEventPublisher:
-    def __init__(self, state: DaemonState, block_size: int, capacity: int = 10_000,
-                 salt_key: bytes | None = None):
+    def __init__(
+        self,
+        state: DaemonState,
+        block_size: int,
+        capacity: int = 10_000,
+        salt_key: bytes | None = None,
+    ):
         self.state = state
         self.block_size = block_size
         # the HMAC key of namespaces' salts: configured (every daemon behind one gateway hashes
@@ -212,7 +217,8 @@ class KvEventPublisher:
         first = self.batches[0].seq if self.batches else self.seq + 1
         if start < first or start > self.seq + 1:
             raise OutOfRangeError(
-                f"start sequence {start} is outside the held batches [{first}, {self.seq + 1}]")
+                f"start sequence {start} is outside the held batches [{first}, {self.seq + 1}]"
+            )
         return [b for b in self.batches if b.seq >= start]
 
     async def subscribe(self, start: int) -> AsyncIterator[EventBatch]:

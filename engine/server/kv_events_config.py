@@ -32,18 +32,26 @@ class KvEventsConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(raw) - set(known))
         if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(known)}")
+            raise ValueError(
+                f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}"
+            )
         types: dict[str, type | tuple[type, ...]] = {
-            "enable_kv_cache_events": bool, "publisher": str, "endpoint": str,
-            "replay_endpoint": (str, type(None)), "buffer_steps": int, "hwm": int, "topic": str}
+            "enable_kv_cache_events": bool,
+            "publisher": str,
+            "endpoint": str,
+            "replay_endpoint": (str, type(None)),
+            "buffer_steps": int,
+            "hwm": int,
+            "topic": str,
+        }
         for k, v in raw.items():
             if not isinstance(v, types[k]) or (types[k] is int and isinstance(v, bool)):
                 raise ValueError(f"kv_events_config.{k}: wrong type {type(v).__name__}")
         cfg = cls(**raw)
         if cfg.publisher not in ("zmq", "null"):
-            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got "
-                             f"{cfg.publisher!r}")
+            raise ValueError(
+                f"kv_events_config.publisher must be 'zmq' or 'null', got {cfg.publisher!r}"
+            )
         if cfg.buffer_steps < 1 or cfg.hwm < 0:
             raise ValueError("kv_events_config: buffer_steps must be >= 1 and hwm >= 0")
         return cfg

@@ -32,6 +32,8 @@ def salt_key(key: str | None, key_file: str | None) -> bytes | None:
     else:
         return None
     if len(raw) < MIN_KEY_BYTES:
-        raise ValueError(f"{what}: the key has {len(raw)} bytes, fewer than {MIN_KEY_BYTES} "
-                         "(make one with `openssl rand -hex 32`)")
+        raise ValueError(
+            f"{what}: the key has {len(raw)} bytes, fewer than {MIN_KEY_BYTES} "
+            "(make one with `openssl rand -hex 32`)"
+        )
     return raw

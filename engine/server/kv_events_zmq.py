@@ -45,8 +45,17 @@ def encode(batch: EventBatch, block_size: int) -> bytes:
     for ev in batch.events:
         if isinstance(ev, Stored):
             tokens = [t for b in ev.blocks for t in b.token_ids]
-            events.append(["BlockStored", [b.block_hash for b in ev.blocks], ev.parent_hash,
-                           tokens, block_size, None, MEDIUM[ev.tier]])
+            events.append(
+                [
+                    "BlockStored",
+                    [b.block_hash for b in ev.blocks],
+                    ev.parent_hash,
+                    tokens,
+                    block_size,
+                    None,
+                    MEDIUM[ev.tier],
+                ]
+            )
         elif isinstance(ev, Removed):
             events.append(["BlockRemoved", list(ev.block_hashes), MEDIUM[ev.tier]])
         else:
@@ -72,7 +81,8 @@ class ZmqKvEvents:
         self.config = config
         self.source = source
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(
-            maxlen=config.buffer_steps)
+            maxlen=config.buffer_steps
+        )
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -88,8 +98,11 @@ class ZmqKvEvents:
             router = _open(self._ctx, zmq.ROUTER, cfg.replay_endpoint)
             self._tasks.append(loop.create_task(self._replay(router), name="kv-events-replay"))
         await self.source.start()
-        log.info("KV events (vLLM format) on %s%s", cfg.endpoint,
-                 f", replay on {cfg.replay_endpoint}" if cfg.replay_endpoint else "")
+        log.info(
+            "KV events (vLLM format) on %s%s",
+            cfg.endpoint,
+            f", replay on {cfg.replay_endpoint}" if cfg.replay_endpoint else "",
+        )
 
     async def _forward(self, pub: zmq.asyncio.Socket, queue: asyncio.Queue[EventBatch]) -> None:
         topic = self.config.topic.encode()
@@ -113,10 +126,10 @@ class ZmqKvEvents:
                 first = int.from_bytes(start, "big")
                 for seq, payload in list(self.buffer):
                     if seq >= first:
-                        await router.send_multipart([client, b"", seq.to_bytes(8, "big"),
-                                                     payload])
+                        await router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
                 await router.send_multipart(
-                    [client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                    [client, b"", (-1).to_bytes(8, "big", signed=True), b""]
+                )
         finally:
             router.close(linger=0)
 

@@ -31,19 +31,43 @@ TenantFigures = dict[str, dict[str, dict[str, int]]]  # tenant_cache.tenant_figu
 
 # one family per TierStats field, label tier: (name, help, counter?, the field)
 _TIER_FAMILIES: tuple[tuple[str, str, bool, Callable[[TierStats], int]], ...] = (
-    ("hicache_max_total_num_tokens", "Capacity of the tier in tokens", False,
-     lambda t: t.capacity_tokens),
+    (
+        "hicache_max_total_num_tokens",
+        "Capacity of the tier in tokens",
+        False,
+        lambda t: t.capacity_tokens,
+    ),
     ("hicache_num_used_tokens", "Tokens of the tier in use", False, lambda t: t.used_tokens),
-    ("hicache_num_evictable_tokens", "Cached tokens the tier can evict now (unlocked leaves)",
-     False, lambda t: t.evictable_tokens),
-    ("hicache_num_protected_tokens", "Cached tokens locked by running requests or pins", False,
-     lambda t: t.pinned_tokens),
-    ("hicache_prefix_cache_hits_total", "Prompt tokens found cached, by the tier that served them",
-     True, lambda t: t.hit_tokens),
-    ("hicache_evicted_tokens_total", "Tokens evicted from the tier", True, lambda t: t.evicted_tokens),
-    ("hicache_errors_total",
-     "Failed operations of the tier (l2: device <-> host copies; l3: backend calls and jobs)",
-     True, lambda t: t.errors),
+    (
+        "hicache_num_evictable_tokens",
+        "Cached tokens the tier can evict now (unlocked leaves)",
+        False,
+        lambda t: t.evictable_tokens,
+    ),
+    (
+        "hicache_num_protected_tokens",
+        "Cached tokens locked by running requests or pins",
+        False,
+        lambda t: t.pinned_tokens,
+    ),
+    (
+        "hicache_prefix_cache_hits_total",
+        "Prompt tokens found cached, by the tier that served them",
+        True,
+        lambda t: t.hit_tokens,
+    ),
+    (
+        "hicache_evicted_tokens_total",
+        "Tokens evicted from the tier",
+        True,
+        lambda t: t.evicted_tokens,
+    ),
+    (
+        "hicache_errors_total",
+        "Failed operations of the tier (l2: device <-> host copies; l3: backend calls and jobs)",
+        True,
+        lambda t: t.errors,
+    ),
 )
 # the traffic fields, named after the copy: L1 <-> L2 (on l1, while there is an L2) and
 # L2 <-> L3 (on l2, while an L3 is attached)
@@ -51,14 +75,19 @@ _TRAFFIC: dict[Tier, tuple[tuple[str, str, Callable[[TierStats], int]], ...]] = 
     Tier.L1: (
         ("hicache_load_back_tokens_total", "Tokens loaded L2 -> L1", lambda t: t.promoted_tokens),
         ("hicache_load_back_bytes_total", "Bytes copied L2 -> L1", lambda t: t.bytes_in),
-        ("hicache_demoted_tokens_total",
-         "L1 tokens evicted with their KV kept in L2 (part of evicted l1)",
-         lambda t: t.demoted_tokens),
+        (
+            "hicache_demoted_tokens_total",
+            "L1 tokens evicted with their KV kept in L2 (part of evicted l1)",
+            lambda t: t.demoted_tokens,
+        ),
         ("hicache_host_backup_bytes_total", "Bytes copied L1 -> L2", lambda t: t.bytes_out),
     ),
     Tier.L2: (
-        ("hicache_prefetched_tokens_total", "Tokens prefetches read L3 -> L2",
-         lambda t: t.promoted_tokens),
+        (
+            "hicache_prefetched_tokens_total",
+            "Tokens prefetches read L3 -> L2",
+            lambda t: t.promoted_tokens,
+        ),
         ("hicache_prefetched_bytes_total", "Bytes read from L3", lambda t: t.bytes_in),
         ("hicache_backuped_tokens_total", "Tokens written L2 -> L3", lambda t: t.demoted_tokens),
         ("hicache_backuped_bytes_total", "Bytes written to L3", lambda t: t.bytes_out),
@@ -66,48 +95,79 @@ _TRAFFIC: dict[Tier, tuple[tuple[str, str, Callable[[TierStats], int]], ...]] = 
 }
 # L3's own figures: (name, help, counter?, the field)
 _L3: tuple[tuple[str, str, bool, Callable[[L3Stats], int]], ...] = (
-    ("hicache_l3_prefetch_objects", "L3 objects read by prefetches", True,
-     lambda s: s.prefetch_objects),
+    (
+        "hicache_l3_prefetch_objects",
+        "L3 objects read by prefetches",
+        True,
+        lambda s: s.prefetch_objects,
+    ),
     ("hicache_l3_prefetches", "Prefetches started", True, lambda s: s.prefetch_started),
-    ("hicache_l3_prefetch_cancelled", "Prefetches cancelled", True,
-     lambda s: s.prefetch_cancelled),
-    ("hicache_l3_prefetch_yielded",
-     "Prefetches that gave their L2 room to a request going first", True,
-     lambda s: s.prefetch_yielded),
-    ("hicache_l3_backup_deferred_nodes",
-     "Node backups that waited for room (too many in flight)", True,
-     lambda s: s.backup_deferred),
-    ("hicache_l3_backup_dropped_nodes", "Deferred node backups dropped: the node left L2 first",
-     True, lambda s: s.backup_dropped_nodes),
-    ("hicache_l3_repaired_objects", "Lost objects written again", True,
-     lambda s: s.repaired_objects),
+    ("hicache_l3_prefetch_cancelled", "Prefetches cancelled", True, lambda s: s.prefetch_cancelled),
+    (
+        "hicache_l3_prefetch_yielded",
+        "Prefetches that gave their L2 room to a request going first",
+        True,
+        lambda s: s.prefetch_yielded,
+    ),
+    (
+        "hicache_l3_backup_deferred_nodes",
+        "Node backups that waited for room (too many in flight)",
+        True,
+        lambda s: s.backup_deferred,
+    ),
+    (
+        "hicache_l3_backup_dropped_nodes",
+        "Deferred node backups dropped: the node left L2 first",
+        True,
+        lambda s: s.backup_dropped_nodes,
+    ),
+    (
+        "hicache_l3_repaired_objects",
+        "Lost objects written again",
+        True,
+        lambda s: s.repaired_objects,
+    ),
     ("hicache_l3_errors", "L3 errors", True, lambda s: s.errors),
-    ("hicache_l3_backup_failed_objects", "Objects a backup could not store", True,
-     lambda s: s.backup_failed_objects),
+    (
+        "hicache_l3_backup_failed_objects",
+        "Objects a backup could not store",
+        True,
+        lambda s: s.backup_failed_objects,
+    ),
     ("hicache_l3_vanished_objects", "Objects found gone or damaged", True, lambda s: s.vanished),
     ("hicache_l3_bytes", "Bytes of the objects in L3", False, lambda s: s.bytes),
     ("hicache_l3_object_hits", "Objects read", True, lambda s: s.hits),
     ("hicache_l3_object_misses", "Objects asked for and not there", True, lambda s: s.misses),
     ("hicache_l3_corrupt_objects", "Objects found damaged (removed)", True, lambda s: s.corrupt),
     ("hicache_l3_pending_backups", "Backups in flight", False, lambda s: s.pending_backups),
-    ("hicache_l3_pending_prefetches", "Prefetches in flight", False,
-     lambda s: s.pending_prefetches),
+    (
+        "hicache_l3_pending_prefetches",
+        "Prefetches in flight",
+        False,
+        lambda s: s.pending_prefetches,
+    ),
 )
 # what a backend reports of itself (L3Stats.backend_figures; Redis): key -> (name, help, counter?)
 _L3_BACKEND = {
-    "read_bytes_per_s": ("hicache_l3_read_bandwidth_bytes_per_second",
-                         "Read bandwidth (payload bytes / time in reads)", False),
-    "write_bytes_per_s": ("hicache_l3_write_bandwidth_bytes_per_second",
-                          "Write bandwidth (payload bytes / time in writes)", False),
-    "rtt_us": ("hicache_l3_round_trip_microseconds", "Round-trip latency to the L3 server",
-               False),
+    "read_bytes_per_s": (
+        "hicache_l3_read_bandwidth_bytes_per_second",
+        "Read bandwidth (payload bytes / time in reads)",
+        False,
+    ),
+    "write_bytes_per_s": (
+        "hicache_l3_write_bandwidth_bytes_per_second",
+        "Write bandwidth (payload bytes / time in writes)",
+        False,
+    ),
+    "rtt_us": ("hicache_l3_round_trip_microseconds", "Round-trip latency to the L3 server", False),
     "connected": ("hicache_l3_connected", "1 while the L3 server answers", False),
     "outages": ("hicache_l3_outages", "Times the L3 server became unreachable", True),
 }
 
 
-def _family(name: str, doc: str, counter: bool, value: float | None = None,
-            labels: list[str] | None = None) -> Any:
+def _family(
+    name: str, doc: str, counter: bool, value: float | None = None, labels: list[str] | None = None
+) -> Any:
     cls = CounterMetricFamily if counter else GaugeMetricFamily
     return cls(name, doc, value=value, labels=labels)
 
@@ -116,8 +176,11 @@ class CacheCollector:
     """Reads the engine's cache stats on every scrape (a cheap call on the scheduler thread)
     and, with tenants, their figures."""
 
-    def __init__(self, stats_fn: Callable[[], CacheStats | None],
-                 tenants_fn: Callable[[], TenantFigures | None] | None = None):
+    def __init__(
+        self,
+        stats_fn: Callable[[], CacheStats | None],
+        tenants_fn: Callable[[], TenantFigures | None] | None = None,
+    ):
         self.stats_fn = stats_fn
         self.tenants_fn = tenants_fn
 
@@ -165,8 +228,9 @@ def _tier_families(tiers: dict[Tier, TierStats]) -> Iterator[Any]:
             if name != "hicache_max_total_num_tokens" or s.capacity_tokens:
                 family.add_metric([tier.value], float(read(s)))
         yield family
-    usage = GaugeMetricFamily("hicache_token_usage", "Used / capacity tokens of the tier (0-1)",
-                              labels=["tier"])
+    usage = GaugeMetricFamily(
+        "hicache_token_usage", "Used / capacity tokens of the tier (0-1)", labels=["tier"]
+    )
     for tier, s in tiers.items():
         if s.capacity_tokens:
             usage.add_metric([tier.value], s.used_tokens / s.capacity_tokens)
@@ -177,15 +241,21 @@ def _tenant_families(tenants: TenantFigures | None) -> Iterator[Any]:
     """Per tenant and tier: cached tokens, quota (0 = none), tokens evicted for the quota."""
     if not tenants:
         return
-    cached = GaugeMetricFamily("hicache_tenant_cached_tokens",
-                               "Tokens the tenant's namespaces hold in the tier",
-                               labels=["tenant", "tier"])
-    quota = GaugeMetricFamily("hicache_tenant_quota_tokens",
-                              "The tenant's quota on the tier in tokens (0 = none)",
-                              labels=["tenant", "tier"])
-    evicted = CounterMetricFamily("hicache_tenant_quota_evicted_tokens",
-                                  "Tokens evicted from the tier to keep the tenant in its quota",
-                                  labels=["tenant", "tier"])
+    cached = GaugeMetricFamily(
+        "hicache_tenant_cached_tokens",
+        "Tokens the tenant's namespaces hold in the tier",
+        labels=["tenant", "tier"],
+    )
+    quota = GaugeMetricFamily(
+        "hicache_tenant_quota_tokens",
+        "The tenant's quota on the tier in tokens (0 = none)",
+        labels=["tenant", "tier"],
+    )
+    evicted = CounterMetricFamily(
+        "hicache_tenant_quota_evicted_tokens",
+        "Tokens evicted from the tier to keep the tenant in its quota",
+        labels=["tenant", "tier"],
+    )
     for name, d in sorted(tenants.items()):
         for tier in TIERS:
             cached.add_metric([name, tier], float(d["cached"].get(tier, 0)))
@@ -197,8 +267,11 @@ def _tenant_families(tenants: TenantFigures | None) -> Iterator[Any]:
 
 
 def _l3_families(l3: L3Stats) -> Iterator[Any]:
-    info = GaugeMetricFamily("hicache_l3_backend_info", "The attached L3 backend (value 1)",
-                             labels=["backend", "address"])
+    info = GaugeMetricFamily(
+        "hicache_l3_backend_info",
+        "The attached L3 backend (value 1)",
+        labels=["backend", "address"],
+    )
     info.add_metric([l3.backend, l3.address], 1.0)
     yield info
     for name, doc, counter, read in _L3:
@@ -210,8 +283,11 @@ def _l3_families(l3: L3Stats) -> Iterator[Any]:
 
 
 class Metrics:
-    def __init__(self, stats_fn: Callable[[], CacheStats | None],
-                 tenants_fn: Callable[[], TenantFigures | None] | None = None):
+    def __init__(
+        self,
+        stats_fn: Callable[[], CacheStats | None],
+        tenants_fn: Callable[[], TenantFigures | None] | None = None,
+    ):
         """``stats_fn``: the engine's cache stats (None: no engine yet); ``tenants_fn``: the
         tenants' figures (tenant_cache.tenant_figures), None without tenants."""
         self.registry = CollectorRegistry()
@@ -235,11 +311,14 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
         self.requests = Counter(
-            "hicache_requests_total", "Finished Generate requests", ["finish_reason"],
+            "hicache_requests_total",
+            "Finished Generate requests",
+            ["finish_reason"],
             registry=r,
         )
         self.generation_tokens = Counter(
-            "hicache_generation_tokens_total", "Output tokens of finished Generate requests",
+            "hicache_generation_tokens_total",
+            "Output tokens of finished Generate requests",
             registry=r,
         )
         self.streams = Gauge("hicache_active_streams", "Open Generate streams", registry=r)

@@ -158,9 +158,7 @@ class OpenAIApi:
         authorize(request.headers, self.state)
         engine = require_engine(self.state)
         ids = await self._model_ids(engine)
-        return JSONResponse(
-            {"object": "list", "data": [self._model_card(m, engine) for m in ids]}
-        )
+        return JSONResponse({"object": "list", "data": [self._model_card(m, engine) for m in ids]})
 
     @_endpoint
     async def get_model(self, request: Request) -> Response:
@@ -330,9 +328,7 @@ class HttpApi:
     def __init__(self, state: DaemonState, settings: DaemonSettings):
         self.state = state
         self.settings = settings
-        self.api = OpenAIApi(
-            state, settings.max_message_mb * 2**20, settings.served_model_name
-        )
+        self.api = OpenAIApi(state, settings.max_message_mb * 2**20, settings.served_model_name)
         self.port = 0
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None

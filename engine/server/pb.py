@@ -15,7 +15,10 @@ CACHE_ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["CacheAdminService"]
 SGLANG_SERVICE = sglang_pb2.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 
 TIER_TO_ENUM: dict[str, common_pb2.Tier] = {
-    "l1": common_pb2.TIER_L1, "l2": common_pb2.TIER_L2, "l3": common_pb2.TIER_L3}
+    "l1": common_pb2.TIER_L1,
+    "l2": common_pb2.TIER_L2,
+    "l3": common_pb2.TIER_L3,
+}
 ENUM_TO_TIER: dict[int, str] = {v: k for k, v in TIER_TO_ENUM.items()}
 
 FINISH_TO_ENUM = {

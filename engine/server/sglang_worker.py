@@ -58,34 +58,47 @@ TOKENIZER_CHUNK_BYTES = 1 << 20
 VERSION = daemon_version()
 # our tiers as SMG's (and, for `medium`, vLLM's words for the device and host tiers, SGLang's
 # for L3's); a shared server's objects are a pool every daemon on it reads: remote
-KV_TIER = {"l1": smg_common.KV_CACHE_TIER_DEVICE, "l2": smg_common.KV_CACHE_TIER_HOST,
-           "disk": smg_common.KV_CACHE_TIER_DISK, "external": smg_common.KV_CACHE_TIER_EXTERNAL}
+KV_TIER = {
+    "l1": smg_common.KV_CACHE_TIER_DEVICE,
+    "l2": smg_common.KV_CACHE_TIER_HOST,
+    "disk": smg_common.KV_CACHE_TIER_DISK,
+    "external": smg_common.KV_CACHE_TIER_EXTERNAL,
+}
 KV_MEDIUM = {"l1": "GPU", "l2": "CPU", "disk": "DISK", "external": "EXTERNAL"}
 KV_LEVEL = {"l1": 0, "l2": 1, "disk": 2, "external": 3}
-KV_LOCALITY = {"l1": smg_common.KV_CACHE_LOCALITY_LOCAL, "l2": smg_common.KV_CACHE_LOCALITY_LOCAL,
-               "disk": smg_common.KV_CACHE_LOCALITY_LOCAL,
-               "external": smg_common.KV_CACHE_LOCALITY_REMOTE}
+KV_LOCALITY = {
+    "l1": smg_common.KV_CACHE_LOCALITY_LOCAL,
+    "l2": smg_common.KV_CACHE_LOCALITY_LOCAL,
+    "disk": smg_common.KV_CACHE_LOCALITY_LOCAL,
+    "external": smg_common.KV_CACHE_LOCALITY_REMOTE,
+}
 
 
 def kv_batch(batch: EventBatch, block_size: int) -> smg_common.KvEventBatch:
     """A publisher batch as SMG's KvEventBatch (a snapshot: one chunk, synthesized events with
     event_id 0)."""
-    out = smg_common.KvEventBatch(sequence_number=batch.seq, timestamp=batch.timestamp,
-                                  dp_rank=0)
+    out = smg_common.KvEventBatch(sequence_number=batch.seq, timestamp=batch.timestamp, dp_rank=0)
     for i, ev in enumerate(batch.events):
         event_id = 0 if batch.snapshot_blocks is not None else (batch.seq << 16) + i + 1
         msg = out.events.add(event_id=event_id)
         if isinstance(ev, Stored):
             stored = msg.stored
             stored.tier, stored.medium, stored.locality = (
-                KV_TIER[ev.tier], KV_MEDIUM[ev.tier], KV_LOCALITY[ev.tier])
+                KV_TIER[ev.tier],
+                KV_MEDIUM[ev.tier],
+                KV_LOCALITY[ev.tier],
+            )
             if ev.parent_hash is not None:
                 stored.parent_block_hash = ev.parent_hash
             if ev.blocks[0].salt:
                 stored.cache_salt = ev.blocks[0].salt
             for b in ev.blocks:
-                stored.blocks.add(block_hash=b.block_hash, token_ids=b.token_ids,
-                                  block_size=block_size, cache_level=KV_LEVEL[ev.tier])
+                stored.blocks.add(
+                    block_hash=b.block_hash,
+                    token_ids=b.token_ids,
+                    block_size=block_size,
+                    cache_level=KV_LEVEL[ev.tier],
+                )
         elif isinstance(ev, Removed):
             msg.removed.block_hashes.extend(ev.block_hashes)
             msg.removed.tier, msg.removed.medium = KV_TIER[ev.tier], KV_MEDIUM[ev.tier]
@@ -95,8 +108,11 @@ def kv_batch(batch: EventBatch, block_size: int) -> smg_common.KvEventBatch:
             assert isinstance(ev, Cleared)
             msg.cleared.SetInParent()
     if batch.snapshot_blocks is not None:
-        out.snapshot.CopyFrom(smg_common.KvSnapshotChunk(
-            index=0, count=1, blocks=batch.snapshot_blocks, unknown_before=0))
+        out.snapshot.CopyFrom(
+            smg_common.KvSnapshotChunk(
+                index=0, count=1, blocks=batch.snapshot_blocks, unknown_before=0
+            )
+        )
     return out
 
 
@@ -138,18 +154,21 @@ def sampling(sp: pb.SamplingParams, vocab_size: int) -> dict[str, Any]:
             raise ValidationError(f"{f}.max_new_tokens must be >= 1, got {sp.max_new_tokens}")
         out["max_new_tokens"] = sp.max_new_tokens
     if len(sp.stop) > validate.MAX_STOP_STRINGS:
-        raise ValidationError(f"{f}.stop has {len(sp.stop)} strings; the limit is "
-                              f"{validate.MAX_STOP_STRINGS}")
+        raise ValidationError(
+            f"{f}.stop has {len(sp.stop)} strings; the limit is {validate.MAX_STOP_STRINGS}"
+        )
     for i, s in enumerate(sp.stop):
         if not s or len(s) > validate.MAX_STOP_LEN:
-            raise ValidationError(f"{f}.stop[{i}] must have 1..{validate.MAX_STOP_LEN} "
-                                  f"characters, got {len(s)}")
+            raise ValidationError(
+                f"{f}.stop[{i}] must have 1..{validate.MAX_STOP_LEN} characters, got {len(s)}"
+            )
     if sp.stop:
         out["stop"] = list(sp.stop)
     bad_id = next((t for t in sp.stop_token_ids if t >= vocab_size), None)
     if bad_id is not None:
-        raise ValidationError(f"{f}.stop_token_ids: {bad_id} is out of the vocabulary "
-                              f"[0, {vocab_size})")
+        raise ValidationError(
+            f"{f}.stop_token_ids: {bad_id} is out of the vocabulary [0, {vocab_size})"
+        )
     if sp.stop_token_ids:
         out["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.ignore_eos:
@@ -169,8 +188,10 @@ def input_ids(request: pb.GenerateRequest, vocab_size: int) -> list[int]:
         (bool(request.lora_id), "lora_id"),
         (bool(request.custom_logit_processor), "custom_logit_processor"),
         (bool(request.disaggregated_params.bootstrap_host), "disaggregated_params"),
-        (request.HasField("data_parallel_rank") and request.data_parallel_rank != 0,
-         "data_parallel_rank"),
+        (
+            request.HasField("data_parallel_rank") and request.data_parallel_rank != 0,
+            "data_parallel_rank",
+        ),
     ]
     for bad, name in refused:
         if bad:
@@ -180,8 +201,10 @@ def input_ids(request: pb.GenerateRequest, vocab_size: int) -> list[int]:
         raise ValidationError("tokenized.input_ids is empty")
     bad_at = next((i for i, t in enumerate(ids) if t >= vocab_size), None)
     if bad_at is not None:
-        raise ValidationError(f"tokenized.input_ids[{bad_at}] = {ids[bad_at]} is out of the "
-                              f"vocabulary [0, {vocab_size})")
+        raise ValidationError(
+            f"tokenized.input_ids[{bad_at}] = {ids[bad_at]} is out of the "
+            f"vocabulary [0, {vocab_size})"
+        )
     return ids
 
 
@@ -199,8 +222,9 @@ def tokenizer_zip(tokenizer: Any) -> bytes:
 
 
 class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, state: DaemonState, kv_events: KvEventPublisher,
-                 served_model_name: str | None = None):
+    def __init__(
+        self, state: DaemonState, kv_events: KvEventPublisher, served_model_name: str | None = None
+    ):
         self.state = state
         self.kv_events = kv_events
         self.served_model_name = served_model_name
@@ -218,31 +242,45 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
         if not request.stream:  # one Complete with every output id
             params["final_only"] = True
         who = st.principal(context)
-        client_rid = (validate.request_id(request.request_id) if request.request_id
-                      else f"smg-{uuid.uuid4().hex[:16]}")
+        client_rid = (
+            validate.request_id(request.request_id)
+            if request.request_id
+            else f"smg-{uuid.uuid4().hex[:16]}"
+        )
         rid = who.request_id(client_rid)
         if rid in st.active:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id {client_rid!r} is already running")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {client_rid!r} is already running"
+            )
         run = await EngineRequest.start(st, engine, ids, params, who.namespace(None), rid)
         output: list[int] = []
         try:
             async for chunk in run.chunks():
                 output += chunk.token_ids
                 if request.stream and chunk.token_ids:
-                    yield pb.GenerateResponse(request_id=client_rid, chunk=pb.GenerateStreamChunk(
-                        token_ids=chunk.token_ids, prompt_tokens=chunk.prompt_tokens,
-                        completion_tokens=chunk.completion_tokens,
-                        cached_tokens=chunk.cached_tokens))
+                    yield pb.GenerateResponse(
+                        request_id=client_rid,
+                        chunk=pb.GenerateStreamChunk(
+                            token_ids=chunk.token_ids,
+                            prompt_tokens=chunk.prompt_tokens,
+                            completion_tokens=chunk.completion_tokens,
+                            cached_tokens=chunk.cached_tokens,
+                        ),
+                    )
                 if not chunk.finished:
                     continue
                 if chunk.finish_reason == "abort" and rid in st.drain_aborted:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        "the server is shutting down: the request was aborted")
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "the server is shutting down: the request was aborted",
+                    )
                 done = pb.GenerateComplete(
-                    output_ids=output, finish_reason=chunk.finish_reason or "stop",
-                    prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
-                    cached_tokens=chunk.cached_tokens)
+                    output_ids=output,
+                    finish_reason=chunk.finish_reason or "stop",
+                    prompt_tokens=chunk.prompt_tokens,
+                    completion_tokens=chunk.completion_tokens,
+                    cached_tokens=chunk.cached_tokens,
+                )
                 stop = chunk.matched_stop
                 if isinstance(stop, int) and not isinstance(stop, bool):
                     done.matched_token_id = stop
@@ -286,14 +324,18 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
         tok = engine.tokenizer
         eos = tok.eos_token_id
         return pb.GetModelInfoResponse(
-            model_path=path, tokenizer_path=path, is_generation=True,
+            model_path=path,
+            tokenizer_path=path,
+            is_generation=True,
             served_model_name=model_ids(path, self.served_model_name)[0],
-            max_context_length=engine.max_context_len, vocab_size=engine.vocab_size,
+            max_context_length=engine.max_context_len,
+            vocab_size=engine.vocab_size,
             max_req_input_len=engine.max_context_len - 1,
             model_type=str(info.get("architecture") or ""),
             architectures=[str(info.get("architecture") or "")],
             eos_token_ids=[] if eos is None else [int(eos)],
-            pad_token_id=int(tok.pad_token_id or 0), bos_token_id=int(tok.bos_token_id or 0),
+            pad_token_id=int(tok.pad_token_id or 0),
+            bos_token_id=int(tok.bos_token_id or 0),
         )
 
     @rpc
@@ -306,10 +348,14 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
         args = struct_pb2.Struct()
         args.update(json_safe(engine.server_args.public_dict()))
         started = pb.GetServerInfoResponse(
-            server_args=args, active_requests=len(st.active), is_paused=st.draining,
-            uptime_seconds=time.time() - st.start_time, sglang_version=f"hicache {VERSION}",
+            server_args=args,
+            active_requests=len(st.active),
+            is_paused=st.draining,
+            uptime_seconds=time.time() - st.start_time,
+            sglang_version=f"hicache {VERSION}",
             server_type="grpc",
-            max_total_num_tokens=int(info["max_total_tokens"]))
+            max_total_num_tokens=int(info["max_total_tokens"]),
+        )
         started.start_time.FromSeconds(int(st.start_time))
         return started
 
@@ -337,7 +383,8 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
             flush.timeout_s = request.timeout_s
         done = await self.admin.Flush(flush, context)
         return smg_common.FlushCacheResponse(
-            success=True, message=f"flushed every tier: {done.freed_tokens} tokens freed")
+            success=True, message=f"flushed every tier: {done.freed_tokens} tokens freed"
+        )
 
     @rpc
     async def GetTokenizer(
@@ -350,8 +397,9 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
         digest = hashlib.sha256(data).hexdigest()
         for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
             end = start + TOKENIZER_CHUNK_BYTES
-            yield smg_common.GetTokenizerChunk(data=data[start:end],
-                                               sha256=digest if end >= len(data) else "")
+            yield smg_common.GetTokenizerChunk(
+                data=data[start:end], sha256=digest if end >= len(data) else ""
+            )
 
     @rpc
     async def SubscribeKvEvents(
@@ -360,9 +408,10 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
         st = self.state
         await st.require_engine(context)
         if st.principal(context).tenant is not None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "KV events need the user or admin token (they carry every "
-                                "namespace's token ids)")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "KV events need the user or admin token (they carry every namespace's token ids)",
+            )
         try:
             async for batch in self.kv_events.subscribe(request.start_sequence_number):
                 yield kv_batch(batch, self.kv_events.block_size)
@@ -379,6 +428,7 @@ class SglangWorkerServicer(pb_grpc.SglangSchedulerServicer):
 
 def json_safe(d: dict[str, Any]) -> dict[str, Any]:
     """A dict a protobuf Struct takes: numbers, strings, bools, None, lists and dicts of them."""
+
     def conv(v: Any) -> Any:
         if v is None or isinstance(v, (bool, int, float, str)):
             return v

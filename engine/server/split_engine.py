@@ -62,8 +62,9 @@ START_TIMEOUT_S = 900.0  # model conversion + load on a slow machine
 CALL_MARGIN_S = 10.0  # a call's reply may take this much longer than its own timeout
 
 
-def run_scheduler_process(server_args: ServerArgs, addrs: ipc.Addresses, conn: Connection,
-                          log_level: str) -> None:  # fmt: skip
+def run_scheduler_process(
+    server_args: ServerArgs, addrs: ipc.Addresses, conn: Connection, log_level: str
+) -> None:
     """The scheduler process' target: the runtime (torch, the model) is imported there only,
     never in this process."""
     from engine.runtime.process import scheduler_main
@@ -103,8 +104,9 @@ class SplitEngine(EngineFront):
             self.tokenizer_manager = TokenizerManager(
                 info.tokenizer, info.vocab_size, info.max_context_len
             )
-            self._spawn(mp, "detokenizer", detokenizer_main, (info.tokenizer, self.addrs),
-                        log_level)  # fmt: skip
+            self._spawn(
+                mp, "detokenizer", detokenizer_main, (info.tokenizer, self.addrs), log_level
+            )
         except BaseException:
             self._kill_children()
             self._close_sockets()
@@ -121,8 +123,9 @@ class SplitEngine(EngineFront):
     def _spawn(self, mp: Any, name: str, target: Callable, args: tuple, log_level: str) -> Any:
         """Starts a child and waits for its ready signal; raises if it fails or dies first."""
         ours, theirs = mp.Pipe(duplex=False)
-        proc = mp.Process(target=target, args=(*args, theirs, log_level),
-                          name=f"hicache-{name}", daemon=True)  # fmt: skip
+        proc = mp.Process(
+            target=target, args=(*args, theirs, log_level), name=f"hicache-{name}", daemon=True
+        )
         proc.start()
         theirs.close()
         self.procs[name] = proc
@@ -196,8 +199,9 @@ class SplitEngine(EngineFront):
             if self._chunks in events:
                 for m in ipc.recv(self._chunks, 0) or ():
                     with self._lock:
-                        q = (self._handles.pop if m.chunk.finished else self._handles.get)(m.rid,
-                                                                                          None)
+                        q = (self._handles.pop if m.chunk.finished else self._handles.get)(
+                            m.rid, None
+                        )
                     if q is not None:
                         q.put(m.chunk)
 
@@ -274,22 +278,34 @@ class SplitEngine(EngineFront):
         self._call(ipc.EventsLastSeq())  # makes sure the scheduler has one
         return RemoteEventLog(self)
 
-    def kv_block_changes(self, block_size: int, salt_key: bytes,
-                         reset: bool = False) -> BlockChanges:  # fmt: skip
+    def kv_block_changes(
+        self, block_size: int, salt_key: bytes, reset: bool = False
+    ) -> BlockChanges:
         return self._call(ipc.KvBlockChanges(block_size, salt_key, reset), CALL_TIMEOUT_S)
 
     # --- cache admin: each call one operation, answered in the scheduler process --------------
     def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchInfo:
         return self._call(ipc.MatchPrefix(key, namespace), CALL_TIMEOUT_S)
 
-    def evict(self, tier: str, num_tokens: int | None = None, prefix: list[int] | None = None,
-              namespace: str | None = None, dry_run: bool = False,
-              namespaces: frozenset[str] | None = None) -> EvictInfo:  # fmt: skip
+    def evict(
+        self,
+        tier: str,
+        num_tokens: int | None = None,
+        prefix: list[int] | None = None,
+        namespace: str | None = None,
+        dry_run: bool = False,
+        namespaces: frozenset[str] | None = None,
+    ) -> EvictInfo:
         op = ipc.Evict(tier, num_tokens, prefix, namespace, dry_run, namespaces)
         return self._call(op, CALL_TIMEOUT_S)
 
-    def pin(self, key: list[int], namespace: str | None = None, ttl_s: float = 0.0,
-            owner: str | None = None) -> Pin | None:  # fmt: skip
+    def pin(
+        self,
+        key: list[int],
+        namespace: str | None = None,
+        ttl_s: float = 0.0,
+        owner: str | None = None,
+    ) -> Pin | None:
         return self._call(ipc.PinPrefix(key, namespace, ttl_s, owner), CALL_TIMEOUT_S)
 
     def unpin(self, pin_id: str | None = None, owner: str | None = None) -> tuple[int, int]:
@@ -301,13 +317,18 @@ class SplitEngine(EngineFront):
     def flush(self, tiers: list[str] | None = None) -> FlushInfo:
         return self._call(ipc.Flush(tiers), CALL_TIMEOUT_S)
 
-    def flush_namespaces(self, namespaces: frozenset[str], tiers: list[str] | None,
-                         owner: str | None) -> FlushInfo:  # fmt: skip
+    def flush_namespaces(
+        self, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
+    ) -> FlushInfo:
         return self._call(ipc.FlushNamespaces(namespaces, tiers, owner), CALL_TIMEOUT_S)
 
-    def inspect_tree(self, offset: int = 0, limit: int = 100, preview_tokens: int = 16,
-                     namespaces: frozenset[str] | None = None
-                     ) -> tuple[list[NodeInfo], int]:  # fmt: skip
+    def inspect_tree(
+        self,
+        offset: int = 0,
+        limit: int = 100,
+        preview_tokens: int = 16,
+        namespaces: frozenset[str] | None = None,
+    ) -> tuple[list[NodeInfo], int]:
         op = ipc.InspectTree(offset, limit, preview_tokens, namespaces)
         return self._call(op, CALL_TIMEOUT_S)
 
@@ -317,15 +338,15 @@ class SplitEngine(EngineFront):
     def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> TenantView:
         return self._call(ipc.TenantView(tenant, namespaces), CALL_TIMEOUT_S)
 
-    def tenant_figures(self, quotas: Sequence[TenantQuota]
-                       ) -> dict[str, dict[str, dict[str, int]]]:  # fmt: skip
+    def tenant_figures(self, quotas: Sequence[TenantQuota]) -> dict[str, dict[str, dict[str, int]]]:
         return self._call(ipc.TenantFigures(tuple(quotas)), CALL_TIMEOUT_S)
 
     def storage_info(self) -> dict[str, Any]:
         return self._call(ipc.StorageInfo())
 
-    def attach_storage(self, backend: str, url: str | None = None,
-                       directory: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def attach_storage(
+        self, backend: str, url: str | None = None, directory: str | None = None
+    ) -> dict[str, Any]:
         try:
             return self._call(ipc.AttachStorage(backend, url, directory))
         finally:

@@ -84,8 +84,14 @@ class DaemonState:
         except ValueError as e:
             raise ValidationError(str(e)) from e
 
-    async def submit(self, engine: EngineFront, prompt: Prompt, params: dict[str, Any],
-                     namespace: str | None, rid: str) -> RequestHandle:  # fmt: skip
+    async def submit(
+        self,
+        engine: EngineFront,
+        prompt: Prompt,
+        params: dict[str, Any],
+        namespace: str | None,
+        rid: str,
+    ) -> RequestHandle:
         """engine.submit(...) off the event loop. If the call goes away (client cancel,
         deadline) while the engine is taking the request, the request is aborted as soon as it
         is in: it must not run for nobody."""
@@ -102,8 +108,9 @@ class DaemonState:
         except ValueError as e:
             raise ValidationError(str(e)) from e
 
-    async def require_engine(self, context: grpc.aio.ServicerContext,
-                             while_draining: bool = False) -> EngineFront:
+    async def require_engine(
+        self, context: grpc.aio.ServicerContext, while_draining: bool = False
+    ) -> EngineFront:
         """The engine, or the call ends UNAVAILABLE: still loading, or draining (new work is
         refused; ``while_draining`` lets through what only ends work, e.g. Abort)."""
         if self.draining and not while_draining:

@@ -37,8 +37,9 @@ class Tenant:
             object.__setattr__(self, "namespaces", (self.name,))
         for ns in self.namespaces:
             if not isinstance(ns, str) or not _NAME.match(ns):
-                raise ValueError(f"tenant {self.name!r}: namespace {ns!r} must match "
-                                 f"{_NAME.pattern}")
+                raise ValueError(
+                    f"tenant {self.name!r}: namespace {ns!r} must match {_NAME.pattern}"
+                )
         for k in QUOTA_KEYS:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -52,8 +53,11 @@ class Tenant:
         return int(getattr(self, f"quota_{tier}_tokens"))
 
     def public_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "namespaces": list(self.namespaces),
-                **{k: getattr(self, k) for k in QUOTA_KEYS}}
+        return {
+            "name": self.name,
+            "namespaces": list(self.namespaces),
+            **{k: getattr(self, k) for k in QUOTA_KEYS},
+        }
 
 
 class PermissionDeniedError(PermissionError):
@@ -103,8 +107,12 @@ def from_table(name: str, table: Mapping[str, Any]) -> Tenant:
     tokens = list(table.get("tokens", []))
     if "token" in table:
         tokens.insert(0, table["token"])
-    return Tenant(name, tuple(tokens), tuple(table.get("namespaces", ())),
-                  **{k: table[k] for k in QUOTA_KEYS if k in table})
+    return Tenant(
+        name,
+        tuple(tokens),
+        tuple(table.get("namespaces", ())),
+        **{k: table[k] for k in QUOTA_KEYS if k in table},
+    )
 
 
 def parse_spec(spec: str) -> Tenant:

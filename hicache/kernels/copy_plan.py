@@ -78,9 +78,14 @@ def plan_lists(
         return CopyPlan(m, runs, None, None, None, None)
     src = [a + i for a, _, n in runs for i in range(n)]
     dst = [b + i for _, b, n in runs for i in range(n)]
-    return CopyPlan(m, None, torch.tensor(src, dtype=torch.int64),
-                    torch.tensor(dst, dtype=torch.int64), _run_start(runs, 0),
-                    _run_start(runs, 1))  # fmt: skip
+    return CopyPlan(
+        m,
+        None,
+        torch.tensor(src, dtype=torch.int64),
+        torch.tensor(dst, dtype=torch.int64),
+        _run_start(runs, 0),
+        _run_start(runs, 1),
+    )
 
 
 def _run_start(runs: list[tuple[int, int, int]], side: int) -> int | None:
@@ -178,8 +183,11 @@ def copy_rows(
             rows = src[plan.src_start : plan.src_start + m]
         else:
             idx = plan.src_idx.to(src.device)
-            rows = src.index_select(0, idx) if buf is None else torch.index_select(
-                src, 0, idx, out=buf)  # fmt: skip
+            rows = (
+                src.index_select(0, idx)
+                if buf is None
+                else torch.index_select(src, 0, idx, out=buf)
+            )
         index_copy(dst, plan.dst_idx.to(dst.device), rows)
 
 

@@ -115,7 +115,10 @@ def _device_rows(buf: torch.Tensor, layout: str, page_size: int) -> torch.Tensor
 
 
 def _plan_host_device(
-    src_indices: torch.Tensor, dst_indices: torch.Tensor, layout: str, page_size: int,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layout: str,
+    page_size: int,
     token_bytes: int,
 ) -> CopyPlan:
     """Plan over page ids (layer_first: a page of a layer is one row) or token slots
@@ -141,17 +144,31 @@ _last_plan = threading.local()  # per thread: the load worker and the write work
 
 
 def _plan_cached(
-    src_indices: torch.Tensor, dst_indices: torch.Tensor, layout: str, page_size: int,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layout: str,
+    page_size: int,
     token_bytes: int,
 ) -> CopyPlan:
     """``_plan_host_device``, reusing the previous call's plan when its indices are equal (the
     controller loads one layer per call, all with the same indices)."""
-    key = (layout, page_size, token_bytes, copy_plan.RUN_BYTES, src_indices.device,
-           dst_indices.device)
+    key = (
+        layout,
+        page_size,
+        token_bytes,
+        copy_plan.RUN_BYTES,
+        src_indices.device,
+        dst_indices.device,
+    )
     last = getattr(_last_plan, "entry", None)
-    if (last is not None and last[0] == key and last[1].shape == src_indices.shape
-            and last[2].shape == dst_indices.shape and torch.equal(last[1], src_indices)
-            and torch.equal(last[2], dst_indices)):  # fmt: skip
+    if (
+        last is not None
+        and last[0] == key
+        and last[1].shape == src_indices.shape
+        and last[2].shape == dst_indices.shape
+        and torch.equal(last[1], src_indices)
+        and torch.equal(last[2], dst_indices)
+    ):
         return last[3]
     plan = _plan_host_device(src_indices, dst_indices, layout, page_size, token_bytes)
     _last_plan.entry = (key, src_indices.clone(), dst_indices.clone(), plan)
@@ -175,9 +192,13 @@ def transfer_per_layer(
     _check_backend(io_backend)
     if io_backend == "direct" or _use_triton(use_triton, device_k, host_indices):
         host_p, dev_p = to_page_ids(host_indices, device_indices, page_size)
-        pairs = [(host_layer_pages(host_kv, kv, layer_id, layout, page_size),
-                  device_pages(buf, page_size))
-                 for kv, buf in ((0, device_k), (1, device_v))]  # fmt: skip
+        pairs = [
+            (
+                host_layer_pages(host_kv, kv, layer_id, layout, page_size),
+                device_pages(buf, page_size),
+            )
+            for kv, buf in ((0, device_k), (1, device_v))
+        ]
         if io_backend == "direct":
             runs = merge_runs(host_p, dev_p)
             for src, dst in pairs:
@@ -277,9 +298,13 @@ def _flat_plan(host: torch.Tensor, host_indices: torch.Tensor, page_size: int) -
         else:  # fewer small ops (each costs ~0.1 ms right after a big copy): one run or none
             first = int(pages_t[0])
             one_run = int(pages_t[-1]) - first == m - 1 and bool(
-                ((pages_t[1:] - pages_t[:-1]) == 1).all())  # fmt: skip
-            plan = (CopyPlan(m, [(first, 0, m)], None, None, None, None) if one_run
-                    else CopyPlan(m, None, pages_t, None, None, 0))  # fmt: skip
+                ((pages_t[1:] - pages_t[:-1]) == 1).all()
+            )
+            plan = (
+                CopyPlan(m, [(first, 0, m)], None, None, None, None)
+                if one_run
+                else CopyPlan(m, None, pages_t, None, None, 0)
+            )
     if plan.rows != m or (plan.runs and plan.runs[0][0] < 0):
         raise IndexError("host indices must not be negative")
     return plan

@@ -111,10 +111,18 @@ def copy_pages(
     assert src.stride(2) == 1 and dst.stride(2) == 1
     item = src.shape[2]
     _copy_pages_kernel[(num_pages,)](
-        src, dst, src_pages, dst_pages,
-        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
-        PAGE_SIZE=page_size, ITEM=item, BLOCK=_block(item),
-    )  # fmt: skip
+        src,
+        dst,
+        src_pages,
+        dst_pages,
+        src.stride(0),
+        src.stride(1),
+        dst.stride(0),
+        dst.stride(1),
+        PAGE_SIZE=page_size,
+        ITEM=item,
+        BLOCK=_block(item),
+    )
 
 
 def gather_all_layer(
@@ -144,7 +152,16 @@ def gather_all_layer(
     else:  # page_first [2, size, L, H, D]
         layer_stride, token_stride = host_kv.stride(2), host_kv.stride(1)
     _gather_all_layer_kernel[(num_pages, layer_num, 2)](
-        table, host_kv, device_pages, host_pages,
-        host_kv.stride(0), layer_stride, page_size * token_stride, token_stride,
-        LAYER_NUM=layer_num, PAGE_SIZE=page_size, ITEM=item, BLOCK=_block(item),
-    )  # fmt: skip
+        table,
+        host_kv,
+        device_pages,
+        host_pages,
+        host_kv.stride(0),
+        layer_stride,
+        page_size * token_stride,
+        token_stride,
+        LAYER_NUM=layer_num,
+        PAGE_SIZE=page_size,
+        ITEM=item,
+        BLOCK=_block(item),
+    )

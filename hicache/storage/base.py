@@ -40,8 +40,9 @@ def prefix_hash_seed(model_fingerprint: str, namespace: str | None = None) -> st
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def object_keys(token_ids: Sequence[int], object_size: int, seed: str, start: int = 0,
-                prev: str | None = None) -> list[str]:
+def object_keys(
+    token_ids: Sequence[int], object_size: int, seed: str, start: int = 0, prev: str | None = None
+) -> list[str]:
     """One hex SHA-256 key per full object of ``token_ids``, chained from ``seed``.
 
     ``start`` (a multiple of ``object_size``) and ``prev`` (the key of the object ending at
@@ -53,13 +54,13 @@ def object_keys(token_ids: Sequence[int], object_size: int, seed: str, start: in
     num = (len(token_ids) - start) // object_size
     if num <= 0:
         return []
-    raw = np.asarray(token_ids[start: start + num * object_size], dtype="<i4").tobytes()
+    raw = np.asarray(token_ids[start : start + num * object_size], dtype="<i4").tobytes()
     step = 4 * object_size
     h_prev = bytes.fromhex(prev) if prev is not None else seed.encode()
     out: list[str] = []
     for i in range(num):
         h = hashlib.sha256(h_prev)
-        h.update(raw[i * step: (i + 1) * step])
+        h.update(raw[i * step : (i + 1) * step])
         h_prev = h.digest()
         out.append(h.hexdigest())
     return out
@@ -141,9 +142,13 @@ class StorageBackend(ABC):
         forgotten together with every key chained after it (see the module docstring)."""
 
     @abstractmethod
-    def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None,
-                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
+    def batch_set(
+        self,
+        keys: Sequence[str],
+        values: Sequence[StorageValue],
+        parents: Sequence[str | None] | None = None,
+        contents: Sequence[ObjectContent | None] | None = None,
+    ) -> list[bool]:
         """Store each value; True when it is (now or already) stored. ``parents[i]`` is the
         key chained before ``keys[i]`` (None: the first object of its chain); ``contents[i]``
         what it is of (a backend that reports what it holds keeps it; others ignore it)."""

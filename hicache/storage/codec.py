@@ -47,8 +47,12 @@ def encode(value: StorageValue) -> Encoded:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         # viewed as uint8 first: numpy has no bfloat16; the view keeps ``t`` alive
-        return Encoded(True, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                       t.reshape(-1).view(torch.uint8).numpy().data)
+        return Encoded(
+            True,
+            str(t.dtype).removeprefix("torch."),
+            tuple(t.shape),
+            t.reshape(-1).view(torch.uint8).numpy().data,
+        )
     raise TypeError(f"cannot store a {type(value).__name__}")
 
 
@@ -67,8 +71,14 @@ def tensor_dtype(dtype: str, shape: tuple[int, ...], nbytes: int) -> torch.dtype
     return resolved
 
 
-def decode(is_tensor: bool, dtype: str, shape: tuple[int, ...], data: bytes, nbytes: int,
-           expected_checksum: int) -> StorageValue:
+def decode(
+    is_tensor: bool,
+    dtype: str,
+    shape: tuple[int, ...],
+    data: bytes,
+    nbytes: int,
+    expected_checksum: int,
+) -> StorageValue:
     """The value of ``data`` read back, checked against the recorded length, checksum and
     layout; a tensor shares ``data``'s memory (read-only: copy before writing)."""
     if len(data) != nbytes:
@@ -94,8 +104,9 @@ def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     if _frombuffer_quiet:
         return torch.frombuffer(data, dtype=dtype)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable",
-                                category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="The given buffer is not writable", category=UserWarning
+        )
         t = torch.frombuffer(data, dtype=dtype)
     _frombuffer_quiet = True
     return t

@@ -131,8 +131,12 @@ class FileStorageBackend(StorageBackend):
 
     medium = "disk"
 
-    def __init__(self, directory: str | os.PathLike, capacity_bytes: int = 64 << 30,
-                 reconcile_interval_s: float | None = 1.0) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        capacity_bytes: int = 64 << 30,
+        reconcile_interval_s: float | None = 1.0,
+    ) -> None:
         self.dir = os.fspath(directory)
         self.reconcile_interval_s = reconcile_interval_s
         self._lock = threading.Lock()  # index, children, stats; never held over payload I/O
@@ -154,8 +158,12 @@ class FileStorageBackend(StorageBackend):
             self._count_error()
         with self._reconcile_lock:
             self._reconcile(initial=True)
-        logger.info("file storage %s: %d objects, %d bytes", self.dir, self._stats.objects,
-                    self._stats.bytes)
+        logger.info(
+            "file storage %s: %d objects, %d bytes",
+            self.dir,
+            self._stats.objects,
+            self._stats.bytes,
+        )
 
     # ---- StorageBackend ----------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[str]) -> int:
@@ -187,8 +195,12 @@ class FileStorageBackend(StorageBackend):
                     problem = f"corrupt ({e})"
                 except (OSError, RuntimeError, ValueError, MemoryError) as e:
                     problem, failed = "unreadable", True
-                    self._error(("read", getattr(e, "errno", type(e).__name__)),
-                                "file storage %s: cannot read objects: %s", self.dir, e)
+                    self._error(
+                        ("read", getattr(e, "errno", type(e).__name__)),
+                        "file storage %s: cannot read objects: %s",
+                        self.dir,
+                        e,
+                    )
             with self._lock:
                 if value is None:
                     self._stats.misses += 1
@@ -203,14 +215,21 @@ class FileStorageBackend(StorageBackend):
             self._count_error()
         return out
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None,
-                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
+    def batch_set(
+        self,
+        keys: Sequence[str],
+        values: Sequence[StorageValue],
+        parents: Sequence[str | None] | None = None,
+        contents: Sequence[ObjectContent | None] | None = None,
+    ) -> list[bool]:
         """A key whose parent failed earlier in the batch is refused (it could never be
         reached); one whose parent is not stored yet waits for it (see the module docstring).
         ``contents`` go into the files' headers."""
-        if (len(values) != len(keys) or (parents is not None and len(parents) != len(keys))
-                or (contents is not None and len(contents) != len(keys))):
+        if (
+            len(values) != len(keys)
+            or (parents is not None and len(parents) != len(keys))
+            or (contents is not None and len(contents) != len(keys))
+        ):
             raise ValueError("keys, values, parents and contents differ in length")
         parents = parents if parents is not None else [None] * len(keys)
         contents = contents if contents is not None else [None] * len(keys)
@@ -257,8 +276,11 @@ class FileStorageBackend(StorageBackend):
         with self._lock:
             self._watcher = watcher
             if watcher is not None:
-                watcher(ObjectsStored(tuple(StoredObject(k, e.parent, e.content)
-                                            for k, e in self._index.items())))
+                watcher(
+                    ObjectsStored(
+                        tuple(StoredObject(k, e.parent, e.content) for k, e in self._index.items())
+                    )
+                )
         return True
 
     def stats(self) -> dict[str, int]:
@@ -267,8 +289,10 @@ class FileStorageBackend(StorageBackend):
         ``errors``: calls that hit trouble, one per call (not per object; see the module
         docstring); ``refused``: objects not stored because their parent was lost or failed,
         or the cap was full of their own chain."""
-        due = (self.reconcile_interval_s is not None
-               and time.monotonic() - self._last_reconcile >= self.reconcile_interval_s)
+        due = (
+            self.reconcile_interval_s is not None
+            and time.monotonic() - self._last_reconcile >= self.reconcile_interval_s
+        )
         if due and self._reconcile_lock.acquire(blocking=False):
             try:
                 self._reconcile()
@@ -287,9 +311,16 @@ class FileStorageBackend(StorageBackend):
         return {"backend": "file", "address": self.dir}
 
     # ---- writes ------------------------------------------------------------------------------
-    def _set_one(self, key: str, value: StorageValue, parent: str | None,
-                 content: ObjectContent | None, batch: set[str], parent_stored: bool,
-                 trouble: list[tuple[str, object]]) -> bool:
+    def _set_one(
+        self,
+        key: str,
+        value: StorageValue,
+        parent: str | None,
+        content: ObjectContent | None,
+        batch: set[str],
+        parent_stored: bool,
+        trouble: list[tuple[str, object]],
+    ) -> bool:
         """Store one object; the problems it meets are appended to ``trouble``."""
         with self._lock:
             entry = self._index.get(key)
@@ -312,22 +343,32 @@ class FileStorageBackend(StorageBackend):
         self._lose(key, entry, "vanished")
         return False
 
-    def _write_one(self, key: str, value: StorageValue, parent: str | None,
-                   content: ObjectContent | None, batch: set[str], had_parent: bool,
-                   trouble: list[tuple[str, object]]) -> bool:
+    def _write_one(
+        self,
+        key: str,
+        value: StorageValue,
+        parent: str | None,
+        content: ObjectContent | None,
+        batch: set[str],
+        had_parent: bool,
+        trouble: list[tuple[str, object]],
+    ) -> bool:
         path = self._path(key)
         try:
             header, payload = _encode(key, value, parent, content)
         except (TypeError, RuntimeError, ValueError) as e:
             trouble.append(("encode", type(e).__name__))
-            self._error(trouble[-1], "file storage: cannot encode %s: %s",
-                        type(value).__name__, e)
+            self._error(trouble[-1], "file storage: cannot encode %s: %s", type(value).__name__, e)
             return False
         size = len(header) + payload.nbytes
         if size > self._stats.capacity_bytes:
             trouble.append(("too big", None))
-            self._error(trouble[-1], "file storage: an object of %d bytes exceeds the "
-                        "capacity of %d", size, self._stats.capacity_bytes)
+            self._error(
+                trouble[-1],
+                "file storage: an object of %d bytes exceeds the capacity of %d",
+                size,
+                self._stats.capacity_bytes,
+            )
             return False
         with self._lock:
             paths, room = self._make_room_locked(size, batch)
@@ -362,8 +403,9 @@ class FileStorageBackend(StorageBackend):
         return path not in paths
 
     # ---- index (all *_locked methods run under self._lock) -----------------------------------
-    def _insert_locked(self, key: str, size: int, parent: str | None, path: str,
-                       content: ObjectContent | None) -> None:
+    def _insert_locked(
+        self, key: str, size: int, parent: str | None, path: str, content: ObjectContent | None
+    ) -> None:
         old = self._index.get(key)
         if old is not None:  # rewritten (or adopted by a rescan meanwhile): keep its links
             self._stats.bytes -= old.size
@@ -464,8 +506,13 @@ class FileStorageBackend(StorageBackend):
             self._remove_files([], keep=paths)
             return
         level = logging.INFO if problem == "vanished" else logging.WARNING
-        logger.log(level, "file storage: object %s %s; dropped it and %d chained after it",
-                   key, problem, len(paths) - 1)
+        logger.log(
+            level,
+            "file storage: object %s %s; dropped it and %d chained after it",
+            key,
+            problem,
+            len(paths) - 1,
+        )
         self._remove_files(paths)
 
     def _remove_files(self, paths: list[str], keep: Sequence[str] = ()) -> None:
@@ -540,15 +587,27 @@ class FileStorageBackend(StorageBackend):
                     self._stats.vanished += len(tree)
                 paths += tree
             dropped = len(paths)
-            new = [(p, st) for p, st in unknown.items()
-                   if p not in self._removing and p not in self._unremovable]
+            new = [
+                (p, st)
+                for p, st in unknown.items()
+                if p not in self._removing and p not in self._unremovable
+            ]
             self._unremovable.intersection_update(found)
         self._remove_files(paths)
         adopted, corrupt, orphans = self._adopt(new, initial)
         if dropped or corrupt or orphans:
-            logger.info("file storage %s: dropped %d objects (%d gone, %d damaged, the rest "
-                        "chained after them), adopted %d, removed %d corrupt and %d orphan "
-                        "files", self.dir, dropped, gone, damaged, adopted, corrupt, orphans)
+            logger.info(
+                "file storage %s: dropped %d objects (%d gone, %d damaged, the rest "
+                "chained after them), adopted %d, removed %d corrupt and %d orphan "
+                "files",
+                self.dir,
+                dropped,
+                gone,
+                damaged,
+                adopted,
+                corrupt,
+                orphans,
+            )
         return dropped
 
     def _scan(self) -> dict[str, os.stat_result] | None:
@@ -581,8 +640,9 @@ class FileStorageBackend(StorageBackend):
             self._rearm_locked("scan")
         return found
 
-    def _adopt(self, unknown: list[tuple[str, os.stat_result]],
-               remove_orphans: bool) -> tuple[int, int, int]:
+    def _adopt(
+        self, unknown: list[tuple[str, os.stat_result]], remove_orphans: bool
+    ) -> tuple[int, int, int]:
         """Index the valid files among ``unknown`` whose chain reaches an indexed object or a
         root; remove corrupt ones (and orphans, if asked). Returns (adopted, corrupt, orphans
         removed)."""
@@ -605,8 +665,11 @@ class FileStorageBackend(StorageBackend):
         with self._lock:
             self._stats.corrupt += len(bad) - len(stuck)
             self._unremovable.update(stuck)
-            pending = {k: v for k, v in headers.items()
-                       if k not in self._index and v[2] not in self._removing}
+            pending = {
+                k: v
+                for k, v in headers.items()
+                if k not in self._index and v[2] not in self._removing
+            }
             order = self._adoptable_locked(pending)
             self._insert_adopted_locked(order, pending)
             orphans = {k: self._orphan_root(k, pending) for k in pending if k not in self._index}
@@ -624,8 +687,9 @@ class FileStorageBackend(StorageBackend):
             self._stats.vanished += len(doomed)
         return len(order), len(bad), len(doomed)
 
-    def _adoptable_locked(self, pending: dict[str, tuple[_Header, os.stat_result, str]]
-                          ) -> list[str]:
+    def _adoptable_locked(
+        self, pending: dict[str, tuple[_Header, os.stat_result, str]]
+    ) -> list[str]:
         """Keys of ``pending`` reachable from a root or an indexed object, parents first."""
         kids: dict[str, list[str]] = {}
         order: list[str] = []
@@ -638,8 +702,9 @@ class FileStorageBackend(StorageBackend):
             order.extend(kids.pop(key, ()))
         return order
 
-    def _insert_adopted_locked(self, order: list[str],
-                               pending: dict[str, tuple[_Header, os.stat_result, str]]) -> None:
+    def _insert_adopted_locked(
+        self, order: list[str], pending: dict[str, tuple[_Header, os.stat_result, str]]
+    ) -> None:
         # LRU position: a key is as recent as the newest file below it (ancestors stay more
         # recent than their descendants); deeper first among equals.
         recency = {k: pending[k][1].st_mtime for k in order}
@@ -655,8 +720,9 @@ class FileStorageBackend(StorageBackend):
             h, st, path = pending[k]
             self._insert_locked(k, st.st_size, h.parent, path, h.content)
         # adopted under an object we already held: that chain is in use again
-        self._touch_locked([p for k in order if (p := pending[k][0].parent) is not None
-                            and p not in pending])
+        self._touch_locked(
+            [p for k in order if (p := pending[k][0].parent) is not None and p not in pending]
+        )
 
     @staticmethod
     def _orphan_root(key: str, pending: dict[str, tuple[_Header, os.stat_result, str]]) -> str:
@@ -671,8 +737,9 @@ class FileStorageBackend(StorageBackend):
 
 
 # ---- file format -------------------------------------------------------------------------------
-def _encode(key: str, value: StorageValue, parent: str | None,
-            content: ObjectContent | None = None) -> tuple[bytes, memoryview]:
+def _encode(
+    key: str, value: StorageValue, parent: str | None, content: ObjectContent | None = None
+) -> tuple[bytes, memoryview]:
     """Header bytes and a view of the payload (no copy of a contiguous CPU tensor)."""
     v = codec.encode(value)
     key_b = key.encode()
@@ -682,11 +749,19 @@ def _encode(key: str, value: StorageValue, parent: str | None,
     tokens = content.tokens if content is not None else b""
     if len(tokens) % 4 or len(tokens) // 4 > _MAX_TOKENS:
         raise ValueError(f"object content of {len(tokens)} token bytes")
-    fixed = _FIXED.pack(MAGIC, VERSION, len(v.shape), 0 if v.is_tensor else 1, len(key_b),
-                        NO_PARENT if parent is None else len(parent_b), v.payload.nbytes,
-                        codec.checksum(v.payload), v.dtype.encode(),
-                        NO_NAMESPACE if ns is None else len(ns_b),
-                        NO_CONTENT if content is None else len(tokens) // 4)
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        len(v.shape),
+        0 if v.is_tensor else 1,
+        len(key_b),
+        NO_PARENT if parent is None else len(parent_b),
+        v.payload.nbytes,
+        codec.checksum(v.payload),
+        v.dtype.encode(),
+        NO_NAMESPACE if ns is None else len(ns_b),
+        NO_CONTENT if content is None else len(tokens) // 4,
+    )
     shape = struct.pack(f"<{len(v.shape)}Q", *v.shape)
     return fixed + key_b + parent_b + shape + ns_b + tokens, v.payload
 
@@ -710,8 +785,13 @@ def _read_header(f: BinaryIO) -> _Header:
     has_content, has_ns = n_tokens != NO_CONTENT, ns_len != NO_NAMESPACE
     n_tokens = n_tokens if has_content else 0
     ns_len = ns_len if has_ns else 0
-    if (kind not in (0, 1) or key_len > _MAX_KEY_LEN or parent_len > _MAX_KEY_LEN
-            or ns_len > _MAX_KEY_LEN or n_tokens > _MAX_TOKENS):
+    if (
+        kind not in (0, 1)
+        or key_len > _MAX_KEY_LEN
+        or parent_len > _MAX_KEY_LEN
+        or ns_len > _MAX_KEY_LEN
+        or n_tokens > _MAX_TOKENS
+    ):
         raise Corrupt("bad header fields")
     var = key_len + parent_len + 8 * ndim + ns_len + 4 * n_tokens
     rest = f.read(var)
@@ -720,16 +800,22 @@ def _read_header(f: BinaryIO) -> _Header:
     at = key_len + parent_len + 8 * ndim  # the namespace, then the tokens
     content = None
     if has_content:
-        ns = rest[at: at + ns_len].decode(errors="replace") if has_ns else None
-        content = ObjectContent(ns, rest[at + ns_len:])
+        ns = rest[at : at + ns_len].decode(errors="replace") if has_ns else None
+        content = ObjectContent(ns, rest[at + ns_len :])
     return _Header(
         key=rest[:key_len].decode(errors="replace"),
-        parent=rest[key_len: key_len + parent_len].decode(errors="replace") if has_parent
+        parent=rest[key_len : key_len + parent_len].decode(errors="replace")
+        if has_parent
         else None,
-        kind=kind, dtype=dtype.rstrip(b"\0").decode(errors="replace"),
+        kind=kind,
+        dtype=dtype.rstrip(b"\0").decode(errors="replace"),
         shape=struct.unpack_from(f"<{ndim}Q", rest, key_len + parent_len),
-        payload_len=payload_len, checksum=checksum, version=version,
-        header_len=fixed.size + var, content=content)
+        payload_len=payload_len,
+        checksum=checksum,
+        version=version,
+        header_len=fixed.size + var,
+        content=content,
+    )
 
 
 def _read_object(key: str, path: str) -> tuple[StorageValue, int]:

@@ -95,16 +95,31 @@ class _Meta:
     parent: str | None
 
     def encode(self) -> bytes:
-        return json.dumps({"v": META_VERSION, "n": self.nbytes, "k": self.kind, "dt": self.dtype,
-                           "sh": list(self.shape), "h": self.checksum, "p": self.parent},
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "v": META_VERSION,
+                "n": self.nbytes,
+                "k": self.kind,
+                "dt": self.dtype,
+                "sh": list(self.shape),
+                "h": self.checksum,
+                "p": self.parent,
+            },
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> _Meta:
         try:
             d = json.loads(raw)
-            meta = cls(int(d["n"]), str(d["k"]), str(d["dt"]), tuple(int(x) for x in d["sh"]),
-                       int(d["h"]), None if d["p"] is None else str(d["p"]))
+            meta = cls(
+                int(d["n"]),
+                str(d["k"]),
+                str(d["dt"]),
+                tuple(int(x) for x in d["sh"]),
+                int(d["h"]),
+                None if d["p"] is None else str(d["p"]),
+            )
             version = d["v"]
         except (ValueError, TypeError, KeyError) as e:
             raise Corrupt(f"unparsable metadata ({e})") from None
@@ -115,8 +130,9 @@ class _Meta:
     def value(self, data: bytes) -> StorageValue:
         """The value of ``data``, checked (see codec.decode); a tensor shares the reply's
         memory (read-only)."""
-        return codec.decode(self.kind == "t", self.dtype, self.shape, data, self.nbytes,
-                            self.checksum)
+        return codec.decode(
+            self.kind == "t", self.dtype, self.shape, data, self.nbytes, self.checksum
+        )
 
 
 class _Object(NamedTuple):
@@ -134,8 +150,14 @@ class _Object(NamedTuple):
     def meta(self) -> bytes:
         """The metadata, checksum included (taken when called: right before the send)."""
         v = self.value
-        return _Meta(v.payload.nbytes, "t" if v.is_tensor else "b", v.dtype, v.shape,
-                     codec.checksum(v.payload), self.parent).encode()
+        return _Meta(
+            v.payload.nbytes,
+            "t" if v.is_tensor else "b",
+            v.dtype,
+            v.shape,
+            codec.checksum(v.payload),
+            self.parent,
+        ).encode()
 
 
 def _reply(conn: Any) -> Any:
@@ -164,14 +186,21 @@ class RedisStorageBackend(StorageBackend):
     batch_set), ``server_evicted_keys`` and ``server_used_memory`` (as of the last reconcile).
     """
 
-    def __init__(self, url: str, scope: str, key_prefix: str = "hicache",
-                 socket_timeout_s: float = SOCKET_TIMEOUT_S,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 max_connections: int = 16) -> None:
+    def __init__(
+        self,
+        url: str,
+        scope: str,
+        key_prefix: str = "hicache",
+        socket_timeout_s: float = SOCKET_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        max_connections: int = 16,
+    ) -> None:
         for what, name in (("key_prefix", key_prefix), ("scope", scope)):
             if not isinstance(name, str) or not _NAME.match(name):
-                raise ValueError(f"L3 redis {what} {name!r}: must be non-empty, without "
-                                 "whitespace, ':', braces or glob characters")
+                raise ValueError(
+                    f"L3 redis {what} {name!r}: must be non-empty, without "
+                    "whitespace, ':', braces or glob characters"
+                )
         self.target = parse_target(url)
         self.namespace = f"{key_prefix}:{scope}:"  # every key of this backend starts so
         self._timeouts = (socket_timeout_s, connect_timeout_s, max_connections)
@@ -192,8 +221,12 @@ class RedisStorageBackend(StorageBackend):
         # (op, error kind) logged this outage; _CORRUPT once a corrupt object was logged
         self._problems = OutageLog()
         self._no_touch: bool | None = None  # does the server take CLIENT NO-TOUCH (unknown)
-        self._extra = {"outages": 0, "offline_calls": 0, "server_evicted_keys": 0,
-                       "server_used_memory": 0}
+        self._extra = {
+            "outages": 0,
+            "offline_calls": 0,
+            "server_evicted_keys": 0,
+            "server_used_memory": 0,
+        }
         self._rtt_us = 0.0
         self._io_s = {"read": 0.0, "write": 0.0}
         self._base = (0, 0)  # (objects, bytes) of the last complete sweep
@@ -222,8 +255,11 @@ class RedisStorageBackend(StorageBackend):
                 pass
 
     def describe(self) -> dict[str, str]:
-        return {"backend": "redis-cluster" if self.target.cluster else "redis",
-                "address": self.target.address, "key_prefix": self.namespace.rstrip(":")}
+        return {
+            "backend": "redis-cluster" if self.target.cluster else "redis",
+            "address": self.target.address,
+            "key_prefix": self.namespace.rstrip(":"),
+        }
 
     # ---- StorageBackend ----------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[str]) -> int:
@@ -292,9 +328,13 @@ class RedisStorageBackend(StorageBackend):
             self._unlink(doomed)
         return out
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[StorageValue],
-                  parents: Sequence[str | None] | None = None,
-                  contents: Sequence[ObjectContent | None] | None = None) -> list[bool]:
+    def batch_set(
+        self,
+        keys: Sequence[str],
+        values: Sequence[StorageValue],
+        parents: Sequence[str | None] | None = None,
+        contents: Sequence[ObjectContent | None] | None = None,
+    ) -> list[bool]:
         """One round trip: per object EXISTS (to count new objects) and one MSET of payload
         and metadata (atomic: a reader sees both or neither). A key whose parent failed is
         still written (``batch_exists`` stops at the gap anyway). ``contents`` are not kept:
@@ -341,8 +381,7 @@ class RedisStorageBackend(StorageBackend):
             self._add_delta(new_objects, new_bytes)
         return [done.get(k, False) if e is not None else False for k, e in zip(keys, encoded)]
 
-    def _write_streamed(self, client: redis.Redis, todo: list[tuple[str, _Object]]
-                        ) -> list[Any]:
+    def _write_streamed(self, client: redis.Redis, todo: list[tuple[str, _Object]]) -> list[Any]:
         """Single node, one round trip on one connection: each object's checksum is taken
         right before its EXISTS + MSET goes out, and the replies are read at the end. A
         pipeline sends after checksumming the whole batch, so every payload crossed memory
@@ -351,9 +390,14 @@ class RedisStorageBackend(StorageBackend):
             conn = client.connection_pool.get_connection()
             try:
                 for k, o in todo:
-                    conn.send_packed_command(conn.pack_commands(
-                        [("EXISTS", self._mkey(k)),
-                         ("MSET", self._dkey(k), o.payload, self._mkey(k), o.meta())]))
+                    conn.send_packed_command(
+                        conn.pack_commands(
+                            [
+                                ("EXISTS", self._mkey(k)),
+                                ("MSET", self._dkey(k), o.payload, self._mkey(k), o.meta()),
+                            ]
+                        )
+                    )
                 replies = [_reply(conn) for _ in range(2 * len(todo))]
             except redis.ConnectionError:
                 conn.disconnect()
@@ -369,8 +413,10 @@ class RedisStorageBackend(StorageBackend):
             if errors:
                 self._note_errors("write", errors)
             # as a pipeline leaves them: [existed, True | error] per object
-            return [r if isinstance(r, Exception) else (r in (b"OK", "OK") if i % 2 else r)
-                    for i, r in enumerate(replies)]
+            return [
+                r if isinstance(r, Exception) else (r in (b"OK", "OK") if i % 2 else r)
+                for i, r in enumerate(replies)
+            ]
         raise AssertionError("unreachable")
 
     def delete(self, key: str) -> None:
@@ -380,6 +426,7 @@ class RedisStorageBackend(StorageBackend):
 
     def clear(self) -> None:
         """Unlink every key under ``{prefix}:{scope}:`` (on every primary); never FLUSHDB."""
+
         def run(client: Any) -> int:
             removed = 0
             for node in self._primaries(client):
@@ -387,7 +434,7 @@ class RedisStorageBackend(StorageBackend):
                 while cursor != 0:
                     cursor, found = self._scan(client, node, cursor or 0, self.namespace + "*")
                     for i in range(0, len(found), CLEAR_CHUNK):
-                        removed += self._unlink_raw(client, found[i: i + CLEAR_CHUNK])
+                        removed += self._unlink_raw(client, found[i : i + CLEAR_CHUNK])
             return removed
 
         with self._reconcile_lock:
@@ -427,8 +474,9 @@ class RedisStorageBackend(StorageBackend):
         return 0
 
     # ---- reads -------------------------------------------------------------------------------
-    def _check(self, key: str, reply: Any, lost: set[str]
-               ) -> tuple[StorageValue | None, str | None]:
+    def _check(
+        self, key: str, reply: Any, lost: set[str]
+    ) -> tuple[StorageValue | None, str | None]:
         """(value, None) or (None, what went wrong: "absent", "vanished ...", "corrupt ...";
         None for a server error on this key)."""
         if isinstance(reply, Exception):
@@ -454,12 +502,19 @@ class RedisStorageBackend(StorageBackend):
         level = logging.DEBUG
         if problem.startswith("corrupt") and self._problems.met(_CORRUPT):
             level = logging.WARNING
-        logger.log(level, "L3 redis %s: object %s %s; unlinked it%s", self.target.address, key,
-                   problem, " (further ones logged at debug)" if level > logging.DEBUG else "")
+        logger.log(
+            level,
+            "L3 redis %s: object %s %s; unlinked it%s",
+            self.target.address,
+            key,
+            problem,
+            " (further ones logged at debug)" if level > logging.DEBUG else "",
+        )
 
     # ---- writes and removals -----------------------------------------------------------------
     def _unlink(self, keys: Sequence[str]) -> None:
         """Unlink objects, keeping the local object / byte counts honest."""
+
         def run(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for k in keys:
@@ -472,8 +527,9 @@ class RedisStorageBackend(StorageBackend):
         if res is None:
             return
         objects = sum(1 for i in range(len(keys)) if res[3 * i] == 1)
-        nbytes = sum(r for i in range(len(keys))
-                     if res[3 * i] == 1 and isinstance(r := res[3 * i + 1], int))
+        nbytes = sum(
+            r for i in range(len(keys)) if res[3 * i] == 1 and isinstance(r := res[3 * i + 1], int)
+        )
         with self._lock:
             self._add_delta(-objects, -nbytes)
 
@@ -563,9 +619,11 @@ class RedisStorageBackend(StorageBackend):
                 self._no_touch = True
             except redis.ResponseError:
                 self._no_touch = False
-                logger.info("L3 redis %s: no CLIENT NO-TOUCH (Redis < 7.2): the idle rescan "
-                            "refreshes the LRU clock of the payloads it counts",
-                            self.target.address)
+                logger.info(
+                    "L3 redis %s: no CLIENT NO-TOUCH (Redis < 7.2): the idle rescan "
+                    "refreshes the LRU clock of the payloads it counts",
+                    self.target.address,
+                )
         pipe = conn.pipeline(transaction=False)  # one connection: the mode covers the STRLENs
         if self._no_touch:
             pipe.execute_command("CLIENT", "NO-TOUCH", "ON")
@@ -601,17 +659,25 @@ class RedisStorageBackend(StorageBackend):
         """A single node's client (no I/O: redis-py connects on first use) or a cluster's
         (reads the topology: I/O, so made by the first call, under ``_run``)."""
         socket_timeout, connect_timeout, max_connections = self._timeouts
-        common: dict[str, Any] = {"socket_timeout": socket_timeout,
-                                  "socket_connect_timeout": connect_timeout,
-                                  "max_connections": max_connections, "client_name": "hicache"}
+        common: dict[str, Any] = {
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": connect_timeout,
+            "max_connections": max_connections,
+            "client_name": "hicache",
+        }
         if self.target.cluster:
             # one retry after a topology refresh (failover); the outage logic does the rest
-            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.target.nodes],
-                                retry=Retry(NoBackoff(), 1), **common, **self.target.options)
+            return RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in self.target.nodes],
+                retry=Retry(NoBackoff(), 1),
+                **common,
+                **self.target.options,
+            )
         # one immediate retry on a broken pooled connection (the server restarted while we were
         # idle); a timeout is not retried: a hung server costs one socket timeout
         client = redis.Redis.from_url(
-            self.target.url, retry=Retry(NoBackoff(), 1, (redis.ConnectionError,)), **common)
+            self.target.url, retry=Retry(NoBackoff(), 1, (redis.ConnectionError,)), **common
+        )
         pool = client.connection_pool
         try:  # unknown or bad query options fail here, not on first use
             pool.connection_class(**pool.connection_kwargs)
@@ -674,7 +740,8 @@ class RedisStorageBackend(StorageBackend):
         elapsed = time.monotonic() - t0
         # clean: answered without any error (pipelines leave theirs among the replies)
         clean = result is not None and not (
-            isinstance(result, list) and any(isinstance(r, Exception) for r in result))
+            isinstance(result, list) and any(isinstance(r, Exception) for r in result)
+        )
         self._reachable(op, probe, elapsed, clean)
         return result
 
@@ -710,9 +777,14 @@ class RedisStorageBackend(StorageBackend):
             if probe:
                 self._probing = False
         if first:
-            logger.warning("L3 redis %s unreachable: %s; serving from L1/L2, retrying in "
-                           "%.1f s (backing off to %.0f s; logged once per outage)",
-                           self.target.address, error, BACKOFF_FIRST_S, BACKOFF_MAX_S)
+            logger.warning(
+                "L3 redis %s unreachable: %s; serving from L1/L2, retrying in "
+                "%.1f s (backing off to %.0f s; logged once per outage)",
+                self.target.address,
+                error,
+                BACKOFF_FIRST_S,
+                BACKOFF_MAX_S,
+            )
 
     def _reachable(self, op: str, probe: bool, elapsed: float, clean: bool) -> None:
         back_after = None
@@ -732,16 +804,17 @@ class RedisStorageBackend(StorageBackend):
                 self._io_s[op] += elapsed
             elif op in ("exists", "delete"):
                 us = elapsed * 1e6
-                self._rtt_us = us if self._rtt_us == 0 else (
-                    (1 - RTT_EWMA) * self._rtt_us + RTT_EWMA * us)
+                self._rtt_us = (
+                    us if self._rtt_us == 0 else ((1 - RTT_EWMA) * self._rtt_us + RTT_EWMA * us)
+                )
             if clean:
                 self._problems.ok(op)
         if back_after is not None:
-            logger.info("L3 redis %s reachable again after %.1f s", self.target.address,
-                        back_after)
+            logger.info("L3 redis %s reachable again after %.1f s", self.target.address, back_after)
 
-    def _note_errors(self, op: str, errors: Sequence[BaseException],
-                     unexpected: bool = False) -> None:
+    def _note_errors(
+        self, op: str, errors: Sequence[BaseException], unexpected: bool = False
+    ) -> None:
         """Count one error for the round trip (not one per key); log each new kind of error
         once (until a call of the same kind succeeds again)."""
         kinds = {(op, _kind(e)): e for e in errors}
@@ -749,8 +822,14 @@ class RedisStorageBackend(StorageBackend):
             self._stats.errors += 1
             new = [(k, e) for k, e in kinds.items() if self._problems.met(k)]
         for (_, kind), e in new:
-            logger.warning("L3 redis %s: %s failed: %s (%s; logged once, see stats errors)",
-                           self.target.address, op, e, kind, exc_info=e if unexpected else None)
+            logger.warning(
+                "L3 redis %s: %s failed: %s (%s; logged once, see stats errors)",
+                self.target.address,
+                op,
+                e,
+                kind,
+                exc_info=e if unexpected else None,
+            )
 
 
 @dataclass

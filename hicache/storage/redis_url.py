@@ -32,8 +32,10 @@ def parse_target(url: str) -> RedisTarget:
     Raises ValueError for anything else."""
     if not isinstance(url, str) or "://" not in url:
         shown = redact_url(url) if isinstance(url, str) else type(url).__name__
-        raise ValueError(f"L3 redis URL {shown!r}: expected redis://, rediss://, unix://, "
-                         "redis-cluster:// or rediss-cluster://")
+        raise ValueError(
+            f"L3 redis URL {shown!r}: expected redis://, rediss://, unix://, "
+            "redis-cluster:// or rediss-cluster://"
+        )
     scheme = url.split("://", 1)[0].lower()
     if scheme in ("redis", "rediss", "unix"):
         try:
@@ -42,16 +44,20 @@ def parse_target(url: str) -> RedisTarget:
             raise ValueError(f"L3 redis URL {redact_url(url)!r}: {e}") from None
         return RedisTarget(cluster=False, url=url, address=redact_url(url))
     if scheme not in ("redis-cluster", "rediss-cluster"):
-        raise ValueError(f"L3 redis URL {redact_url(url)!r}: unknown scheme {scheme!r}; "
-                         "expected redis, rediss, unix, redis-cluster or rediss-cluster")
+        raise ValueError(
+            f"L3 redis URL {redact_url(url)!r}: unknown scheme {scheme!r}; "
+            "expected redis, rediss, unix, redis-cluster or rediss-cluster"
+        )
     parts = urlsplit(url)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     nodes = tuple(_host_port(h, url) for h in hosts.split(","))
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"L3 redis URL {redact_url(url)!r}: a cluster has only database 0")
     # reuse redis-py's parsing of credentials and query options on a one-node URL
-    one = f"{scheme.removesuffix('-cluster')}://{userinfo + '@' if userinfo else ''}" \
-          f"{hosts.split(',')[0]}" + (f"?{parts.query}" if parts.query else "")
+    one = (
+        f"{scheme.removesuffix('-cluster')}://{userinfo + '@' if userinfo else ''}"
+        f"{hosts.split(',')[0]}" + (f"?{parts.query}" if parts.query else "")
+    )
     try:
         options = parse_url(one)
     except ValueError as e:
@@ -63,8 +69,7 @@ def parse_target(url: str) -> RedisTarget:
         raise ValueError(f"L3 redis URL {redact_url(url)!r}: unknown options {unknown}")
     if options.pop("connection_class", None) is not None:  # rediss: SSLConnection
         options["ssl"] = True
-    return RedisTarget(cluster=True, url=url, address=redact_url(url), nodes=nodes,
-                       options=options)
+    return RedisTarget(cluster=True, url=url, address=redact_url(url), nodes=nodes, options=options)
 
 
 def _host_port(text: str, url: str) -> tuple[str, int]:
@@ -84,6 +89,11 @@ def redact_url(url: str) -> str:
     userinfo, at, hosts = parts.netloc.rpartition("@")
     user = userinfo.split(":", 1)[0]
     netloc = f"{user}@{hosts}" if at and user else hosts
-    query = urlencode([(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)
-                       if not _SECRET_QUERY.search(k)])
+    query = urlencode(
+        [
+            (k, v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+            if not _SECRET_QUERY.search(k)
+        ]
+    )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

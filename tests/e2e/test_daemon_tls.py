@@ -30,16 +30,32 @@ def _openssl(*args: str) -> None:
 def cert(tmp_path_factory):
     d = tmp_path_factory.mktemp("tls")
     key, crt = d / "server.key", d / "server.crt"
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-             "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-             "-keyout", str(key), "-out", str(crt))
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=localhost",
+        "-addext",
+        "subjectAltName=DNS:localhost",
+        "-keyout",
+        str(key),
+        "-out",
+        str(crt),
+    )
     return str(crt), str(key)
 
 
 def test_generate_over_tls(tiny_llama_dir, cert):
     crt, key = cert
-    dt = DaemonThread(DaemonSettings(port=0, tls_cert=crt, tls_key=key, grace_period_s=1),
-                      ServerArgs(model_path=tiny_llama_dir, max_total_tokens=2048)).start()
+    dt = DaemonThread(
+        DaemonSettings(port=0, tls_cert=crt, tls_key=key, grace_period_s=1),
+        ServerArgs(model_path=tiny_llama_dir, max_total_tokens=2048),
+    ).start()
     try:
         with HicacheClient(f"localhost:{dt.port}", ca_cert=crt, timeout=30) as c:
             assert c.health() == "SERVING"
@@ -57,28 +73,97 @@ def test_generate_over_tls(tiny_llama_dir, cert):
 def pki(tmp_path_factory) -> dict[str, str]:
     """A CA; a server and a client certificate it signs; a self-signed client ("rogue")."""
     d = tmp_path_factory.mktemp("pki")
-    p = {n: str(d / n) for n in ("ca.crt", "ca.key", "server.crt", "server.key", "client.crt",
-                                 "client.key", "rogue.crt", "rogue.key")}
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-             "-keyout", p["ca.key"], "-out", p["ca.crt"])
-    for name, ext in (("server", "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n"),
-                      ("client", "extendedKeyUsage=clientAuth\n")):
+    p = {
+        n: str(d / n)
+        for n in (
+            "ca.crt",
+            "ca.key",
+            "server.crt",
+            "server.key",
+            "client.crt",
+            "client.key",
+            "rogue.crt",
+            "rogue.key",
+        )
+    }
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        p["ca.key"],
+        "-out",
+        p["ca.crt"],
+    )
+    for name, ext in (
+        ("server", "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n"),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ):
         csr, extfile = d / f"{name}.csr", d / f"{name}.ext"
         extfile.write_text(ext)
-        _openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                 "-keyout", p[f"{name}.key"], "-out", str(csr))
-        _openssl("x509", "-req", "-in", str(csr), "-CA", p["ca.crt"], "-CAkey", p["ca.key"],
-                 "-CAcreateserial", "-days", "1", "-extfile", str(extfile),
-                 "-out", p[f"{name}.crt"])
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=rogue",
-             "-keyout", p["rogue.key"], "-out", p["rogue.crt"])
+        _openssl(
+            "req",
+            "-new",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            p[f"{name}.key"],
+            "-out",
+            str(csr),
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            p["ca.crt"],
+            "-CAkey",
+            p["ca.key"],
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            str(extfile),
+            "-out",
+            p[f"{name}.crt"],
+        )
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=rogue",
+        "-keyout",
+        p["rogue.key"],
+        "-out",
+        p["rogue.crt"],
+    )
     return p
 
 
 @pytest.fixture(scope="module")
 def mtls_addr(tiny_llama_dir, pki):
-    settings = DaemonSettings(port=0, tls_cert=pki["server.crt"], tls_key=pki["server.key"],
-                              tls_client_ca=pki["ca.crt"], grace_period_s=1)
+    settings = DaemonSettings(
+        port=0,
+        tls_cert=pki["server.crt"],
+        tls_key=pki["server.key"],
+        tls_client_ca=pki["ca.crt"],
+        grace_period_s=1,
+    )
     dt = DaemonThread(settings, ServerArgs(model_path=tiny_llama_dir, max_total_tokens=2048))
     dt.start()
     yield f"localhost:{dt.port}"
@@ -111,19 +196,30 @@ def test_client_certificate_options_are_checked(pki, tmp_path):
     with pytest.raises(ValueError, match="client_cert and client_key"):
         AsyncHicacheClient("localhost:1", client_key=pki["client.key"])
     with pytest.raises(FileNotFoundError):
-        HicacheClient("localhost:1", client_cert=str(tmp_path / "nope.crt"),
-                      client_key=pki["client.key"])
+        HicacheClient(
+            "localhost:1", client_cert=str(tmp_path / "nope.crt"), client_key=pki["client.key"]
+        )
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"
+    }
     return {**env, **extra}
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.client.cli", *args], cwd=ROOT, env=env or _env(),
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.client.cli", *args],
+        cwd=ROOT,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_cli_mtls(mtls_addr, pki):
@@ -134,8 +230,12 @@ def test_cli_mtls(mtls_addr, pki):
     assert "version:" in r.stdout
     r = _cli(*ca, *mine, "generate", "hello", "-n", "2", "-t", "0", "--addr", mtls_addr)
     assert r.returncode == cli.EXIT_OK, r.stderr  # the global flags before the command
-    env = _env(HICACHE_ADDR=mtls_addr, HICACHE_CA_CERT=pki["ca.crt"],
-               HICACHE_CLIENT_CERT=pki["client.crt"], HICACHE_CLIENT_KEY=pki["client.key"])
+    env = _env(
+        HICACHE_ADDR=mtls_addr,
+        HICACHE_CA_CERT=pki["ca.crt"],
+        HICACHE_CLIENT_CERT=pki["client.crt"],
+        HICACHE_CLIENT_KEY=pki["client.key"],
+    )
     r = _cli("info", env=env)
     assert r.returncode == cli.EXIT_OK, r.stderr
     r = _cli("info", "--addr", mtls_addr, *ca)
@@ -153,8 +253,9 @@ def test_cli_mtls(mtls_addr, pki):
         (["--ca-cert", "@missing"], {}, "--ca-cert"),
     ],
 )
-def test_cli_client_certificate_usage_errors(pki, tmp_path, monkeypatch, capsys, args, env,
-                                             message):
+def test_cli_client_certificate_usage_errors(
+    pki, tmp_path, monkeypatch, capsys, args, env, message
+):
     paths = {**pki, "missing": str(tmp_path / "missing.pem")}
 
     def path(a: str) -> str:  # "@name" -> the file's path

@@ -14,8 +14,12 @@ from engine import Engine
 from engine.runtime.models.loader import resolve_model_dir
 
 pytestmark = pytest.mark.slow
-QUESTIONS = ["What is the capital of France?", "Name three colors.",
-             "Why is the sky blue? Answer briefly.", "Write a haiku about caches."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Why is the sky blue? Answer briefly.",
+    "Write a haiku about caches.",
+]
 NEW = 24
 NEAR_TIE = 0.5  # logits; int8-rounded activations move SmolLM2's decode logits by ~0.05
 
@@ -27,16 +31,30 @@ def reference():
     path = str(resolve_model_dir(None))  # converts the GGUF once, then cached
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}],
-                                            add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)) for q in QUESTIONS]
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for q in QUESTIONS
+    ]
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
         with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=NEW,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outs.append(y[0, len(ids) :].tolist())
     with torch.no_grad():
         logits = model(torch.tensor([prompts[0]])).logits[0]  # [seq, vocab]
     return prompts, outs, logits
@@ -46,8 +64,13 @@ def reference():
 def test_smollm2_greedy_matches_transformers(reference, page_size, chunk):
     prompts, ref, _ = reference
     sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
-    with Engine(page_size=page_size, chunked_prefill_size=chunk, max_total_tokens=8192,
-                quantization="none", debug_check_invariants=True) as eng:
+    with Engine(
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        max_total_tokens=8192,
+        quantization="none",
+        debug_check_invariants=True,
+    ) as eng:
         assert eng.model_info()["quantization"] == "none"
         assert eng.generate(prompts[0], sp).token_ids == ref[0]
         outs = eng.generate(prompts, sp)
@@ -67,15 +90,21 @@ def test_smollm2_int4_greedy_is_transformers_top1_or_a_near_tie(reference, page_
 
     prompts, _, _ = reference
     sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
-    with Engine(page_size=page_size, chunked_prefill_size=chunk, max_total_tokens=8192,
-                quantization="int4", debug_check_invariants=True) as eng:
+    with Engine(
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        max_total_tokens=8192,
+        quantization="int4",
+        debug_check_invariants=True,
+    ) as eng:
         assert eng.model_info()["quantization"] == "int4"
         first = eng.generate(prompts[0], sp).token_ids
         outs = [o.token_ids for o in eng.generate(prompts, sp)]
         again = eng.generate(prompts, sp)
         assert all(o.cached_tokens > 0 for o in again)
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(None)),
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model_dir(None)), dtype=torch.float32
+    ).eval()
     assert first == outs[0] and [o.token_ids for o in again] == outs
     runs = [(prompts[0], first)] + list(zip(prompts, outs))
     runs += [(ids, o.token_ids) for ids, o in zip(prompts, again)]
@@ -83,7 +112,7 @@ def test_smollm2_int4_greedy_is_transformers_top1_or_a_near_tie(reference, page_
     for ids, out in runs:
         assert len(out) == NEW
         with torch.no_grad():
-            logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1]  # [NEW, vocab]
+            logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1]  # [NEW, vocab]
         picked = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
         gap = logits.max(dim=1).values - picked  # 0 where int4 took transformers' top-1
         assert gap.max().item() <= NEAR_TIE, (gap.tolist(), out)
@@ -111,20 +140,31 @@ def test_smollm2_prefill_logits_close(reference, quantization):
             r = s.runner
             row = r.req_to_token_pool.alloc(1)[0]
             slots = r.allocator.alloc(len(ids))
-            r.req_to_token_pool.req_to_token[row, :len(ids)] = slots.to(torch.int32)
+            r.req_to_token_pool.req_to_token[row, : len(ids)] = slots.to(torch.int32)
             n = len(ids)
             fb = ForwardBatch(
-                forward_mode=ForwardMode.EXTEND, batch_size=1,
-                input_ids=torch.tensor(ids), positions=torch.arange(n), out_cache_loc=slots,
-                req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([n]),
-                extend_prefix_lens=torch.tensor([0]), extend_seq_lens=torch.tensor([n]),
-                seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n],
-                req_to_token_pool=r.req_to_token_pool, token_to_kv_pool=r.kv_pool,
-                attn_backend=r.attn_backend, return_all_logits=True)
+                forward_mode=ForwardMode.EXTEND,
+                batch_size=1,
+                input_ids=torch.tensor(ids),
+                positions=torch.arange(n),
+                out_cache_loc=slots,
+                req_pool_indices=torch.tensor([row]),
+                seq_lens=torch.tensor([n]),
+                extend_prefix_lens=torch.tensor([0]),
+                extend_seq_lens=torch.tensor([n]),
+                seq_lens_cpu=[n],
+                extend_prefix_lens_cpu=[0],
+                extend_seq_lens_cpu=[n],
+                req_to_token_pool=r.req_to_token_pool,
+                token_to_kv_pool=r.kv_pool,
+                attn_backend=r.attn_backend,
+                return_all_logits=True,
+            )
             out = r.forward(fb)
             r.allocator.free(slots)
             r.req_to_token_pool.free(row)
             return out
+
         logits = eng.call_in_scheduler(run)
     if quantization == "none":
         assert torch.allclose(logits, ref_logits, atol=1e-3, rtol=0)

@@ -33,8 +33,9 @@ def test_tiny_pool_retracts_and_evicts_with_same_outputs(llama_dir, page_size):
     prompts = _prompts(10, seed=3)
     ref = hf_greedy(llama_dir, prompts, 16)
     # 10 requests x ~50 tokens cannot all fit in 160 slots: decode must retract and evict.
-    with Engine(llama_dir, page_size=page_size, max_total_tokens=160,
-                debug_check_invariants=True) as e:
+    with Engine(
+        llama_dir, page_size=page_size, max_total_tokens=160, debug_check_invariants=True
+    ) as e:
         outs = e.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == ref
         stats = e.cache_stats()
@@ -46,21 +47,24 @@ def test_tiny_pool_retracts_and_evicts_with_same_outputs(llama_dir, page_size):
         assert stats.l1.held_by_requests_tokens == 0
 
 
-@pytest.mark.parametrize("prompt,params,msg", [
-    ("", {}, "empty"),
-    ([], {}, "empty"),
-    ([1, 2, 10**6], {}, "out of the vocabulary"),
-    ([1, -5], {}, "out of the vocabulary"),
-    ([1, 2, 3], {"temperature": -0.5}, "temperature"),
-    ([1, 2, 3], {"top_p": 0.0}, "top_p"),
-    ([1, 2, 3], {"top_p": 1.5}, "top_p"),
-    ([1, 2, 3], {"max_new_tokens": 0}, "max_new_tokens"),
-    ([1, 2, 3], {"top_k": 0}, "top_k"),
-    ([1, 2, 3], {"min_p": 2.0}, "min_p"),
-    ([1, 2, 3], {"bogus": 1}, "unknown sampling"),
-    ([1, 2, 3], {"stop_token_ids": [10**7]}, "stop_token_ids"),
-    ([5] * 5000, {}, "context limit"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,msg",
+    [
+        ("", {}, "empty"),
+        ([], {}, "empty"),
+        ([1, 2, 10**6], {}, "out of the vocabulary"),
+        ([1, -5], {}, "out of the vocabulary"),
+        ([1, 2, 3], {"temperature": -0.5}, "temperature"),
+        ([1, 2, 3], {"top_p": 0.0}, "top_p"),
+        ([1, 2, 3], {"top_p": 1.5}, "top_p"),
+        ([1, 2, 3], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([1, 2, 3], {"top_k": 0}, "top_k"),
+        ([1, 2, 3], {"min_p": 2.0}, "min_p"),
+        ([1, 2, 3], {"bogus": 1}, "unknown sampling"),
+        ([1, 2, 3], {"stop_token_ids": [10**7]}, "stop_token_ids"),
+        ([5] * 5000, {}, "context limit"),
+    ],
+)
 def test_bad_input_raises_value_error_and_engine_keeps_serving(eng, prompt, params, msg):
     with pytest.raises(ValueError, match=msg):
         eng.generate(prompt, params)
@@ -76,8 +80,14 @@ def test_bad_prompt_in_a_batch_queues_nothing(eng):
 
 
 def test_seeded_sampling_is_reproducible(eng):
-    p = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234,
-         "ignore_eos": True}
+    p = {
+        "max_new_tokens": 12,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 50,
+        "seed": 1234,
+        "ignore_eos": True,
+    }
     a = eng.generate([5, 6, 7, 8], p).token_ids
     b = eng.generate([5, 6, 7, 8], p).token_ids
     assert a == b
@@ -98,7 +108,7 @@ def test_stop_token_and_stop_string(eng):
     assert out.finish_reason == "stop" and out.matched_stop == stop_tok
     assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_tok) + 1]
     text = greedy.text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
         out = eng.generate([9, 10, 11], dict(GREEDY, stop=stop))
         assert out.finish_reason == "stop" and out.matched_stop == stop
@@ -124,7 +134,9 @@ def test_final_only_sends_one_chunk_with_the_streamed_output(eng, extra):
     assert final[0].token_ids == [t for c in streamed for t in c.token_ids]
     assert final[0].text == "".join(c.text for c in streamed)
     assert (final[0].finish_reason, final[0].matched_stop) == (
-        streamed[-1].finish_reason, streamed[-1].matched_stop)
+        streamed[-1].finish_reason,
+        streamed[-1].matched_stop,
+    )
     with pytest.raises(ValueError, match="final_only"):
         eng.generate([1, 2], dict(GREEDY, final_only="yes"))
 
@@ -148,8 +160,9 @@ def test_chat_prompt_and_text(eng):
 def test_disable_radix_cache(llama_dir):
     prompts = _prompts(3, seed=11)
     ref = hf_greedy(llama_dir, prompts, 16)
-    with Engine(llama_dir, disable_radix_cache=True, max_total_tokens=8192,
-                debug_check_invariants=True) as e:
+    with Engine(
+        llama_dir, disable_radix_cache=True, max_total_tokens=8192, debug_check_invariants=True
+    ) as e:
         assert [o.token_ids for o in e.generate(prompts, GREEDY)] == ref
         again = e.generate(prompts, GREEDY)
         assert all(o.cached_tokens == 0 for o in again)
@@ -161,8 +174,9 @@ def test_every_schedule_policy_gives_the_same_greedy_tokens(llama_dir, policy):
     shared = [t for p in _prompts(2, seed=21) for t in p]
     prompts = [shared + q for q in _prompts(5, seed=22)]
     ref = hf_greedy(llama_dir, prompts, 8)
-    with Engine(llama_dir, schedule_policy=policy, max_total_tokens=8192,
-                debug_check_invariants=True) as e:
+    with Engine(
+        llama_dir, schedule_policy=policy, max_total_tokens=8192, debug_check_invariants=True
+    ) as e:
         outs = e.generate(prompts, dict(GREEDY, max_new_tokens=8))
         assert [o.token_ids for o in outs] == ref
         # In-batch prefix dedup: the shared prefix is computed once, later requests hit it.
@@ -202,9 +216,14 @@ def test_shutdown_gives_the_pools_back_at_once(tiny_llama_dir, tmp_path):
     script that replaces an engine by a new one never holds two sets of pools."""
     from engine.errors import EngineShutdownError
 
-    opts = {"enable_hierarchical_cache": True, "max_total_tokens": 256,
-            "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "kv"),
-            "hicache_storage_page_size": 16, "hicache_prefetch_threshold": 0}
+    opts = {
+        "enable_hierarchical_cache": True,
+        "max_total_tokens": 256,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(tmp_path / "kv"),
+        "hicache_storage_page_size": 16,
+        "hicache_prefetch_threshold": 0,
+    }
     eng = Engine(tiny_llama_dir, **opts)
     want = eng.generate(list(range(5, 60)), {"max_new_tokens": 4}).token_ids
     host = eng.scheduler.tree_cache.host_pool

@@ -39,17 +39,21 @@ with open(out, "w") as f:
 """
 
 
-def test_exit_without_shutdown_is_clean_and_stores_every_queued_object(tiny_llama_dir,
-                                                                       tmp_path):
+def test_exit_without_shutdown_is_clean_and_stores_every_queued_object(tiny_llama_dir, tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     runs = []
     for i in range(RUNS):
         kv, out = tmp_path / f"kv{i}", tmp_path / f"keys{i}.json"
-        proc = subprocess.Popen([sys.executable, str(script), tiny_llama_dir, str(kv), str(out),
-                                 str(i)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), tiny_llama_dir, str(kv), str(out), str(i)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         runs.append((proc, kv, out))
     results = []
     for proc, kv, out in runs:
@@ -61,15 +65,17 @@ def test_exit_without_shutdown_is_clean_and_stores_every_queued_object(tiny_llam
         keys = json.loads(out.read_text()) if out.exists() else []
         store = FileStorageBackend(kv, reconcile_interval_s=None)
         stored = sum(sum(store.exists_mask(chain)) for chain in keys)
-        results.append((proc.returncode, "terminate called" in err, stored,
-                        sum(map(len, keys)), err[-2000:]))
+        results.append(
+            (proc.returncode, "terminate called" in err, stored, sum(map(len, keys)), err[-2000:])
+        )
     for rc, aborted, stored, queued, err in results:
         assert rc == 0 and not aborted, err
         assert queued > 0 and stored == queued, (stored, queued, err)
 
 
-def test_shutdown_logs_the_objects_a_hung_store_did_not_take(tiny_llama_dir, tmp_path, caplog,
-                                                             monkeypatch):
+def test_shutdown_logs_the_objects_a_hung_store_did_not_take(
+    tiny_llama_dir, tmp_path, caplog, monkeypatch
+):
     """Shutdown waits for queued L3 backups a bounded time; what a hung store did not take is
     logged (never lost silently) and the backup thread takes no more jobs."""
     import engine.runtime.engine as engine_mod
@@ -77,10 +83,16 @@ def test_shutdown_logs_the_objects_a_hung_store_did_not_take(tiny_llama_dir, tmp
     from tests.storage_fakes import gate_writes
 
     monkeypatch.setattr(engine_mod, "L3_DRAIN_S", 0.5)
-    eng = Engine(tiny_llama_dir, enable_hierarchical_cache=True, max_total_tokens=512,
-                 page_size=16, hicache_storage_backend="file",
-                 hicache_storage_dir=str(tmp_path / "kv"), hicache_storage_page_size=16,
-                 hicache_prefetch_threshold=0)
+    eng = Engine(
+        tiny_llama_dir,
+        enable_hierarchical_cache=True,
+        max_total_tokens=512,
+        page_size=16,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "kv"),
+        hicache_storage_page_size=16,
+        hicache_prefetch_threshold=0,
+    )
     tree = eng.scheduler.tree_cache
     io, gate = tree.l3.storage_io, gate_writes(tree.l3.storage)
     rng = random.Random(5)

@@ -28,18 +28,26 @@ def _prompts(n: int, seed: int, vocab: int = 380) -> list[list[int]]:
 def test_batched_greedy_matches_transformers(model_dir, page_size, chunk):
     prompts = _prompts(6, seed=page_size + chunk)
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
-    with Engine(model_dir, page_size=page_size, chunked_prefill_size=chunk,
-                max_total_tokens=8192, debug_check_invariants=True) as eng:
-        single = eng.generate(prompts[0], {"max_new_tokens": MAX_NEW, "temperature": 0,
-                                           "ignore_eos": True})
+    with Engine(
+        model_dir,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        max_total_tokens=8192,
+        debug_check_invariants=True,
+    ) as eng:
+        single = eng.generate(
+            prompts[0], {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        )
         assert single.token_ids == ref[0]
-        outs = eng.generate(prompts, {"max_new_tokens": MAX_NEW, "temperature": 0,
-                                      "ignore_eos": True})
+        outs = eng.generate(
+            prompts, {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        )
         assert [o.token_ids for o in outs] == ref
         assert all(o.finish_reason == "length" for o in outs)
         # Second pass: every prompt is now cached (up to page alignment), same tokens.
-        again = eng.generate(prompts, {"max_new_tokens": MAX_NEW, "temperature": 0,
-                                       "ignore_eos": True})
+        again = eng.generate(
+            prompts, {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        )
         assert [o.token_ids for o in again] == ref
         for p, o in zip(prompts, again):
             assert o.cached_tokens == (len(p) - 1) // page_size * page_size

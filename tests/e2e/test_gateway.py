@@ -50,8 +50,9 @@ PROMPT = "A hierarchical KV cache keeps prefixes in device memory"
 @pytest.fixture(scope="module")
 def daemons(tiny_llama_dir, tmp_path_factory) -> Iterator[list[Proc]]:
     procs = [
-        start_daemon(tiny_llama_dir, tmp_path_factory.mktemp(f"daemon{i}"),
-                     "--served-model-name", MODEL)
+        start_daemon(
+            tiny_llama_dir, tmp_path_factory.mktemp(f"daemon{i}"), "--served-model-name", MODEL
+        )
         for i in range(2)
     ]
     try:
@@ -66,8 +67,14 @@ def daemons(tiny_llama_dir, tmp_path_factory) -> Iterator[list[Proc]]:
 @pytest.fixture(scope="module")
 def http_gateway(daemons, tmp_path_factory) -> Iterator[Proc]:
     log = tmp_path_factory.mktemp("smg_http") / "smg.log"
-    gw = start_smg([d.url for d in daemons], log, "--policy", "cache_aware",
-                   "--model-alias", f"default={MODEL}")
+    gw = start_smg(
+        [d.url for d in daemons],
+        log,
+        "--policy",
+        "cache_aware",
+        "--model-alias",
+        f"default={MODEL}",
+    )
     try:
         wait_gateway_ready(gw, MODEL, len(daemons))
         yield gw
@@ -78,8 +85,14 @@ def http_gateway(daemons, tmp_path_factory) -> Iterator[Proc]:
 @pytest.fixture(scope="module")
 def grpc_gateway(daemons, tmp_path_factory) -> Iterator[Proc]:
     log = tmp_path_factory.mktemp("smg_grpc") / "smg.log"
-    gw = start_smg([f"grpc://127.0.0.1:{d.port}" for d in daemons], log, "--policy",
-                   "cache_aware", "--model-alias", f"default={MODEL}")
+    gw = start_smg(
+        [f"grpc://127.0.0.1:{d.port}" for d in daemons],
+        log,
+        "--policy",
+        "cache_aware",
+        "--model-alias",
+        f"default={MODEL}",
+    )
     try:
         wait_gateway_ready(gw, MODEL, len(daemons))
         yield gw
@@ -93,16 +106,16 @@ def _client(base: str) -> openai.OpenAI:
 
 def _requests_total(daemon: Proc) -> float:
     text = httpx2.get(f"{daemon.url}/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(r"^hicache_requests_total\{[^}]*\} (\S+)$", text,
-                                            re.MULTILINE))
+    return sum(
+        float(v) for v in re.findall(r"^hicache_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    )
 
 
 def _answers(client: openai.OpenAI, model: str, trim: bool = False) -> dict[str, Any]:
     """Greedy chat and completion, whole and streamed: their texts and finish reasons. `trim`:
     without a trailing U+FFFD (random weights end on half a UTF-8 character now and then: the
     daemon's detokenizer shows it as U+FFFD, SMG's holds it back)."""
-    kw: dict[str, Any] = {"model": model, "max_tokens": 6, "temperature": 0.0,
-                          "extra_body": NO_EOS}
+    kw: dict[str, Any] = {"model": model, "max_tokens": 6, "temperature": 0.0, "extra_body": NO_EOS}
     chat = client.chat.completions.create(messages=MSGS, **kw)
     chat_stream = client.chat.completions.create(messages=MSGS, stream=True, **kw)
     comp = client.completions.create(prompt=PROMPT, **kw)
@@ -115,13 +128,21 @@ def _answers(client: openai.OpenAI, model: str, trim: bool = False) -> dict[str,
 
     return {
         "chat": (text(chat.choices[0].message.content), chat.choices[0].finish_reason),
-        "chat_stream": (text("".join(p.delta.content or "" for p in chat_parts)),
-                        chat_parts[-1].finish_reason),
+        "chat_stream": (
+            text("".join(p.delta.content or "" for p in chat_parts)),
+            chat_parts[-1].finish_reason,
+        ),
         "completion": (text(comp.choices[0].text), comp.choices[0].finish_reason),
-        "completion_stream": (text("".join(p.text for p in comp_parts)),
-                              comp_parts[-1].finish_reason),
-        "usage": (chat.usage.prompt_tokens, chat.usage.completion_tokens,
-                  comp.usage.prompt_tokens, comp.usage.completion_tokens),
+        "completion_stream": (
+            text("".join(p.text for p in comp_parts)),
+            comp_parts[-1].finish_reason,
+        ),
+        "usage": (
+            chat.usage.prompt_tokens,
+            chat.usage.completion_tokens,
+            comp.usage.prompt_tokens,
+            comp.usage.completion_tokens,
+        ),
     }
 
 
@@ -177,26 +198,54 @@ def test_sglang_worker_rpcs(daemons):
         assert chunks[-1].sha256 and all(not c.sha256 for c in chunks[:-1])
         ids = [5, 6, 7, 8]
         params = sg.SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-        streamed = list(stub.Generate(sg.GenerateRequest(
-            request_id="direct-1", tokenized=sg.TokenizedInput(input_ids=ids),
-            sampling_params=params, stream=True), timeout=60))
-        whole = list(stub.Generate(sg.GenerateRequest(
-            request_id="direct-2", tokenized=sg.TokenizedInput(input_ids=ids),
-            sampling_params=params), timeout=60))
+        streamed = list(
+            stub.Generate(
+                sg.GenerateRequest(
+                    request_id="direct-1",
+                    tokenized=sg.TokenizedInput(input_ids=ids),
+                    sampling_params=params,
+                    stream=True,
+                ),
+                timeout=60,
+            )
+        )
+        whole = list(
+            stub.Generate(
+                sg.GenerateRequest(
+                    request_id="direct-2",
+                    tokenized=sg.TokenizedInput(input_ids=ids),
+                    sampling_params=params,
+                ),
+                timeout=60,
+            )
+        )
         deltas = [t for r in streamed[:-1] for t in r.chunk.token_ids]
         assert len(whole) == 1 and whole[0].complete.finish_reason == "length"
-        assert list(whole[0].complete.output_ids) == deltas == list(
-            streamed[-1].complete.output_ids)
+        assert (
+            list(whole[0].complete.output_ids) == deltas == list(streamed[-1].complete.output_ids)
+        )
         assert len(deltas) == 4 and whole[0].complete.prompt_tokens == 4
         for bad, field in (
             (sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=[10**6])), "input_ids"),
             (sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=[])), "input_ids"),
-            (sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
-                                return_logprob=True), "return_logprob"),
-            (sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
-                                sampling_params=sg.SamplingParams(n=2)), "n"),
-            (sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
-                                sampling_params=sg.SamplingParams(regex="a+")), "regex"),
+            (
+                sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids), return_logprob=True),
+                "return_logprob",
+            ),
+            (
+                sg.GenerateRequest(
+                    tokenized=sg.TokenizedInput(input_ids=ids),
+                    sampling_params=sg.SamplingParams(n=2),
+                ),
+                "n",
+            ),
+            (
+                sg.GenerateRequest(
+                    tokenized=sg.TokenizedInput(input_ids=ids),
+                    sampling_params=sg.SamplingParams(regex="a+"),
+                ),
+                "regex",
+            ),
         ):
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(bad, timeout=30))
@@ -212,17 +261,32 @@ def test_sglang_worker_rpcs(daemons):
             with pytest.raises(grpc.RpcError) as e:
                 call(bad, timeout=30)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-        for sp in (sg.SamplingParams(temperature=float("nan")), sg.SamplingParams(top_p=1.5),
-                   sg.SamplingParams(top_k=-7), sg.SamplingParams(stop=[""]),
-                   sg.SamplingParams(stop_token_ids=[10**6])):
+        for sp in (
+            sg.SamplingParams(temperature=float("nan")),
+            sg.SamplingParams(top_p=1.5),
+            sg.SamplingParams(top_k=-7),
+            sg.SamplingParams(stop=[""]),
+            sg.SamplingParams(stop_token_ids=[10**6]),
+        ):
             with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(sg.GenerateRequest(
-                    tokenized=sg.TokenizedInput(input_ids=ids), sampling_params=sp), timeout=30))
+                list(
+                    stub.Generate(
+                        sg.GenerateRequest(
+                            tokenized=sg.TokenizedInput(input_ids=ids), sampling_params=sp
+                        ),
+                        timeout=30,
+                    )
+                )
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(sg.GenerateRequest(request_id="bad id!",
-                                                  tokenized=sg.TokenizedInput(input_ids=ids)),
-                               timeout=30))
+            list(
+                stub.Generate(
+                    sg.GenerateRequest(
+                        request_id="bad id!", tokenized=sg.TokenizedInput(input_ids=ids)
+                    ),
+                    timeout=30,
+                )
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # the daemon still serves after all that
         assert stub.HealthCheck(sg.HealthCheckRequest(), timeout=30).healthy
@@ -241,22 +305,28 @@ OBJECT = 16  # their default L3 object on a CPU (hicache_storage_page_size at pa
 def _conversation(i: int) -> list[dict[str, str]]:
     """A long system prompt, different from its first block on (the number leads)."""
     system = f"Conversation {i}. " + " ".join(TOPICS[(i + k) % 4] for k in range(6))
-    return [{"role": "system", "content": system},
-            {"role": "user", "content": f"Tell me about number {i}."}]
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Tell me about number {i}."},
+    ]
 
 
-def _tier_blocks(daemon: Proc, tier: int = smg_common.KV_CACHE_TIER_DEVICE
-                 ) -> tuple[int, set[int]]:
+def _tier_blocks(daemon: Proc, tier: int = smg_common.KV_CACHE_TIER_DEVICE) -> tuple[int, set[int]]:
     """(sequence number, the block hashes in ``tier``) of a snapshot of the daemon's KV
     events."""
     with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
         stream = sg_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(
-            smg_common.SubscribeKvEventsRequest(start_sequence_number=0), timeout=30)
+            smg_common.SubscribeKvEventsRequest(start_sequence_number=0), timeout=30
+        )
         first = next(iter(stream))
         stream.cancel()
     assert first.HasField("snapshot") and first.events[0].HasField("cleared")
-    blocks = {b.block_hash for e in first.events if e.HasField("stored")
-              and e.stored.tier == tier for b in e.stored.blocks}
+    blocks = {
+        b.block_hash
+        for e in first.events
+        if e.HasField("stored") and e.stored.tier == tier
+        for b in e.stored.blocks
+    }
     return first.sequence_number, blocks
 
 
@@ -269,7 +339,7 @@ def _chain(ids: list[int]) -> list[int]:
     """The hashes of the full blocks of ``ids`` (shared namespace), from the root."""
     hashes, parent = [], None
     for k in range(len(ids) // BLOCK):
-        parent = block_hash(parent, None, tuple(ids[k * BLOCK:(k + 1) * BLOCK]))
+        parent = block_hash(parent, None, tuple(ids[k * BLOCK : (k + 1) * BLOCK]))
         hashes.append(parent)
     return hashes
 
@@ -283,7 +353,8 @@ def _seed_ids(daemon: Proc, i: int, model_dir: str) -> tuple[str, list[int]]:
     with _client(daemon.url) as c:
         r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0.0)
     ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
-        msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert len(ids) == r.usage.prompt_tokens and len(ids) >= 4 * BLOCK
     return r.choices[0].message.content or "", ids
 
@@ -295,8 +366,9 @@ def _seed(daemon: Proc, i: int, model_dir: str) -> tuple[str, set[int]]:
     return reply, set(_chain(ids))
 
 
-def _gateway_metric(gw: Proc, name: str, worker: str, label: str,
-                    key: str = "disposition") -> float:
+def _gateway_metric(
+    gw: Proc, name: str, worker: str, label: str, key: str = "disposition"
+) -> float:
     text = httpx2.get(gw.metrics_url, timeout=30).text
     pattern = rf'^{name}\{{worker="{re.escape(worker)}",{key}="{label}"\}} (\S+)$'
     m = re.search(pattern, text, re.MULTILINE)
@@ -321,8 +393,9 @@ def _landed(daemons: list[Proc], gw: Proc, msgs: list[dict[str, str]]) -> int:
 
 
 @needs_smg
-def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
-                                                          tiny_llama_dir, tmp_path_factory):
+def test_next_turn_lands_on_the_daemon_holding_its_prefix(
+    daemons, grpc_gateway, tiny_llama_dir, tmp_path_factory
+):
     """Conversations seeded on the daemons directly (the gateway never saw them): only the
     daemons' KV events can tell the gateway where each prefix is. The seeded prompts' blocks,
     hashed here from the token ids, are in the daemons' published L1 state, and those inside
@@ -335,40 +408,58 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
         home = i % 2
         reply, ids = _seed_ids(daemons[home], i, tiny_llama_dir)
         want[home] |= set(_chain(ids))
-        disk_want[home] |= set(_chain(ids[:len(ids) // OBJECT * OBJECT]))
+        disk_want[home] |= set(_chain(ids[: len(ids) // OBJECT * OBJECT]))
         seeded[i] = (home, reply)
     # every seeded block is published as stored in L1 (and in L3) by the daemon that computed
     # it, and no other daemon claims it
     seqs = [0, 0]
     for d in (0, 1):
+
         def published(d: int = d) -> bool:
             seq, device = _device_blocks(daemons[d])
             seqs[d], disk = _tier_blocks(daemons[d], smg_common.KV_CACHE_TIER_DISK)
             assert seqs[d] >= seq
-            return (want[d] <= device and not want[1 - d] & device and disk_want[d] <= disk
-                    and not disk_want[1 - d] & disk)
+            return (
+                want[d] <= device
+                and not want[1 - d] & device
+                and disk_want[d] <= disk
+                and not disk_want[1 - d] & disk
+            )
 
         _wait(published, f"daemon {d} to publish its seeded blocks")
     workers = [f"grpc://127.0.0.1:{d.port}" for d in daemons]
     # the gateway subscribed first (its snapshot is batch 1): it has applied up to seqs[d]
     for d in (0, 1):
-        _wait(lambda d=d: 1 + _gateway_metric(grpc_gateway, "smg_kv_event_batches_total",
-                                              workers[d], "applied") >= seqs[d],
-              f"the gateway to apply daemon {d}'s batches up to {seqs[d]}")
+        _wait(
+            lambda d=d: (
+                1
+                + _gateway_metric(grpc_gateway, "smg_kv_event_batches_total", workers[d], "applied")
+                >= seqs[d]
+            ),
+            f"the gateway to apply daemon {d}'s batches up to {seqs[d]}",
+        )
 
     def next_turn(i: int, n: int) -> list[dict[str, str]]:
         _, reply = seeded[i]
-        return [*_conversation(i), {"role": "assistant", "content": reply},
-                {"role": "user", "content": f"And then? ({n})"}]
+        return [
+            *_conversation(i),
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"And then? ({n})"},
+        ]
 
     assert [_landed(daemons, grpc_gateway, next_turn(i, 1)) for i in seeded] == [
-        home for home, _ in seeded.values()]
+        home for home, _ in seeded.values()
+    ]
     for w in workers:  # every batch applied in order: no resync but the first snapshot
-        assert _gateway_metric(grpc_gateway, "smg_kv_event_resyncs_total", w, "snapshot",
-                               key="reason") == 1
+        assert (
+            _gateway_metric(grpc_gateway, "smg_kv_event_resyncs_total", w, "snapshot", key="reason")
+            == 1
+        )
         for reason in ("data_loss", "gap_cleared", "out_of_range", "publisher_restart"):
-            assert _gateway_metric(grpc_gateway, "smg_kv_event_resyncs_total", w, reason,
-                                   key="reason") == 0, (w, reason)
+            assert (
+                _gateway_metric(grpc_gateway, "smg_kv_event_resyncs_total", w, reason, key="reason")
+                == 0
+            ), (w, reason)
     # a new gateway knows nothing of its own: the daemons' snapshots tell it
     grpc_gateway.stop()
     log = tmp_path_factory.mktemp("smg_grpc_again") / "smg.log"
@@ -376,10 +467,15 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
     try:
         wait_gateway_ready(again, MODEL, len(workers))
         for w in workers:
-            _wait(lambda w=w: _gateway_metric(again, "smg_kv_event_batches_total", w,
-                                              "snapshot") >= 1, f"a snapshot from {w}")
+            _wait(
+                lambda w=w: (
+                    _gateway_metric(again, "smg_kv_event_batches_total", w, "snapshot") >= 1
+                ),
+                f"a snapshot from {w}",
+            )
         assert [_landed(daemons, again, next_turn(i, 2)) for i in seeded] == [
-            home for home, _ in seeded.values()]
+            home for home, _ in seeded.values()
+        ]
     finally:
         again.stop()
 
@@ -387,25 +483,48 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(daemons, grpc_gateway,
 FLOATS = st.one_of(st.floats(width=32), st.sampled_from([0.0, 1.0, -1.0, 0.5]))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=40) | st.lists(
-           st.integers(0, 383), min_size=1, max_size=40),
-       temperature=FLOATS, top_p=FLOATS, top_k=st.integers(-(2**31), 2**31 - 1),
-       min_p=FLOATS, max_new=st.none() | st.integers(0, 2**32 - 1) | st.integers(1, 4),
-       stop=st.lists(st.text(max_size=8), max_size=3),
-       stop_ids=st.lists(st.integers(0, 2**32 - 1), max_size=3),
-       rid=st.text(max_size=12), stream=st.booleans())
-def test_sglang_generate_fuzz(daemons, ids, temperature, top_p, top_k, min_p, max_new, stop,
-                              stop_ids, rid, stream):
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(
+    ids=st.lists(st.integers(0, 2**32 - 1), max_size=40)
+    | st.lists(st.integers(0, 383), min_size=1, max_size=40),
+    temperature=FLOATS,
+    top_p=FLOATS,
+    top_k=st.integers(-(2**31), 2**31 - 1),
+    min_p=FLOATS,
+    max_new=st.none() | st.integers(0, 2**32 - 1) | st.integers(1, 4),
+    stop=st.lists(st.text(max_size=8), max_size=3),
+    stop_ids=st.lists(st.integers(0, 2**32 - 1), max_size=3),
+    rid=st.text(max_size=12),
+    stream=st.booleans(),
+)
+def test_sglang_generate_fuzz(
+    daemons, ids, temperature, top_p, top_k, min_p, max_new, stop, stop_ids, rid, stream
+):
     """Any GenerateRequest of these fields ends OK (with its GenerateComplete) or
     INVALID_ARGUMENT: never another status, never a hang."""
-    sp = sg.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                           stop=stop, stop_token_ids=stop_ids, ignore_eos=True)
+    sp = sg.SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=True,
+    )
     if max_new is not None:
         sp.max_new_tokens = min(max_new, 4) if max_new else 0
-    req = sg.GenerateRequest(request_id=rid, tokenized=sg.TokenizedInput(input_ids=ids),
-                             sampling_params=sp, stream=stream)
+    req = sg.GenerateRequest(
+        request_id=rid,
+        tokenized=sg.TokenizedInput(input_ids=ids),
+        sampling_params=sp,
+        stream=stream,
+    )
     with grpc.insecure_channel(f"127.0.0.1:{daemons[0].port}") as ch:
         try:
             out = list(sg_grpc.SglangSchedulerStub(ch).Generate(req, timeout=60))
@@ -416,8 +535,9 @@ def test_sglang_generate_fuzz(daemons, ids, temperature, top_p, top_k, min_p, ma
 
 
 @needs_smg
-def test_killed_daemon_is_dropped_and_its_streams_fail(daemons, http_gateway, tiny_llama_dir,
-                                                       tmp_path_factory):
+def test_killed_daemon_is_dropped_and_its_streams_fail(
+    daemons, http_gateway, tiny_llama_dir, tmp_path_factory
+):
     """SIGKILL a daemon under a stream: the stream ends with an error (no hang), and both
     gateways serve the next requests from the daemon left. NOTE: the module's last test (it
     kills one of the module's daemons)."""
@@ -425,20 +545,33 @@ def test_killed_daemon_is_dropped_and_its_streams_fail(daemons, http_gateway, ti
     workers = [f"grpc://127.0.0.1:{d.port}" for d in daemons]
     _, hashes = _seed(victim, 7, tiny_llama_dir)
     _wait(lambda: hashes <= _device_blocks(victim)[1], "the victim to publish the seeded blocks")
-    gw = start_smg(workers, tmp_path_factory.mktemp("smg_kill") / "smg.log", "--policy",
-                   "cache_aware", "--health-check-interval-secs", "1")
+    gw = start_smg(
+        workers,
+        tmp_path_factory.mktemp("smg_kill") / "smg.log",
+        "--policy",
+        "cache_aware",
+        "--health-check-interval-secs",
+        "1",
+    )
     try:
         wait_gateway_ready(gw, MODEL, len(workers))
         for w in workers:
-            _wait(lambda w=w: _gateway_metric(gw, "smg_kv_event_batches_total", w,
-                                              "snapshot") >= 1, f"a snapshot from {w}")
+            _wait(
+                lambda w=w: _gateway_metric(gw, "smg_kv_event_batches_total", w, "snapshot") >= 1,
+                f"a snapshot from {w}",
+            )
         # conversation 7 was seeded on the victim: the gateway's snapshot routes its next turn there
         msgs = [*_conversation(7), {"role": "user", "content": "Keep going."}]
         before = _requests_total(survivor)
         with _client(gw.url) as c:
-            stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1500,
-                                               temperature=0.0, stream=True,
-                                               extra_body=NO_EOS)
+            stream = c.chat.completions.create(
+                model=MODEL,
+                messages=msgs,
+                max_tokens=1500,
+                temperature=0.0,
+                stream=True,
+                extra_body=NO_EOS,
+            )
             chunks = iter(stream)
             next(chunks)  # running on a daemon now
             victim.popen.kill()
@@ -460,4 +593,3 @@ def test_killed_daemon_is_dropped_and_its_streams_fail(daemons, http_gateway, ti
             _wait(lambda g=g: served(g), f"{g.url} to serve without the killed daemon")
     finally:
         gw.stop()
-

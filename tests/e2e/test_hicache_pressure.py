@@ -33,10 +33,16 @@ def _prompts(n: int, seed: int, length: int) -> list[list[int]]:
 
 
 def _opts(tmp_path, **kw) -> dict:
-    opts = {"enable_hierarchical_cache": True, "max_total_tokens": 256, "page_size": 16,
-            "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "kv"),
-            "hicache_storage_page_size": S, "hicache_prefetch_threshold": 0,
-            "debug_check_invariants": True}
+    opts = {
+        "enable_hierarchical_cache": True,
+        "max_total_tokens": 256,
+        "page_size": 16,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(tmp_path / "kv"),
+        "hicache_storage_page_size": S,
+        "hicache_prefetch_threshold": 0,
+        "debug_check_invariants": True,
+    }
     opts.update(kw)
     return opts
 
@@ -63,8 +69,7 @@ def _l3_stats(eng: Engine) -> L3Stats:
     return l3
 
 
-def test_blocked_storage_never_stops_eviction_decode_or_admission(tiny_llama_dir, tmp_path,
-                                                                  gated):
+def test_blocked_storage_never_stops_eviction_decode_or_admission(tiny_llama_dir, tmp_path, gated):
     prompts = _prompts(10, seed=1, length=70)
     with Engine(tiny_llama_dir, **_opts(tmp_path, hicache_ratio=6.0)) as eng:
         store = gated[0]
@@ -103,8 +108,7 @@ def _waiting_on_l3(model_dir: str, tmp_path, gated: list[GatedStorage], prompt: 
         yield eng, store, handle
 
 
-def test_scheduler_sleeps_while_a_request_waits_on_its_prefetch(tiny_llama_dir, tmp_path,
-                                                                gated):
+def test_scheduler_sleeps_while_a_request_waits_on_its_prefetch(tiny_llama_dir, tmp_path, gated):
     prompt = _prompts(1, seed=2, length=200)[0]
     first = _write_to_l3(tiny_llama_dir, tmp_path, prompt)
     with _waiting_on_l3(tiny_llama_dir, tmp_path, gated, prompt) as (eng, store, handle):
@@ -126,8 +130,12 @@ def test_prefetch_policies_differ(tiny_llama_dir, tmp_path, gated, policy):
     timeout with the first batch once its deadline passed."""
     prompt = _prompts(1, seed=3, length=200)[0]
     first = _write_to_l3(tiny_llama_dir, tmp_path, prompt)
-    opts = _opts(tmp_path, hicache_storage_prefetch_policy=policy,
-                 hicache_prefetch_timeout_base=1.0, hicache_prefetch_timeout_per_ki_token=0.0)
+    opts = _opts(
+        tmp_path,
+        hicache_storage_prefetch_policy=policy,
+        hicache_prefetch_timeout_base=1.0,
+        hicache_prefetch_timeout_per_ki_token=0.0,
+    )
     with Engine(tiny_llama_dir, **opts) as eng:
         store = gated[-1]
         store.reads.close()
@@ -262,8 +270,9 @@ def test_abort_while_prefetching_frees_everything(tiny_llama_dir, tmp_path, gate
         eng.abort(handle.rid)
         out = handle.result()
         store.reads.open()
-        eng.call_in_scheduler(lambda s: (s.tree_cache.controller.wait_storage_idle(10),
-                                         s.tree_cache.check()))
+        eng.call_in_scheduler(
+            lambda s: (s.tree_cache.controller.wait_storage_idle(10), s.tree_cache.check())
+        )
         stats = eng.cache_stats()
     assert out.finish_reason == "abort"
     assert stats.l3.prefetch_cancelled == 1 and stats.l3.pending_prefetches == 0
@@ -276,9 +285,14 @@ def test_prefetch_of_a_later_request_gives_its_l2_room(tiny_llama_dir, tmp_path,
     holds. B prefetches again at its own turn (here L2 has no room left: it recomputes)."""
     b_prompt, a_prompt = _prompts(2, seed=8, length=420)
     b_prompt = b_prompt[:300]  # L3: 288 tokens; A: 416 (lpm: A goes first)
-    opts = _opts(tmp_path, max_total_tokens=448, hicache_ratio=1.2,  # L2: 528 tokens
-                 hicache_prefetch_threshold=256, schedule_policy="lpm",
-                 hicache_storage_prefetch_policy="wait_complete")
+    opts = _opts(
+        tmp_path,
+        max_total_tokens=448,
+        hicache_ratio=1.2,  # L2: 528 tokens
+        hicache_prefetch_threshold=256,
+        schedule_policy="lpm",
+        hicache_storage_prefetch_policy="wait_complete",
+    )
     with Engine(tiny_llama_dir, **opts) as eng:
         eng.generate(b_prompt, GREEDY)
         eng.generate(a_prompt, GREEDY)  # shutdown flushes both to L3
@@ -287,8 +301,9 @@ def test_prefetch_of_a_later_request_gives_its_l2_room(tiny_llama_dir, tmp_path,
         eng.scheduler.call(lambda s: gate.wait(30))  # B and A arrive in one inbox drain
         b = eng.submit(b_prompt, GREEDY)
         # B's prefetch lands (288 of L2's 528) before A arrives: A's 416 do not fit
-        eng.scheduler.call(lambda s: (s.tree_cache.controller.wait_storage_idle(10),
-                                      s.tree_cache.check()))
+        eng.scheduler.call(
+            lambda s: (s.tree_cache.controller.wait_storage_idle(10), s.tree_cache.check())
+        )
         a = eng.submit(a_prompt, GREEDY)
         gate.set()
         out_a, out_b = a.result(), b.result()

@@ -39,23 +39,30 @@ DOC = (
     "move down a tier instead of being dropped, and a request whose prefix sits in storage is "
     "admitted once the prefetch has landed. "
 )
-QUESTIONS = ["What are the three tiers? Answer in one sentence.",
-             "How does a restarted daemon find earlier work?",
-             "What happens when memory is short?",
-             "Summarise the text in five words."]
+QUESTIONS = [
+    "What are the three tiers? Answer in one sentence.",
+    "How does a restarted daemon find earlier work?",
+    "What happens when memory is short?",
+    "Summarise the text in five words.",
+]
 OTHERS = [
-    ("Write a short poem about the sea. It should have four lines, mention the tide, the wind and "
-    "a lighthouse, and end on a hopeful note. Avoid rhyming the first and last lines, and keep "
-    "each line under ten words so that it reads well aloud to a child at bedtime."),
-    ("List four prime numbers between ten and fifty, and for each one explain in a sentence why "
-    "it has no divisors other than one and itself. Then say which of them is the sum of two "
-    "other primes from your list, if any, and show the addition step by step."),
+    (
+        "Write a short poem about the sea. It should have four lines, mention the tide, the wind and "
+        "a lighthouse, and end on a hopeful note. Avoid rhyming the first and last lines, and keep "
+        "each line under ten words so that it reads well aloud to a child at bedtime."
+    ),
+    (
+        "List four prime numbers between ten and fifty, and for each one explain in a sentence why "
+        "it has no divisors other than one and itself. Then say which of them is the sum of two "
+        "other primes from your list, if any, and show the addition step by step."
+    ),
 ]
 
 
 def _prompts(eng: Engine) -> list[list[int]]:
-    return ([eng.tokenize(f"{DOC}\n\n{q}", chat=True) for q in QUESTIONS]
-            + [eng.tokenize(o, chat=True) for o in OTHERS])
+    return [eng.tokenize(f"{DOC}\n\n{q}", chat=True) for q in QUESTIONS] + [
+        eng.tokenize(o, chat=True) for o in OTHERS
+    ]
 
 
 def _fillers(rng: random.Random, n: int) -> list[list[int]]:
@@ -94,8 +101,11 @@ def _check(ref: dict, rec: Recorder, prompt: list[int], out, where: str) -> None
     n = len(prompt)
     for pos in range(n, n + NEW):  # the prefill's last row, then each decode step
         assert pos in got, (where, pos)
-        assert torch.equal(got[pos], logits[pos]), (where, pos - n,
-                                                    (got[pos] - logits[pos]).abs().max().item())
+        assert torch.equal(got[pos], logits[pos]), (
+            where,
+            pos - n,
+            (got[pos] - logits[pos]).abs().max().item(),
+        )
 
 
 def _flush(eng: Engine) -> None:
@@ -150,22 +160,30 @@ def _alone_batched_l1(quantization: str) -> tuple[list[list[int]], dict]:
 
 # page size, chunked prefill size, L2 layout per quantization: each of the page sizes and chunk
 # sizes appears at the defaults (auto = int4; page 1 and chunk 2048 are the references' own)
-TIER_CASES = {"auto": [(16, 256, "layer_first"), (64, 64, "page_first")],
-              "int8": [(64, 256, "layer_first")],
-              "none": [(16, 64, "page_first")]}
+TIER_CASES = {
+    "auto": [(16, 256, "layer_first"), (64, 64, "page_first")],
+    "int8": [(64, 256, "layer_first")],
+    "none": [(16, 64, "page_first")],
+}
 
 
 @pytest.mark.parametrize("quantization", ["auto", "int8", "none"])
 def test_same_answer_alone_batched_and_from_every_tier(quantization, tmp_path):
     prompts, ref = _alone_batched_l1(quantization)
     for page_size, chunk, layout in TIER_CASES[quantization]:
-        opts = {"quantization": quantization, "page_size": page_size,
-                "chunked_prefill_size": chunk, "max_total_tokens": 8192,
-                "enable_hierarchical_cache": True, "hicache_mem_layout": layout,
-                "hicache_storage_backend": "file",
-                "hicache_storage_dir": str(tmp_path / f"kv{page_size}"),
-                "hicache_storage_prefetch_policy": "wait_complete",
-                "hicache_prefetch_threshold": 0, "debug_check_invariants": True}
+        opts = {
+            "quantization": quantization,
+            "page_size": page_size,
+            "chunked_prefill_size": chunk,
+            "max_total_tokens": 8192,
+            "enable_hierarchical_cache": True,
+            "hicache_mem_layout": layout,
+            "hicache_storage_backend": "file",
+            "hicache_storage_dir": str(tmp_path / f"kv{page_size}"),
+            "hicache_storage_prefetch_policy": "wait_complete",
+            "hicache_prefetch_threshold": 0,
+            "debug_check_invariants": True,
+        }
         where = f"page {page_size}, chunk {chunk}, {layout}"
         with Engine(**opts) as eng:
             rec = Recorder(eng)

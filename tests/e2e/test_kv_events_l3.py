@@ -38,24 +38,40 @@ PROMPTS = [[(7 * n + i) % 300 + 5 for i in range(n)] for n in (70, 100, 40)]
 State = dict[str, dict[int, tuple[int | None, tuple[int, ...]]]]
 
 
-def _start(tmp: Path | None, zmq_ports: tuple[int, int] | None = None, redis: str | None = None,
-           **settings: Any) -> DaemonThread:
+def _start(
+    tmp: Path | None,
+    zmq_ports: tuple[int, int] | None = None,
+    redis: str | None = None,
+    **settings: Any,
+) -> DaemonThread:
     """An in-process daemon with L1 + L2 + L3 (a file L3 in ``tmp``, or Valkey at ``redis``;
     ``tmp`` None and no ``redis``: no L3) and, with ``zmq_ports``, vLLM-format events."""
     if zmq_ports is not None:
         pub, replay = zmq_ports
         settings["kv_events_config"] = json.dumps(
-            {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-             "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"})
+            {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "topic": "kv",
+                "endpoint": f"tcp://*:{pub}",
+                "replay_endpoint": f"tcp://*:{replay}",
+            }
+        )
     l3: dict[str, Any] = {}
     if redis is not None:
         l3 = {"hicache_storage_backend": "redis", "hicache_storage_url": redis}
     elif tmp is not None:
         l3 = {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp)}
-    args = ServerArgs(model_path=settings.pop("model"), max_total_tokens=2048,
-                      enable_hierarchical_cache=True, hicache_storage_page_size=OBJECT, **l3)
-    return DaemonThread(DaemonSettings(port=0, warmup=False, processes="single",
-                                       grace_period_s=2, **settings), args).start()
+    args = ServerArgs(
+        model_path=settings.pop("model"),
+        max_total_tokens=2048,
+        enable_hierarchical_cache=True,
+        hicache_storage_page_size=OBJECT,
+        **l3,
+    )
+    return DaemonThread(
+        DaemonSettings(port=0, warmup=False, processes="single", grace_period_s=2, **settings), args
+    ).start()
 
 
 def _cache_state(dt: DaemonThread) -> State:
@@ -63,9 +79,12 @@ def _cache_state(dt: DaemonThread) -> State:
     d = dt.daemon
     assert d is not None
     now = d.state.engine.call_in_scheduler(
-        SchedulerCall(kv_blocks, (d.kv_events.block_size, d.kv_events.salt_key)))
-    return {MEDIUM[t]: {b.block_hash: (b.parent_hash, b.token_ids) for b in blocks}
-            for t, blocks in now.items()}
+        SchedulerCall(kv_blocks, (d.kv_events.block_size, d.kv_events.salt_key))
+    )
+    return {
+        MEDIUM[t]: {b.block_hash: (b.parent_hash, b.token_ids) for b in blocks}
+        for t, blocks in now.items()
+    }
 
 
 def _storage_idle(scheduler: Any) -> bool:
@@ -115,7 +134,7 @@ class Follower:
             if ev[0] == "BlockStored":
                 hashes, parent, tokens, size, _, medium = ev[1:7]
                 for k, h in enumerate(hashes):
-                    self.state[medium][h] = (parent, tuple(tokens[k * size:(k + 1) * size]))
+                    self.state[medium][h] = (parent, tuple(tokens[k * size : (k + 1) * size]))
                     parent = h
             elif ev[0] == "BlockRemoved":
                 for h in ev[1]:
@@ -148,21 +167,27 @@ def follow() -> Iterator[Callable[[int, int], Follower]]:
 def _chain(tokens: list[int], salt: str | None = None) -> list[int]:
     out, parent = [], None
     for i in range(0, len(tokens) - len(tokens) % BLOCK, BLOCK):
-        parent = block_hash(parent, salt, tuple(tokens[i:i + BLOCK]))
+        parent = block_hash(parent, salt, tuple(tokens[i : i + BLOCK]))
         out.append(parent)
     return out
 
 
 # the blocks inside whole objects of the prompts' KV (a prompt and its first 2 generated tokens
 # have KV: 72, 102 and 42 tokens, so 2, 3 and 1 objects of 32 tokens)
-IN_OBJECTS = [h for p in PROMPTS for h in _chain(p[:len(p) + 2 - (len(p) + 2) % OBJECT])]
+IN_OBJECTS = [h for p in PROMPTS for h in _chain(p[: len(p) + 2 - (len(p) + 2) % OBJECT])]
 
 
 def _settled(dt: DaemonThread, f: Follower, medium: str) -> None:
     """Until every object of the prompts landed in L3 and the events describe the cache."""
     engine = dt.daemon.state.engine
-    f.until(lambda s: set(IN_OBJECTS) <= set(s[medium]) and engine.call_in_scheduler(
-        SchedulerCall(_storage_idle)) and s == _cache_state(dt), f"{medium} blocks")
+    f.until(
+        lambda s: (
+            set(IN_OBJECTS) <= set(s[medium])
+            and engine.call_in_scheduler(SchedulerCall(_storage_idle))
+            and s == _cache_state(dt)
+        ),
+        f"{medium} blocks",
+    )
 
 
 def test_disk_blocks_follow_backups_and_a_flush_of_l3(tiny_llama_dir, tmp_path, follow):
@@ -191,7 +216,8 @@ def _snapshot(dt: DaemonThread) -> Any:
     """The first batch of SMG's SubscribeKvEvents from 0: the publisher's snapshot."""
     with grpc.insecure_channel(f"127.0.0.1:{dt.port}") as ch:
         stream = sg_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(
-            smg_common.SubscribeKvEventsRequest(start_sequence_number=0), timeout=60)
+            smg_common.SubscribeKvEventsRequest(start_sequence_number=0), timeout=60
+        )
         first = next(iter(stream))
         stream.cancel()
     assert first.HasField("snapshot") and first.events[0].HasField("cleared")
@@ -256,11 +282,14 @@ def test_valkey_daemon_publishes_external_blocks(tiny_llama_dir, valkey_server, 
         assert sorted(f.state["EXTERNAL"]) == sorted(want) and not f.state["DISK"]
         snap = _snapshot(dt)
         assert set(_stored(snap, smg_common.KV_CACHE_TIER_EXTERNAL)) == set(want)
-        external = [e.stored for e in snap.events
-                    if e.HasField("stored") and e.stored.medium == "EXTERNAL"]
+        external = [
+            e.stored for e in snap.events if e.HasField("stored") and e.stored.medium == "EXTERNAL"
+        ]
         assert external and all(
             s.locality == smg_common.KV_CACHE_LOCALITY_REMOTE
-            and all(b.cache_level == 3 for b in s.blocks) for s in external)
+            and all(b.cache_level == 3 for b in s.blocks)
+            for s in external
+        )
     finally:
         dt.stop()
 
@@ -272,8 +301,11 @@ def _salted(dt: DaemonThread, tokens: list[int]) -> dict[str, set[int]]:
         out: dict[str, set[int]] = {}
         for e in _snapshot(dt).events:
             s = e.stored
-            if (e.HasField("stored") and s.tier == smg_common.KV_CACHE_TIER_DEVICE
-                    and s.HasField("cache_salt")):
+            if (
+                e.HasField("stored")
+                and s.tier == smg_common.KV_CACHE_TIER_DEVICE
+                and s.HasField("cache_salt")
+            ):
                 for b in s.blocks:
                     out.setdefault(s.cache_salt, set()).add(b.block_hash)
         if len(out) == 2 and all(len(h) == 2 for h in out.values()):  # 2 full blocks each
@@ -287,9 +319,11 @@ def test_one_salt_key_gives_a_tenant_one_hash_on_every_daemon(tiny_llama_dir, tm
     key_file = tmp_path / "salt.key"
     key_file.write_text(key + "\n")
     prompt = PROMPTS[2]
-    daemons = [_start(None, model=tiny_llama_dir, kv_events_salt_key=key),
-               _start(None, model=tiny_llama_dir, kv_events_salt_key_file=str(key_file)),
-               _start(None, model=tiny_llama_dir)]  # no key: drawn for the process
+    daemons = [
+        _start(None, model=tiny_llama_dir, kv_events_salt_key=key),
+        _start(None, model=tiny_llama_dir, kv_events_salt_key_file=str(key_file)),
+        _start(None, model=tiny_llama_dir),
+    ]  # no key: drawn for the process
     try:
         hashes = []
         for dt in daemons:

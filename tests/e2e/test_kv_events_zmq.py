@@ -28,19 +28,29 @@ MEDIUM = {"l1": "GPU", "l2": "CPU", "disk": "DISK", "external": "EXTERNAL"}
 @pytest.fixture(scope="module")
 def daemon(tiny_llama_dir) -> Iterator[tuple[DaemonThread, int, int]]:
     pub, replay = free_port(), free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-              "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
-    settings = DaemonSettings(port=0, warmup=False, processes="single", grace_period_s=2,
-                              kv_events_config=json.dumps(config))
-    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=2048,
-                      enable_hierarchical_cache=True)
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "topic": "kv",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
+    settings = DaemonSettings(
+        port=0,
+        warmup=False,
+        processes="single",
+        grace_period_s=2,
+        kv_events_config=json.dumps(config),
+    )
+    args = ServerArgs(
+        model_path=tiny_llama_dir, max_total_tokens=2048, enable_hierarchical_cache=True
+    )
     dt = DaemonThread(settings, args).start()
     yield dt, pub, replay
     dt.stop()
 
 
-def _apply(state: dict[str, dict[int, tuple[int | None, tuple[int, ...]]]],
-           payload: bytes) -> None:
+def _apply(state: dict[str, dict[int, tuple[int | None, tuple[int, ...]]]], payload: bytes) -> None:
     ts, events = msgpack.unpackb(payload)[:2]
     assert isinstance(ts, float)
     for ev in events:
@@ -48,7 +58,7 @@ def _apply(state: dict[str, dict[int, tuple[int | None, tuple[int, ...]]]],
             hashes, parent, tokens, size, lora_id, medium = ev[1:7]
             assert lora_id is None and len(tokens) == size * len(hashes)
             for k, h in enumerate(hashes):
-                state[medium][h] = (parent, tuple(tokens[k * size:(k + 1) * size]))
+                state[medium][h] = (parent, tuple(tokens[k * size : (k + 1) * size]))
                 parent = h
         elif ev[0] == "BlockRemoved":
             for h in ev[1]:
@@ -62,9 +72,12 @@ def _apply(state: dict[str, dict[int, tuple[int | None, tuple[int, ...]]]],
 def _tree_state(dt: DaemonThread) -> dict[str, dict[int, tuple[int | None, tuple[int, ...]]]]:
     d = dt.daemon
     now = d.state.engine.call_in_scheduler(
-        SchedulerCall(kv_blocks, (d.kv_events.block_size, d.kv_events.salt_key)))
-    return {MEDIUM[t]: {b.block_hash: (b.parent_hash, b.token_ids) for b in blocks}
-            for t, blocks in now.items()}
+        SchedulerCall(kv_blocks, (d.kv_events.block_size, d.kv_events.salt_key))
+    )
+    return {
+        MEDIUM[t]: {b.block_hash: (b.parent_hash, b.token_ids) for b in blocks}
+        for t, blocks in now.items()
+    }
 
 
 def test_zmq_events_equal_the_tree(daemon):

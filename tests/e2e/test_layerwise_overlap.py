@@ -62,8 +62,9 @@ def _engine(tmp_path, seed: int) -> tuple[str, list[int], Engine]:
     model_dir = make_tiny_model_dir(str(tmp_path / "m"), "llama", num_hidden_layers=NUM_LAYERS)
     rng = random.Random(seed)
     prompt = [rng.randrange(3, 380) for _ in range(60)]
-    eng = Engine(model_dir, enable_hierarchical_cache=True, max_total_tokens=256,
-                 debug_check_invariants=True)
+    eng = Engine(
+        model_dir, enable_hierarchical_cache=True, max_total_tokens=256, debug_check_invariants=True
+    )
     return model_dir, prompt, eng
 
 
@@ -169,9 +170,13 @@ def test_failed_load_back_leaves_the_prefix_in_l2(tmp_path, monkeypatch):
         monkeypatch.setattr(controller, "start_loading", broken_start_loading)
         failed = eng.generate(prompt, GREEDY)
         monkeypatch.undo()
-        after = eng.call_in_scheduler(lambda s: (
-            s.runner.allocator.available_size(), s.tree_cache.host_pool.protected_size(),
-            s.tree_cache.match_prefix(prompt, touch=False).tier_tokens))
+        after = eng.call_in_scheduler(
+            lambda s: (
+                s.runner.allocator.available_size(),
+                s.tree_cache.host_pool.protected_size(),
+                s.tree_cache.match_prefix(prompt, touch=False).tier_tokens,
+            )
+        )
         second = eng.generate(prompt, GREEDY)
         stats = eng.cache_stats()
 

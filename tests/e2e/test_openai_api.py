@@ -337,8 +337,9 @@ def test_metrics_count_http_requests(daemon, client):
 
 def test_loads_for_gateways(url, client):
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    r = httpx2.get(f"{url}/v1/loads", params={"include": "core,disagg,queues,memory"},
-                   headers=auth, timeout=30)
+    r = httpx2.get(
+        f"{url}/v1/loads", params={"include": "core,disagg,queues,memory"}, headers=auth, timeout=30
+    )
     assert r.status_code == 200, r.text
     report = r.json()
     assert report["dp_rank_count"] == 1 and len(report["loads"]) == 1
@@ -353,10 +354,13 @@ def test_loads_for_gateways(url, client):
         next(iter(stream))
 
         def running() -> bool:
-            body = httpx2.get(f"{url}/loads", params={"model": "m"}, headers=auth,
-                              timeout=30).json()
-            return body["loads"][0]["num_running_reqs"] == 1 and body["loads"][0][
-                "num_used_tokens"] > 0
+            body = httpx2.get(
+                f"{url}/loads", params={"model": "m"}, headers=auth, timeout=30
+            ).json()
+            return (
+                body["loads"][0]["num_running_reqs"] == 1
+                and body["loads"][0]["num_used_tokens"] > 0
+            )
 
         _wait(running, "the open stream in /loads")
     finally:
@@ -366,8 +370,7 @@ def test_loads_for_gateways(url, client):
         body = httpx2.get(f"{url}/v1/loads?include=tiers", headers=auth, timeout=30).json()
         load = body["loads"][0]
         assert body["tiers"]["l1"]["used_tokens"] > 0
-        return load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0 == load[
-            "token_usage"]
+        return load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0 == load["token_usage"]
 
     _wait(idle, "the aborted stream's KV to be evictable cache, not load")
     tiers = httpx2.get(f"{url}/v1/loads?include=tiers", headers=auth, timeout=30).json()["tiers"]
@@ -394,13 +397,17 @@ def test_sglang_worker_auth_and_tenants(daemon):
     from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
 
     ids = [7, 8, 9, 10, 11, 12, 13, 14]
-    req = sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
-                             sampling_params=sg.SamplingParams(max_new_tokens=1))
+    req = sg.GenerateRequest(
+        tokenized=sg.TokenizedInput(input_ids=ids),
+        sampling_params=sg.SamplingParams(max_new_tokens=1),
+    )
     with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
         stub = sg_grpc.SglangSchedulerStub(ch)
         assert stub.HealthCheck(sg.HealthCheckRequest(), timeout=30).healthy  # needs no key
-        for key, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
-                          ("wrong", grpc.StatusCode.UNAUTHENTICATED)):
+        for key, code in (
+            (None, grpc.StatusCode.UNAUTHENTICATED),
+            ("wrong", grpc.StatusCode.UNAUTHENTICATED),
+        ):
             meta = None if key is None else [("authorization", f"Bearer {key}")]
             with pytest.raises(grpc.RpcError) as e:
                 stub.GetModelInfo(sg.GetModelInfoRequest(), metadata=meta, timeout=30)
@@ -425,7 +432,9 @@ def _kv_batches(port: int, key: str, start: int, until: Any) -> list[Any]:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stream = sg_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(
             smg_common.SubscribeKvEventsRequest(start_sequence_number=start),
-            metadata=[("authorization", f"Bearer {key}")], timeout=60)
+            metadata=[("authorization", f"Bearer {key}")],
+            timeout=60,
+        )
         for batch in stream:
             got.append(batch)
             if until(got):
@@ -447,17 +456,24 @@ def test_kv_events_tiers_tenants_replay(daemon):
     assert snap.HasField("snapshot") and snap.snapshot.count == 1
     assert snap.events[0].HasField("cleared") and snap.sequence_number >= 1
     ids = list(range(40, 80))  # 40 tokens: 2 full blocks of 16
-    req = sg.GenerateRequest(tokenized=sg.TokenizedInput(input_ids=ids),
-                             sampling_params=sg.SamplingParams(max_new_tokens=1))
+    req = sg.GenerateRequest(
+        tokenized=sg.TokenizedInput(input_ids=ids),
+        sampling_params=sg.SamplingParams(max_new_tokens=1),
+    )
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = sg_grpc.SglangSchedulerStub(ch)
         for key in (TOKEN, ACME):
             list(stub.Generate(req, metadata=[("authorization", f"Bearer {key}")], timeout=60))
 
     def device_chains(batches: list[Any]) -> list[Any]:
-        return [e.stored for b in batches for e in b.events if e.HasField("stored")
-                and e.stored.tier == smg_common.KV_CACHE_TIER_DEVICE
-                and [t for blk in e.stored.blocks for t in blk.token_ids] == ids[:32]]
+        return [
+            e.stored
+            for b in batches
+            for e in b.events
+            if e.HasField("stored")
+            and e.stored.tier == smg_common.KV_CACHE_TIER_DEVICE
+            and [t for blk in e.stored.blocks for t in blk.token_ids] == ids[:32]
+        ]
 
     start = snap.sequence_number + 1
     live = _kv_batches(port, TOKEN, start, lambda b: len(device_chains(b)) >= 2)
@@ -467,13 +483,14 @@ def test_kv_events_tiers_tenants_replay(daemon):
     assert all(b.block_size == 16 for b in shared.blocks)
     first, second = shared.blocks
     assert not shared.HasField("parent_block_hash")  # the sequence's first block
-    assert {first.block_hash, second.block_hash}.isdisjoint(
-        {b.block_hash for b in salted.blocks})
+    assert {first.block_hash, second.block_hash}.isdisjoint({b.block_hash for b in salted.blocks})
     assert [b.sequence_number for b in live] == list(range(start, start + len(live)))
     again = _kv_batches(port, TOKEN, start, lambda b: len(b) >= len(live))
     assert [b.SerializeToString() for b in again] == [b.SerializeToString() for b in live]
-    for key, st, code in ((TOKEN, 10**9, grpc.StatusCode.OUT_OF_RANGE),
-                          (ACME, 0, grpc.StatusCode.PERMISSION_DENIED)):
+    for key, st, code in (
+        (TOKEN, 10**9, grpc.StatusCode.OUT_OF_RANGE),
+        (ACME, 0, grpc.StatusCode.PERMISSION_DENIED),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             _kv_batches(port, key, st, lambda b: True)
         assert e.value.code() == code

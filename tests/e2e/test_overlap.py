@@ -28,6 +28,7 @@ def _prompts(n: int, seed: int, vocab: int = 380) -> list[list[int]]:
 
 def _settled(eng: Engine) -> None:
     """Every KV page is free or in the tree, nothing is launched or waits for a release."""
+
     def check(s):
         s.check_kv_invariant()
         return s.is_idle(), len(s.held_slots()), len(s.deferred), len(s.launched)
@@ -56,8 +57,13 @@ def test_overlap_outputs_equal_transformers_and_the_sequential_loop(llama_dir, p
         expected.append(want[:n])
     outs = {}
     for overlap in (True, False):
-        with Engine(llama_dir, page_size=page_size, max_total_tokens=4096,
-                    disable_overlap=not overlap, debug_check_invariants=True) as eng:
+        with Engine(
+            llama_dir,
+            page_size=page_size,
+            max_total_tokens=4096,
+            disable_overlap=not overlap,
+            debug_check_invariants=True,
+        ) as eng:
             assert (eng.scheduler.worker is not None) == overlap
             outs[overlap] = [o.token_ids for o in eng.generate(prompts, params)]
             again = eng.generate(prompts, params)  # every prompt cached now
@@ -102,8 +108,9 @@ def test_decode_is_built_before_the_previous_token_is_known(llama_dir):
 def test_abort_while_a_later_step_runs_the_request(llama_dir):
     """An abort arriving mid-stream ends the stream; the request's KV (still being written by
     a launched step) reaches the tree or the free list once that step is handled."""
-    with Engine(llama_dir, max_total_tokens=4096, disable_overlap=False,
-                debug_check_invariants=True) as eng:
+    with Engine(
+        llama_dir, max_total_tokens=4096, disable_overlap=False, debug_check_invariants=True
+    ) as eng:
         handle = eng.submit([9, 8, 7, 6, 5], dict(GREEDY, max_new_tokens=400))
         got = 0
         for chunk in handle:
@@ -120,8 +127,9 @@ def test_abort_while_a_later_step_runs_the_request(llama_dir):
 
 
 def test_a_failing_forward_on_the_worker_frees_everything(llama_dir):
-    with Engine(llama_dir, max_total_tokens=4096, disable_overlap=False,
-                debug_check_invariants=True) as eng:
+    with Engine(
+        llama_dir, max_total_tokens=4096, disable_overlap=False, debug_check_invariants=True
+    ) as eng:
         real = eng.runner.forward
         calls = {"n": 0}
 
@@ -149,10 +157,17 @@ def test_overlap_with_the_hierarchy_under_pressure(llama_dir, tmp_path, page_siz
     convs = _prompts(4, seed=40 + page_size)
     fillers = _prompts(6, seed=60 + page_size)
     params = dict(GREEDY, max_new_tokens=8)
-    opts = {"enable_hierarchical_cache": True, "max_total_tokens": 256, "page_size": page_size,
-            "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "kv"),
-            "hicache_storage_page_size": 16, "hicache_prefetch_threshold": 0,
-            "disable_overlap": False, "debug_check_invariants": True}
+    opts = {
+        "enable_hierarchical_cache": True,
+        "max_total_tokens": 256,
+        "page_size": page_size,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(tmp_path / "kv"),
+        "hicache_storage_page_size": 16,
+        "hicache_prefetch_threshold": 0,
+        "disable_overlap": False,
+        "debug_check_invariants": True,
+    }
     with Engine(llama_dir, **opts) as eng:
         assert eng.scheduler.worker is not None
         first = [o.token_ids for o in eng.generate(convs, params)]

@@ -40,9 +40,15 @@ def _l3(client: HicacheClient) -> dict:
     """L3's figures, and the tokens backed up to it (counted on L2, the tier they leave)."""
     stats = client.cache_stats()
     t = stats.tiers[2]
-    return {"enabled": t.enabled, **dict(t.extra), **dict(t.info), "hit_tokens": t.hit_tokens,
-            "used_tokens": t.used_tokens, "errors": t.errors,
-            "backed_up_tokens": stats.tiers[1].demoted_tokens}
+    return {
+        "enabled": t.enabled,
+        **dict(t.extra),
+        **dict(t.info),
+        "hit_tokens": t.hit_tokens,
+        "used_tokens": t.used_tokens,
+        "errors": t.errors,
+        "backed_up_tokens": stats.tiers[1].demoted_tokens,
+    }
 
 
 def _wait(cond, timeout: float = 60.0, what: str = "condition") -> None:
@@ -66,13 +72,23 @@ def test_prefill_logits_bit_identical_from_redis(tiny_llama_dir, topology, reque
     server = request.getfixturevalue("valkey_server" if topology == "single" else "valkey_cluster")
     conv = _prompts(1, seed=11)[0]
     fillers = _prompts(8, seed=98, length=70)
-    big_logits, big, _ = _second_turn_logits(tiny_llama_dir, conv, fillers,
-                                             max_total_tokens=8192, page_size=16)
+    big_logits, big, _ = _second_turn_logits(
+        tiny_llama_dir, conv, fillers, max_total_tokens=8192, page_size=16
+    )
     l3_logits, l3, stats = _second_turn_logits(
-        tiny_llama_dir, conv, fillers, restart=True, page_size=16, max_total_tokens=256,
-        enable_hierarchical_cache=True, hicache_storage_backend="redis",
-        hicache_storage_url=server.url, hicache_storage_prefetch_policy="wait_complete",
-        hicache_storage_page_size=16, hicache_prefetch_threshold=0)
+        tiny_llama_dir,
+        conv,
+        fillers,
+        restart=True,
+        page_size=16,
+        max_total_tokens=256,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="redis",
+        hicache_storage_url=server.url,
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_page_size=16,
+        hicache_prefetch_threshold=0,
+    )
     assert stats.l3.backend == ("redis" if topology == "single" else "redis-cluster")
     assert stats.l3.hit_tokens > 0 and stats.l3.errors == 0
     assert big.cached_tokens == l3.cached_tokens > 0
@@ -83,15 +99,40 @@ def test_prefill_logits_bit_identical_from_redis(tiny_llama_dir, topology, reque
 # --- two daemon processes sharing one server ---------------------------------------------------
 def _spawn(model: str, url: str, tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"
+    }
     env.update(XDG_CACHE_HOME=str(tmp), HICACHE_LOG_LEVEL="warning")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.client.cli", "serve", "--model", model, "--port", str(port),
-         "--max-total-tokens", "512", "--hicache-storage-backend", "redis",
-         "--hicache-storage-url", url, "--hicache-storage-page-size", str(OBJECT),
-         "--hicache-prefetch-threshold", "0", *extra],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.client.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            "512",
+            "--hicache-storage-backend",
+            "redis",
+            "--hicache-storage-url",
+            url,
+            "--hicache-storage-page-size",
+            str(OBJECT),
+            "--hicache-prefetch-threshold",
+            "0",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, f"127.0.0.1:{port}"
 
 
@@ -103,8 +144,10 @@ def test_two_daemons_share_one_l3(tiny_llama_dir, tmp_path, topology, request):
         for proc, addr in procs:
             wait_serving(proc, addr)
         prompt = _prompts(1, seed=7, length=120)[0]
-        with HicacheClient(procs[0][1], timeout=60) as a, HicacheClient(procs[1][1],
-                                                                         timeout=60) as b:
+        with (
+            HicacheClient(procs[0][1], timeout=60) as a,
+            HicacheClient(procs[1][1], timeout=60) as b,
+        ):
             _, ids_a, done_a = a.generate_text(prompt, max_new_tokens=8, **GREEDY)
             assert done_a.usage.cached_tokens == 0
             _wait(lambda: _settled(a), what="daemon a's L3 backups")
@@ -116,14 +159,24 @@ def test_two_daemons_share_one_l3(tiny_llama_dir, tmp_path, topology, request):
             assert sb["hit_tokens"] == 112 and sb["errors"] == 0
             assert sb["backend"] == ("redis" if topology == "single" else "redis-cluster")
             assert b.health() == a.health() == "SERVING"
-        out = subprocess.run([sys.executable, "-m", "engine.client.cli", "storage", "--addr",
-                              procs[1][1]], cwd=ROOT, capture_output=True, text=True,
-                             timeout=60, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "engine.client.cli", "storage", "--addr", procs[1][1]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         assert "attached:True" in out and f"object_tokens:{OBJECT}" in out
         assert f"address:{server.url.split('://')[0]}" in out
-        stats = subprocess.run([sys.executable, "-m", "engine.client.cli", "stats", "--addr",
-                                procs[1][1]], cwd=ROOT, capture_output=True, text=True,
-                               timeout=60, check=True).stdout
+        stats = subprocess.run(
+            [sys.executable, "-m", "engine.client.cli", "stats", "--addr", procs[1][1]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         rows = {r.split()[0]: r.split()[1:] for r in stats.split("\n\n")[0].splitlines()[2:]}
         assert rows["hit_tokens"][2] == "112"  # the l3 column
         assert rows["backend"][2] == ("redis" if topology == "single" else "redis-cluster")
@@ -141,12 +194,18 @@ def test_two_daemons_share_one_l3(tiny_llama_dir, tmp_path, topology, request):
 # --- faults on the server, one in-process daemon -----------------------------------------------
 @pytest.fixture
 def redis_daemon(tiny_llama_dir, valkey_server):
-    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=512, max_running_requests=8,
-                      enable_hierarchical_cache=True, hicache_storage_backend="redis",
-                      hicache_storage_url=valkey_server.url, hicache_storage_page_size=OBJECT,
-                      hicache_prefetch_threshold=0,
-                      hicache_storage_prefetch_policy="wait_complete",
-                      debug_check_invariants=True)
+    args = ServerArgs(
+        model_path=tiny_llama_dir,
+        max_total_tokens=512,
+        max_running_requests=8,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="redis",
+        hicache_storage_url=valkey_server.url,
+        hicache_storage_page_size=OBJECT,
+        hicache_prefetch_threshold=0,
+        hicache_storage_prefetch_policy="wait_complete",
+        debug_check_invariants=True,
+    )
     dt = DaemonThread(DaemonSettings(port=0, grace_period_s=2), args).start()
     with HicacheClient(f"127.0.0.1:{dt.port}", timeout=60) as c:
         yield c, valkey_server
@@ -177,8 +236,9 @@ def test_server_down_mid_run_then_back(redis_daemon):
     server.start()  # same port, empty (no persistence)
 
     def stored_again() -> bool:
-        c.generate_text(_prompts(1, seed=random.randrange(1 << 30), length=40)[0],
-                        max_new_tokens=1, **GREEDY)  # new work to back up after the backoff
+        c.generate_text(
+            _prompts(1, seed=random.randrange(1 << 30), length=40)[0], max_new_tokens=1, **GREEDY
+        )  # new work to back up after the backoff
         return _l3(c)["connected"] == 1 and _settled(c)
 
     _wait(stored_again, timeout=90, what="L3 back after the restart")
@@ -271,9 +331,15 @@ def test_flush_l3_deletes_only_this_models_keys(redis_daemon):
 # --- attach / detach at run time ---------------------------------------------------------------
 def test_attach_and_detach_while_requests_stream(tiny_llama_dir, tmp_path):
     server = ValkeyServer().start()
-    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=512, max_running_requests=4,
-                      enable_hierarchical_cache=True, hicache_storage_page_size=OBJECT,
-                      hicache_prefetch_threshold=0, debug_check_invariants=True)
+    args = ServerArgs(
+        model_path=tiny_llama_dir,
+        max_total_tokens=512,
+        max_running_requests=4,
+        enable_hierarchical_cache=True,
+        hicache_storage_page_size=OBJECT,
+        hicache_prefetch_threshold=0,
+        debug_check_invariants=True,
+    )
     dt = DaemonThread(DaemonSettings(port=0, grace_period_s=2), args).start()
     prompts = _prompts(6, seed=61, length=90)
     try:
@@ -296,8 +362,9 @@ def test_attach_and_detach_while_requests_stream(tiny_llama_dir, tmp_path):
                 try:
                     with HicacheClient(f"127.0.0.1:{dt.port}", timeout=120) as s:
                         for _ in range(3):
-                            outputs[i].append(s.generate_text(prompts[i], max_new_tokens=8,
-                                                              **GREEDY)[1])
+                            outputs[i].append(
+                                s.generate_text(prompts[i], max_new_tokens=8, **GREEDY)[1]
+                            )
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     errors.append(exc)
 
@@ -314,6 +381,7 @@ def test_attach_and_detach_while_requests_stream(tiny_llama_dir, tmp_path):
             assert not errors, errors
             for i, outs in outputs.items():
                 assert outs == [ref[i]] * 3
+
             # The prefix is served from the re-attached L3. Objects the server got before the
             # last detach are not written again (nothing to count then); a prefix L2 holds is
             # stored at its next match, unless that match found the backup queue full

@@ -42,23 +42,43 @@ from tools.soak import (
     wait_idle,
 )
 
-TINY = {"max_total_tokens": 512, "page_size": 16, "storage_object_tokens": 16, "l3_cap_mb": 16,
-        "l3_fs_mb": 32, "prefix_tokens": (32, 96), "question_tokens": (4, 24),
-        "max_new_tokens": 12, "max_prompt_tokens": 400, "check_prompts": 4,
-        "check_new_tokens": 8}
+TINY = {
+    "max_total_tokens": 512,
+    "page_size": 16,
+    "storage_object_tokens": 16,
+    "l3_cap_mb": 16,
+    "l3_fs_mb": 32,
+    "prefix_tokens": (32, 96),
+    "question_tokens": (4, 24),
+    "max_new_tokens": 12,
+    "max_prompt_tokens": 400,
+    "check_prompts": 4,
+    "check_new_tokens": 8,
+}
 
 
 def _violations(res_or_rec) -> str:
-    v = res_or_rec["violations"] if isinstance(res_or_rec, dict) else {
-        k: {"count": len(x), "examples": x[:5]} for k, x in res_or_rec.violations.items()}
+    v = (
+        res_or_rec["violations"]
+        if isinstance(res_or_rec, dict)
+        else {k: {"count": len(x), "examples": x[:5]} for k, x in res_or_rec.violations.items()}
+    )
     return "\n".join(f"{k} x{x['count']}: {x['examples']}" for k, x in v.items())
 
 
 def test_soak_with_faults(tiny_llama_dir, tmp_path):
-    cfg = SoakConfig(model=tiny_llama_dir, duration_s=35, round_s=5, clients=3, seed=1,
-                     faults=("corrupt+delete", "readonly+diskfull", "kill9", "sigterm"),
-                     fault_hold_s=1.5, grace_period_s=15, work_dir=str(tmp_path / "soak"),
-                     **TINY)
+    cfg = SoakConfig(
+        model=tiny_llama_dir,
+        duration_s=35,
+        round_s=5,
+        clients=3,
+        seed=1,
+        faults=("corrupt+delete", "readonly+diskfull", "kill9", "sigterm"),
+        fault_hold_s=1.5,
+        grace_period_s=15,
+        work_dir=str(tmp_path / "soak"),
+        **TINY,
+    )
     res = run_soak(cfg, log=lambda msg: None)
     assert res["passed"], format_summary(res) + "\n" + _violations(res)
     # every call ended with OK or a documented status (client-side ones provoked by the tool)
@@ -66,7 +86,11 @@ def test_soak_with_faults(tiny_llama_dir, tmp_path):
     assert res["codes"].get("OK", 0) > 100 and res["codes"].get("ALREADY_EXISTS", 0) > 0
     done = res["faults_injected"]
     assert {k: done.get(k) for k in ("corrupt", "delete", "kill9", "sigterm")} == {
-        "corrupt": 1, "delete": 1, "kill9": 1, "sigterm": 1}, done
+        "corrupt": 1,
+        "delete": 1,
+        "kill9": 1,
+        "sigterm": 1,
+    }, done
     assert res["fault_details"]["files_corrupted"] > 0 and res["fault_details"]["files_deleted"] > 0
     for fault in ("readonly", "diskfull"):  # done, or skipped with the reason
         assert done.get(fault) == 1 or fault in res["faults_skipped"], res["faults_skipped"]
@@ -92,18 +116,26 @@ def stalling_daemon(tiny_llama_dir, tmp_path, monkeypatch):
     stores: list[GatedStorage] = []
 
     def build(args, scope, **_):
-        store = GatedStorage(FileStorageBackend(args.hicache_storage_dir, 1 << 30,
-                                                reconcile_interval_s=None))
+        store = GatedStorage(
+            FileStorageBackend(args.hicache_storage_dir, 1 << 30, reconcile_interval_s=None)
+        )
         stores.append(store)
         return store
 
     monkeypatch.setattr("engine.runtime.hicache_setup.build_storage", build)
     l3 = L3Dir(tmp_path, mount=False)
-    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=512, page_size=16,
-                      enable_hierarchical_cache=True, hicache_storage_backend="file",
-                      hicache_storage_dir=str(l3.path), hicache_storage_page_size=16,
-                      hicache_prefetch_threshold=0, max_queued_requests=4,
-                      debug_check_invariants=True)
+    args = ServerArgs(
+        model_path=tiny_llama_dir,
+        max_total_tokens=512,
+        page_size=16,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(l3.path),
+        hicache_storage_page_size=16,
+        hicache_prefetch_threshold=0,
+        max_queued_requests=4,
+        debug_check_invariants=True,
+    )
     # NOTE: one process: the gated backend is patched into this interpreter's engine
     dt = DaemonThread(DaemonSettings(port=0, grace_period_s=2, processes="single"), args).start()
     try:
@@ -197,9 +229,24 @@ def test_tool_runs_as_a_script():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "tools/soak.py", "--help"], cwd=root,
-                       capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [sys.executable, "tools/soak.py", "--help"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
-    for word in ("--duration-s", "--clients", "--seed", "--model", "--out", "--faults",
-                 "--daemon-arg", "kill9", "diskfull"):
+    for word in (
+        "--duration-s",
+        "--clients",
+        "--seed",
+        "--model",
+        "--out",
+        "--faults",
+        "--daemon-arg",
+        "kill9",
+        "diskfull",
+    ):
         assert word in r.stdout

@@ -41,8 +41,13 @@ METHODS = {
     for m in mod.DESCRIPTOR.services_by_name[svc].methods
 }
 EXAMPLES = {"Generate": 60, "Prefetch": 30, "Evict": 30, "Flush": 25, "AttachStorage": 30}
-FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=True,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +56,15 @@ def daemon(tiny_llama_dir, tmp_path_factory):
     there). Yields (address, L3 dir, work dir, the greedy tokens before any fuzzing)."""
     work = tmp_path_factory.mktemp("fuzz")
     l3 = L3Dir(work, mount=False)
-    cfg = SoakConfig(model=tiny_llama_dir, max_total_tokens=512, page_size=16, l3_cap_mb=64,
-                     max_queued_requests=8, grace_period_s=5,
-                     extra_args=("--context-length", str(CONTEXT)))
+    cfg = SoakConfig(
+        model=tiny_llama_dir,
+        max_total_tokens=512,
+        page_size=16,
+        l3_cap_mb=64,
+        max_queued_requests=8,
+        grace_period_s=5,
+        extra_args=("--context-length", str(CONTEXT)),
+    )
     d = DaemonProcess(cfg, work, l3.path)
     d.start()
     try:
@@ -72,8 +83,9 @@ def channel(daemon):
 
 
 def _greedy(c: HicacheClient) -> list[int]:
-    return c.generate_text(CHECK_PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True,
-                           timeout=DEADLINE_S)[1]
+    return c.generate_text(
+        CHECK_PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True, timeout=DEADLINE_S
+    )[1]
 
 
 # ---- strategies from the descriptors ----------------------------------------------------------
@@ -86,8 +98,11 @@ def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(lo, hi), st.integers(max(lo, -5), 300))
 
 
-HUGE = st.builds(lambda c, n: c * n, st.sampled_from(["a", "\u20ac", "\U0001d11e", "\0", " "]),
-                 st.integers(1_000, 300_000))
+HUGE = st.builds(
+    lambda c, n: c * n,
+    st.sampled_from(["a", "\u20ac", "\U0001d11e", "\0", " "]),
+    st.integers(1_000, 300_000),
+)
 TEXT = st.one_of(
     st.text(max_size=40),
     st.text(st.characters(codec="utf-8"), max_size=400),
@@ -98,26 +113,47 @@ SHORT = st.text(max_size=40)
 WORDS = st.text("abcdefghijklmnopqrstuvwxyz .,!?", min_size=1, max_size=80)
 # wild: any value of the field's type
 WILD: dict[int, st.SearchStrategy[Any]] = {
-    FD.TYPE_INT32: _ints(*I32), FD.TYPE_SINT32: _ints(*I32), FD.TYPE_SFIXED32: _ints(*I32),
-    FD.TYPE_INT64: _ints(*I64), FD.TYPE_SINT64: _ints(*I64), FD.TYPE_SFIXED64: _ints(*I64),
-    FD.TYPE_UINT32: _ints(*U32), FD.TYPE_FIXED32: _ints(*U32),
-    FD.TYPE_UINT64: _ints(*U64), FD.TYPE_FIXED64: _ints(*U64),
-    FD.TYPE_FLOAT: st.floats(width=32), FD.TYPE_DOUBLE: st.floats(),
-    FD.TYPE_BOOL: st.booleans(), FD.TYPE_STRING: TEXT, FD.TYPE_BYTES: st.binary(max_size=64),
+    FD.TYPE_INT32: _ints(*I32),
+    FD.TYPE_SINT32: _ints(*I32),
+    FD.TYPE_SFIXED32: _ints(*I32),
+    FD.TYPE_INT64: _ints(*I64),
+    FD.TYPE_SINT64: _ints(*I64),
+    FD.TYPE_SFIXED64: _ints(*I64),
+    FD.TYPE_UINT32: _ints(*U32),
+    FD.TYPE_FIXED32: _ints(*U32),
+    FD.TYPE_UINT64: _ints(*U64),
+    FD.TYPE_FIXED64: _ints(*U64),
+    FD.TYPE_FLOAT: st.floats(width=32),
+    FD.TYPE_DOUBLE: st.floats(),
+    FD.TYPE_BOOL: st.booleans(),
+    FD.TYPE_STRING: TEXT,
+    FD.TYPE_BYTES: st.binary(max_size=64),
 }
 # valid-looking: what a well-behaved client sends (fields without an entry in valid_fields)
 TAME: dict[int, st.SearchStrategy[Any]] = {
-    **{t: st.integers(0, 300) for t in (FD.TYPE_INT32, FD.TYPE_INT64, FD.TYPE_UINT32,
-                                        FD.TYPE_UINT64)},
-    FD.TYPE_FLOAT: st.floats(0, 4, width=32), FD.TYPE_DOUBLE: st.floats(0, 4),
-    FD.TYPE_BOOL: st.booleans(), FD.TYPE_STRING: SHORT,
+    **{
+        t: st.integers(0, 300)
+        for t in (FD.TYPE_INT32, FD.TYPE_INT64, FD.TYPE_UINT32, FD.TYPE_UINT64)
+    },
+    FD.TYPE_FLOAT: st.floats(0, 4, width=32),
+    FD.TYPE_DOUBLE: st.floats(0, 4),
+    FD.TYPE_BOOL: st.booleans(),
+    FD.TYPE_STRING: SHORT,
 }
 # set in every valid-mode message: without them a call is refused before doing anything
-REQUIRED = frozenset({"hicache.v1.GenerateRequest.prompt", "hicache.v1.MatchPrefixRequest.prompt",
-                      "hicache.v1.TokenIds.ids", "hicache.v1.ChatMessages.messages",
-                      "hicache.v1.PrefetchRequest.prompt", "hicache.v1.PinRequest.prompt",
-                      "hicache.v1.Prompt.input", "hicache.v1.EvictRequest.target",
-                      "hicache.v1.UnpinRequest.target"})
+REQUIRED = frozenset(
+    {
+        "hicache.v1.GenerateRequest.prompt",
+        "hicache.v1.MatchPrefixRequest.prompt",
+        "hicache.v1.TokenIds.ids",
+        "hicache.v1.ChatMessages.messages",
+        "hicache.v1.PrefetchRequest.prompt",
+        "hicache.v1.PinRequest.prompt",
+        "hicache.v1.Prompt.input",
+        "hicache.v1.EvictRequest.target",
+        "hicache.v1.UnpinRequest.target",
+    }
+)
 PROMPTS = [CHECK_PROMPT, list(range(100, 180)), CHECK_PROMPT[:30] + [7] * 20]
 
 
@@ -129,34 +165,42 @@ def valid_fields(work: Path) -> dict[str, st.SearchStrategy[Any]]:
     """Values that pass validation (full field name, or a bare name for every message)."""
     rid = st.one_of(st.just(""), st.from_regex(r"\A[A-Za-z0-9_.:\-]{1,128}\Z"))
     return {
-        "hicache.v1.TokenIds.ids": st.one_of(st.sampled_from(PROMPTS),
-                                             st.lists(st.integers(0, VOCAB - 1), min_size=1,
-                                                      max_size=120)),
+        "hicache.v1.TokenIds.ids": st.one_of(
+            st.sampled_from(PROMPTS), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=120)
+        ),
         "hicache.v1.Prompt.text": WORDS,
         "hicache.v1.ChatMessages.messages": st.lists(
-            st.builds(lambda r, c: common_pb2.ChatMessage(role=r, content=c),
-                      st.sampled_from(["system", "user", "assistant", "tool"]),
-                      st.text("abcdefgh ", max_size=20)), min_size=1, max_size=3),
+            st.builds(
+                lambda r, c: common_pb2.ChatMessage(role=r, content=c),
+                st.sampled_from(["system", "user", "assistant", "tool"]),
+                st.text("abcdefgh ", max_size=20),
+            ),
+            min_size=1,
+            max_size=3,
+        ),
         "hicache.v1.SamplingParams.max_new_tokens": st.integers(1, 8),
         "hicache.v1.SamplingParams.top_p": st.floats(0.0625, 1.0, width=32),
         "hicache.v1.SamplingParams.top_k": st.one_of(st.just(-1), st.integers(1, 50)),
         "hicache.v1.SamplingParams.min_p": st.floats(0, 1, width=32),
         "hicache.v1.SamplingParams.seed": st.integers(0, 2**63 - 1),
         "hicache.v1.SamplingParams.stop": st.lists(WORDS, max_size=3),
-        "hicache.v1.SamplingParams.stop_token_ids": st.lists(st.integers(0, VOCAB - 1),
-                                                             max_size=4),
+        "hicache.v1.SamplingParams.stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=4),
         "request_id": rid,
-        "cache_namespace": st.one_of(st.sampled_from(["", "", "fuzz"]),
-                                     st.from_regex(r"\A[A-Za-z0-9_.\-]{1,64}\Z")),
-        "ttl_s": _seconds(10), "pin_ttl_s": _seconds(10), "timeout_s": _seconds(2),
+        "cache_namespace": st.one_of(
+            st.sampled_from(["", "", "fuzz"]), st.from_regex(r"\A[A-Za-z0-9_.\-]{1,64}\Z")
+        ),
+        "ttl_s": _seconds(10),
+        "pin_ttl_s": _seconds(10),
+        "timeout_s": _seconds(2),
         "hicache.v1.EvictRequest.num_tokens": st.integers(1, 600),
         "hicache.v1.EvictRequest.all": st.just(True),
         "hicache.v1.UnpinRequest.all": st.just(True),
         "hicache.v1.UnpinRequest.pin_id": st.sampled_from(["pin-1", "pin-2", "pin-3", "pin-9"]),
         "hicache.v1.InspectTreeRequest.page_size": st.integers(0, 1000),
         "hicache.v1.InspectTreeRequest.preview_tokens": st.integers(0, 256),
-        "hicache.v1.InspectTreeRequest.page_token": st.one_of(st.just(""),
-                                                              st.integers(0, 50).map(str)),
+        "hicache.v1.InspectTreeRequest.page_token": st.one_of(
+            st.just(""), st.integers(0, 50).map(str)
+        ),
         **_storage_fields(work),
     }
 
@@ -164,8 +208,9 @@ def valid_fields(work: Path) -> dict[str, st.SearchStrategy[Any]]:
 def wild_fields(work: Path) -> dict[str, st.SearchStrategy[Any]]:
     """Fields whose wild values need a shape (or must stay harmless)."""
     return {
-        "hicache.v1.TokenIds.ids": st.one_of(st.lists(st.integers(0, VOCAB - 1), max_size=400),
-                                             st.lists(_ints(*U32), max_size=20)),
+        "hicache.v1.TokenIds.ids": st.one_of(
+            st.lists(st.integers(0, VOCAB - 1), max_size=400), st.lists(_ints(*U32), max_size=20)
+        ),
         # one character over the limit (built lazily: a 4 MB repr in every failure report)
         "hicache.v1.Prompt.text": st.one_of(TEXT, st.just(4_000_001).map(lambda n: "a" * n)),
         "hicache.v1.SamplingParams.stop": st.lists(SHORT, max_size=40),
@@ -178,22 +223,35 @@ def _storage_fields(work: Path) -> dict[str, st.SearchStrategy[Any]]:
     the temp dir (relative paths land in the daemon's cwd, that temp dir)."""
     dirs = [str(work / "attach-a"), str(work / "attach" / "b"), str(work / "kv")]
     rel = st.text("abcXYZ019_-.", min_size=1, max_size=300).filter(lambda s: s not in ("..",))
-    urls = ["redis://127.0.0.1:1/0", "rediss://127.0.0.1:1/0", "unix:///nonexistent/redis.sock",
-            "redis-cluster://127.0.0.1:1,127.0.0.1:2", "redis://:pw@127.0.0.1:1/99999",
-            "redis://127.0.0.1:99999/0", "http://127.0.0.1:1", "redis://"]
+    urls = [
+        "redis://127.0.0.1:1/0",
+        "rediss://127.0.0.1:1/0",
+        "unix:///nonexistent/redis.sock",
+        "redis-cluster://127.0.0.1:1,127.0.0.1:2",
+        "redis://:pw@127.0.0.1:1/99999",
+        "redis://127.0.0.1:99999/0",
+        "http://127.0.0.1:1",
+        "redis://",
+    ]
     return {
         "hicache.v1.AttachStorageRequest.backend": st.one_of(
-            st.sampled_from(["file", "file", "redis", "", "FILE", "none"]), SHORT),
+            st.sampled_from(["file", "file", "redis", "", "FILE", "none"]), SHORT
+        ),
         "hicache.v1.AttachStorageRequest.directory": st.one_of(
-            st.just(""), st.sampled_from(dirs), rel,
-            st.sampled_from(["bad\0name", "x" * 300, "a/" * 200 + "b"])),
+            st.just(""),
+            st.sampled_from(dirs),
+            rel,
+            st.sampled_from(["bad\0name", "x" * 300, "a/" * 200 + "b"]),
+        ),
         "hicache.v1.AttachStorageRequest.url": st.one_of(
-            st.just(""), st.sampled_from(urls), SHORT.filter(lambda s: ":" not in s)),
+            st.just(""), st.sampled_from(urls), SHORT.filter(lambda s: ":" not in s)
+        ),
     }
 
 
-def message_strategy(desc: Any, valid: dict[str, Any], wild: dict[str, Any],
-                     wild_share: float) -> st.SearchStrategy:
+def message_strategy(
+    desc: Any, valid: dict[str, Any], wild: dict[str, Any], wild_share: float
+) -> st.SearchStrategy:
     """Messages of type ``desc``: every field valid (wild_share 0), any value of its type (1),
     or each field wild with about that probability. Fields are set or not (a oneof: one member
     or none), except REQUIRED ones unless every field is wild."""
@@ -240,22 +298,24 @@ def message_strategy(desc: Any, valid: dict[str, Any], wild: dict[str, Any],
             if _repeated(f):
                 target = getattr(msg, name)
                 for item in v:
-                    target.add().CopyFrom(item) if f.type == FD.TYPE_MESSAGE else target.append(item)
+                    target.add().CopyFrom(item) if f.type == FD.TYPE_MESSAGE else target.append(
+                        item
+                    )
             elif f.type == FD.TYPE_MESSAGE:
                 getattr(msg, name).CopyFrom(v)
             else:
                 setattr(msg, name, v)
         return msg
 
-    return st.builds(build, st.fixed_dictionaries(required, optional=optional),
-                     st.tuples(*choices))
+    return st.builds(build, st.fixed_dictionaries(required, optional=optional), st.tuples(*choices))
 
 
 def request_strategy(desc: Any, work: Path) -> st.SearchStrategy[bytes]:
     """All valid, mostly valid (about one field in six wild), or all wild; serialized."""
     valid, wild = valid_fields(work), wild_fields(work)
-    return st.one_of(*[message_strategy(desc, valid, wild, share) for share in (0.0, 1 / 6, 1.0)]
-                     ).map(lambda m: m.SerializeToString())
+    return st.one_of(
+        *[message_strategy(desc, valid, wild, share) for share in (0.0, 1 / 6, 1.0)]
+    ).map(lambda m: m.SerializeToString())
 
 
 def _synthetic(oneof: Any) -> bool:
@@ -300,8 +360,12 @@ BAD_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"ok
 def raw_payloads(desc: Any) -> st.SearchStrategy[bytes]:
     """Garbage, truncated varints, and messages with one string field that is not UTF-8."""
     paths = _string_paths(desc)
-    garbage = st.one_of(st.binary(max_size=600), st.sampled_from(
-        [b"\x08", b"\x0a\xff\xff\xff\xff\x0f", b"\xff" * 16, b"\x12\x05ab", b"\x00"]))
+    garbage = st.one_of(
+        st.binary(max_size=600),
+        st.sampled_from(
+            [b"\x08", b"\x0a\xff\xff\xff\xff\x0f", b"\xff" * 16, b"\x12\x05ab", b"\x00"]
+        ),
+    )
     if not paths:
         return garbage
     bad = st.builds(_encode_path, st.sampled_from(paths), st.sampled_from(BAD_UTF8))
@@ -345,8 +409,9 @@ ALLOWED = {name: _COMMON for name in METHODS} | {
     # an endless stream: this test cancels it, or its 0.5 s deadline passes
     "WatchCacheEvents": _COMMON | {"UNIMPLEMENTED", "CANCELLED_BY_TEST", "DEADLINE_EXCEEDED"},
 }
-assert all(codes - {"CANCELLED_BY_TEST", "DEADLINE_EXCEEDED"} <= DOCUMENTED
-           for codes in ALLOWED.values())
+assert all(
+    codes - {"CANCELLED_BY_TEST", "DEADLINE_EXCEEDED"} <= DOCUMENTED for codes in ALLOWED.values()
+)
 SEEN: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
 
@@ -358,8 +423,11 @@ def check(ch: grpc.Channel, name: str, payload: bytes, kind: str = "message") ->
     if code == "OK" and name in ("Generate", "Prefetch"):
         cls = message_factory.GetMessageClass(m.output_type)
         last = cls.FromString(out[-1]) if out else None
-        done = (last is not None and last.HasField("complete")) if name == "Generate" else (
-            last is not None and last.stage == admin_pb2.PREFETCH_STAGE_DONE)
+        done = (
+            (last is not None and last.HasField("complete"))
+            if name == "Generate"
+            else (last is not None and last.stage == admin_pb2.PREFETCH_STAGE_DONE)
+        )
         assert done, f"{name}: OK without its final message ({len(out)} responses)"
 
 
@@ -375,27 +443,48 @@ def fuzz(draw: st.SearchStrategy[bytes], examples: int, body: Callable[[bytes], 
 # ---- tests ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(METHODS))
 def test_fuzz_messages(daemon, channel, name):
-    fuzz(request_strategy(METHODS[name].input_type, daemon["work"]), EXAMPLES.get(name, 20),
-         lambda payload: check(channel, name, payload))
+    fuzz(
+        request_strategy(METHODS[name].input_type, daemon["work"]),
+        EXAMPLES.get(name, 20),
+        lambda payload: check(channel, name, payload),
+    )
 
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_fuzz_raw_bytes(daemon, channel, name):
-    fuzz(raw_payloads(METHODS[name].input_type), 12,
-         lambda payload: check(channel, name, payload, "raw"))
+    fuzz(
+        raw_payloads(METHODS[name].input_type),
+        12,
+        lambda payload: check(channel, name, payload, "raw"),
+    )
 
 
 LONG = "x" * 20_000
 
 
-@pytest.mark.parametrize("name,payload,code", [
-    ("Unpin", admin_pb2.UnpinRequest(pin_id=LONG), "NOT_FOUND"),
-    ("Generate", gen_pb2.GenerateRequest(prompt=common_pb2.Prompt(chat=common_pb2.ChatMessages(
-        messages=[common_pb2.ChatMessage(role=LONG, content="hi")]))), "INVALID_ARGUMENT"),
-    ("AttachStorage", admin_pb2.AttachStorageRequest(backend=LONG), "INVALID_ARGUMENT"),
-    ("AttachStorage", admin_pb2.AttachStorageRequest(backend="file", directory=LONG),
-     "INVALID_ARGUMENT"),
-])
+@pytest.mark.parametrize(
+    "name,payload,code",
+    [
+        ("Unpin", admin_pb2.UnpinRequest(pin_id=LONG), "NOT_FOUND"),
+        (
+            "Generate",
+            gen_pb2.GenerateRequest(
+                prompt=common_pb2.Prompt(
+                    chat=common_pb2.ChatMessages(
+                        messages=[common_pb2.ChatMessage(role=LONG, content="hi")]
+                    )
+                )
+            ),
+            "INVALID_ARGUMENT",
+        ),
+        ("AttachStorage", admin_pb2.AttachStorageRequest(backend=LONG), "INVALID_ARGUMENT"),
+        (
+            "AttachStorage",
+            admin_pb2.AttachStorageRequest(backend="file", directory=LONG),
+            "INVALID_ARGUMENT",
+        ),
+    ],
+)
 def test_long_values_in_error_messages(channel, name, payload, code):
     got, details, _ = call_raw(channel, name, payload.SerializeToString())
     assert got == code, f"{got}: {details[:200]}"
@@ -406,8 +495,16 @@ def test_fuzzing_got_past_validation():
     ran = {k.split(" ", 1)[1] for k in SEEN if k.startswith("message ")}
     if not ran:
         pytest.skip("the fuzz tests did not run")
-    for name in {"Generate", "MatchPrefix", "Prefetch", "Evict", "Flush", "InspectTree",
-                 "DetachStorage", "Abort"} & ran:
+    for name in {
+        "Generate",
+        "MatchPrefix",
+        "Prefetch",
+        "Evict",
+        "Flush",
+        "InspectTree",
+        "DetachStorage",
+        "Abort",
+    } & ran:
         assert SEEN[f"message {name}"]["OK"] > 0, (name, dict(SEEN[f"message {name}"]))
         assert SEEN[f"message {name}"]["INVALID_ARGUMENT"] > 0, name
 

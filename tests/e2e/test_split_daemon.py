@@ -36,8 +36,9 @@ PROMPTS = [
 
 
 def _args(model: str) -> ServerArgs:
-    return ServerArgs(model_path=model, max_total_tokens=4096, max_running_requests=8,
-                      debug_check_invariants=True)
+    return ServerArgs(
+        model_path=model, max_total_tokens=4096, max_running_requests=8, debug_check_invariants=True
+    )
 
 
 def test_split_streams_equal_the_in_process_engine(tiny_llama_dir):
@@ -48,8 +49,9 @@ def test_split_streams_equal_the_in_process_engine(tiny_llama_dir):
         # a stop string taken from the free text: the cut must land in the same place
         stop = want[0].text.strip()[3:6]
         want_stop = ref.generate(PROMPTS[0], {"max_new_tokens": 24, "stop": [stop], **GREEDY})
-        want_chat = ref.generate([{"role": "user", "content": "hi"}],
-                                 {"max_new_tokens": 8, **GREEDY})
+        want_chat = ref.generate(
+            [{"role": "user", "content": "hi"}], {"max_new_tokens": 8, **GREEDY}
+        )
     finally:
         ref.shutdown()
     dt = DaemonThread(DaemonSettings(port=0, processes="split"), _args(tiny_llama_dir)).start()
@@ -68,8 +70,7 @@ def test_split_streams_equal_the_in_process_engine(tiny_llama_dir):
                 t.join(60)
             for (text, ids, _), w in zip(results, want):
                 assert ids == w.token_ids and text == w.text
-            text, ids, done = c.generate_text(PROMPTS[0], max_new_tokens=24, stop=[stop],
-                                              **GREEDY)
+            text, ids, done = c.generate_text(PROMPTS[0], max_new_tokens=24, stop=[stop], **GREEDY)
             assert (ids, text) == (want_stop.token_ids, want_stop.text)
             assert done.matched_stop_string == want_stop.matched_stop
             text, ids, _ = c.generate_text("hi", chat=True, max_new_tokens=8, **GREEDY)
@@ -90,14 +91,38 @@ def _free_port() -> int:
 @pytest.fixture
 def serve(tiny_llama_dir, tmp_path):
     port, http_port = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
-    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), HICACHE_LOG_LEVEL="warning",
-               HICACHE_MAX_TOTAL_TOKENS="4096", HICACHE_WARMUP="false")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"
+    }
+    env.update(
+        XDG_CACHE_HOME=str(tmp_path / "xdg"),
+        HICACHE_LOG_LEVEL="warning",
+        HICACHE_MAX_TOTAL_TOKENS="4096",
+        HICACHE_WARMUP="false",
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.client.cli", "serve", "--model", tiny_llama_dir, "--port",
-         str(port), "--http-port", str(http_port), "--grace-period-s", "5"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.client.cli",
+            "serve",
+            "--model",
+            tiny_llama_dir,
+            "--port",
+            str(port),
+            "--http-port",
+            str(http_port),
+            "--grace-period-s",
+            "5",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     addr = f"127.0.0.1:{port}"
     wait_serving(proc, addr)
     with HicacheClient(addr, timeout=10) as c:
@@ -130,8 +155,13 @@ def test_a_killed_child_ends_requests_and_the_daemon(serve, victim):
     statuses: list[int] = []
 
     def http_request() -> None:  # a non-streamed completion, in flight when the child dies
-        body = {"model": "default", "prompt": "and over HTTP", "max_tokens": 3000,
-                "ignore_eos": True, "temperature": 0}
+        body = {
+            "model": "default",
+            "prompt": "and over HTTP",
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         statuses.append(httpx2.post(f"{http}/v1/completions", json=body, timeout=60).status_code)
 
     with HicacheClient(addr, timeout=60) as c:

@@ -64,16 +64,28 @@ def daemon(tiny_llama_dir, tmp_path_factory, daemon_log):
     tenants = (
         Tenant("acme", (TOKENS["acme"],), ("acme", "acme-rag"), quota_l1_tokens=ACME_L1_QUOTA),
         Tenant("beta", (TOKENS["beta"],)),
-        Tenant("gamma", (TOKENS["gamma"],), quota_l1_tokens=GAMMA_L1_QUOTA,
-               quota_l2_tokens=GAMMA_L2_QUOTA),
+        Tenant(
+            "gamma",
+            (TOKENS["gamma"],),
+            quota_l1_tokens=GAMMA_L1_QUOTA,
+            quota_l2_tokens=GAMMA_L2_QUOTA,
+        ),
         Tenant("delta", (TOKENS["delta"],), quota_l3_tokens=DELTA_L3_QUOTA),
     )
-    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=2048, max_running_requests=8,
-                      enable_hierarchical_cache=True, hicache_ratio=4.0,
-                      hicache_storage_backend="file", hicache_storage_dir=storage,
-                      hicache_storage_page_size=L3_OBJECT, debug_check_invariants=True)
-    dt = DaemonThread(DaemonSettings(port=0, admin_token=ADMIN, grace_period_s=2,
-                                     tenants=tenants), args).start()
+    args = ServerArgs(
+        model_path=tiny_llama_dir,
+        max_total_tokens=2048,
+        max_running_requests=8,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4.0,
+        hicache_storage_backend="file",
+        hicache_storage_dir=storage,
+        hicache_storage_page_size=L3_OBJECT,
+        debug_check_invariants=True,
+    )
+    dt = DaemonThread(
+        DaemonSettings(port=0, admin_token=ADMIN, grace_period_s=2, tenants=tenants), args
+    ).start()
     yield dt
     dt.stop()
 
@@ -163,8 +175,9 @@ def _l1(c: HicacheClient, prompt: Any, namespace: str = "") -> int:
     return c.match_prefix(prompt, namespace=namespace).matched_per_tier.l1
 
 
-def _wait_for(pred: Callable[[], bool], what: str | Callable[[], str],
-              timeout: float = 20.0) -> None:
+def _wait_for(
+    pred: Callable[[], bool], what: str | Callable[[], str], timeout: float = 20.0
+) -> None:
     """Polls an eventually-true condition (transfers between tiers are asynchronous)."""
     deadline = time.monotonic() + timeout
     while not pred():
@@ -239,8 +252,11 @@ MUTATIONS: list[tuple[str, Callable[[HicacheClient], Any]]] = [
 ]
 
 
-@pytest.mark.parametrize("token", [None, "nope", "tok-a-but-longer", "tok-"],
-                         ids=["no token", "unknown", "tenant token + suffix", "token prefix"])
+@pytest.mark.parametrize(
+    "token",
+    [None, "nope", "tok-a-but-longer", "tok-"],
+    ids=["no token", "unknown", "tenant token + suffix", "token prefix"],
+)
 @pytest.mark.parametrize("name,call", READS, ids=[r[0] for r in READS])
 def test_no_or_unknown_token_is_unauthenticated(daemon, token, name, call):
     with _client(daemon, token) as c:
@@ -325,8 +341,9 @@ FOREIGN: list[tuple[str, Callable[[HicacheClient, list[int], str], Any]]] = [
 
 
 @pytest.mark.usefixtures("clean")
-@pytest.mark.parametrize("ns", ["beta", "nobodys", "acme"], ids=["other tenant's", "unowned",
-                                                                  "acme's from beta"])
+@pytest.mark.parametrize(
+    "ns", ["beta", "nobodys", "acme"], ids=["other tenant's", "unowned", "acme's from beta"]
+)
 @pytest.mark.parametrize("name,call", FOREIGN, ids=[f[0] for f in FOREIGN])
 def test_foreign_namespace_is_permission_denied(acme, beta, admin, ns, name, call):
     """The namespace holds the prompt (so a leak would succeed) and is left unchanged."""
@@ -352,8 +369,11 @@ def test_guessed_prompt_reveals_nothing(acme, beta, admin):
     assert _gen(beta, s).usage.cached_tokens == 0
     assert _gen(beta, s).usage.cached_tokens > 0  # cached for beta
     m = acme.match_prefix(s)
-    assert m.matched_tokens == 0 and (m.matched_per_tier.l1, m.matched_per_tier.l2,
-                                      m.matched_per_tier.l3) == (0, 0, 0)
+    assert m.matched_tokens == 0 and (
+        m.matched_per_tier.l1,
+        m.matched_per_tier.l2,
+        m.matched_per_tier.l3,
+    ) == (0, 0, 0)
     assert _code(lambda: acme.match_prefix(s, namespace="beta")) == DENIED
     assert _code(lambda: acme.generate_text(s, namespace="beta", **SHORT)) == DENIED
     assert acme.evict(prefix=s, dry_run=True).evicted_tokens == 0
@@ -370,8 +390,11 @@ def test_guessed_prompt_reveals_nothing(acme, beta, admin):
     matched = next(stages)  # the MATCHED stage: before any work
     stages.cancel()
     assert matched.stage == admin_pb2.PREFETCH_STAGE_MATCHED
-    assert (matched.cached_per_tier.l1, matched.cached_per_tier.l2,
-            matched.cached_per_tier.l3) == (0, 0, 0)
+    assert (matched.cached_per_tier.l1, matched.cached_per_tier.l2, matched.cached_per_tier.l3) == (
+        0,
+        0,
+        0,
+    )
     assert _gen(acme, s).usage.cached_tokens > 0  # its own cache works
     assert _matched(beta, s) > 0  # and beta's is still there
 
@@ -384,7 +407,8 @@ def test_same_request_id_in_two_tenants_and_abort_reaches_only_its_own(acme, bet
     assert a_first.request_id == b_first.request_id == "job-1"
     # Within one tenant an id is still unique among its running requests.
     assert _code(lambda: beta.generate_text(_prompt(10), request_id="job-1", **SHORT)) == (
-        grpc.StatusCode.ALREADY_EXISTS)
+        grpc.StatusCode.ALREADY_EXISTS
+    )
     assert acme.abort("job-1").found is True  # acme's own
     assert _finish(a_stream).finish_reason == gen_pb2.FINISH_REASON_ABORT
     done = _finish(b_stream)
@@ -451,8 +475,7 @@ def test_evict_by_prefix_touches_only_the_callers_namespace(acme, beta):
 
 
 @pytest.mark.usefixtures("clean")
-@pytest.mark.parametrize("how", [{"all": True}, {"num_tokens": 10**6}],
-                         ids=["all", "by count"])
+@pytest.mark.parametrize("how", [{"all": True}, {"num_tokens": 10**6}], ids=["all", "by count"])
 def test_evict_touches_only_own_namespaces(acme, beta, admin, how):
     pa, pa2, pb = _prompt(17), _prompt(18), _prompt(19)
     _gen(acme, pa)
@@ -515,7 +538,8 @@ def test_cache_stats_are_the_tenants_own(acme, beta, admin):
     assert len(pa) <= _tier(a, "l1").used_tokens <= len(pa) + SHORT["max_new_tokens"]
     for name in ("l1", "l2"):
         assert _tier(whole, name).used_tokens >= (
-            _tier(a, name).used_tokens + _tier(b, name).used_tokens), name
+            _tier(a, name).used_tokens + _tier(b, name).used_tokens
+        ), name
     # capacity_tokens = the tenant's quota, else the tier's capacity
     assert _tier(a, "l1").capacity_tokens == ACME_L1_QUOTA
     assert _tier(a, "l2").capacity_tokens == _tier(whole, "l2").capacity_tokens
@@ -591,8 +615,10 @@ def test_l1_quota_demotes_the_tenants_lru_nodes_to_l2(acme, beta):
     first_ids = acme.generate_text(prompts[0], **SHORT)[1]
     for p in prompts[1:]:
         _gen(acme, p)
-    _wait_for(lambda: _used(acme, "l1") <= ACME_L1_QUOTA,
-              lambda: f"acme stays over its L1 quota: {_usage(acme)}")
+    _wait_for(
+        lambda: _used(acme, "l1") <= ACME_L1_QUOTA,
+        lambda: f"acme stays over its L1 quota: {_usage(acme)}",
+    )
     stats = acme.cache_stats()
     assert 0 < _tier(stats, "l1").used_tokens <= ACME_L1_QUOTA
     assert _tier(stats, "l2").used_tokens > 0
@@ -618,8 +644,10 @@ def test_l2_quota_caps_the_tenants_l2(gamma, beta):
     evicted_before = _tier(gamma.cache_stats(), "l2").evicted_tokens
     for p in prompts:
         _gen(gamma, p)
-    _wait_for(lambda: _used(gamma, "l1") <= GAMMA_L1_QUOTA and _used(gamma, "l2") <= GAMMA_L2_QUOTA,
-              lambda: f"gamma stays over its L1 / L2 quota: {_usage(gamma)}")
+    _wait_for(
+        lambda: _used(gamma, "l1") <= GAMMA_L1_QUOTA and _used(gamma, "l2") <= GAMMA_L2_QUOTA,
+        lambda: f"gamma stays over its L1 / L2 quota: {_usage(gamma)}",
+    )
     stats = gamma.cache_stats()
     assert _tier(stats, "l1").capacity_tokens == GAMMA_L1_QUOTA
     assert _tier(stats, "l2").capacity_tokens == GAMMA_L2_QUOTA

@@ -48,8 +48,9 @@ def test_linear_rows_are_invariant_on_cuda(dtype, k, n):
     b = torch.randn(n, device=DEV).to(dtype)
     full = bi.linear(x, w, b)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float(), b.float()),
-                               atol=tol, rtol=tol)  # fmt: skip
+    torch.testing.assert_close(
+        full.float(), F.linear(x.float(), w.float(), b.float()), atol=tol, rtol=tol
+    )
     for m, idx in _subsets(300, seed=1):
         assert torch.equal(bi.linear(x[idx], w, b), full[idx]), m
 
@@ -93,8 +94,7 @@ LENS = {"a": 1100, "b": 300, "c": 700}  # "a" spans 5 chunks of 256 keys
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("geom", [(8, 8, 64), (32, 4, 128), (40, 2, 128)],
-                         ids=["mha", "g8", "g20"])  # fmt: skip
+@pytest.mark.parametrize("geom", [(8, 8, 64), (32, 4, 128), (40, 2, 128)], ids=["mha", "g8", "g20"])
 def test_triton_fixed_split_gives_a_token_the_same_bits(dtype, geom):
     seqs = make_seqs(geom, LENS, device=DEV, dtype=dtype)
     big = {"num_slots": 8192, "table_width": 2048}
@@ -106,8 +106,11 @@ def test_triton_fixed_split_gives_a_token_the_same_bits(dtype, geom):
     cached.cached("c", 100)
     cached.extend([("b", 300), ("a", 400), ("c", 600)])
     chunked = AttentionWorld(seqs, geom, "triton", seed=3, **big)
-    for sizes in ([("a", 300), ("c", 512)], [("b", 77), ("a", 400), ("c", 188)],
-                  [("a", 400), ("b", 223)]):  # fmt: skip
+    for sizes in (
+        [("a", 300), ("c", 512)],
+        [("b", 77), ("a", 400), ("c", 188)],
+        [("a", 400), ("b", 223)],
+    ):
         chunked.extend(sizes)
     decoded = AttentionWorld(seqs, geom, "triton", seed=4, **big)
     decoded.cached("a", 1020)
@@ -164,9 +167,18 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def _runner(path: str, **kw) -> ModelRunner:
-    return ModelRunner(ServerArgs(model_path=path, device=DEV, enable_deterministic_inference=True,
-                                  max_running_requests=16, cuda_graph_max_bs=16,
-                                  max_total_tokens=8192, context_length=2048, **kw))  # fmt: skip
+    return ModelRunner(
+        ServerArgs(
+            model_path=path,
+            device=DEV,
+            enable_deterministic_inference=True,
+            max_running_requests=16,
+            cuda_graph_max_bs=16,
+            max_total_tokens=8192,
+            context_length=2048,
+            **kw,
+        )
+    )
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
@@ -178,8 +190,10 @@ def test_prefill_logits_do_not_depend_on_batch_prefix_chunks_or_decode(model_dir
     assert runner.attn_backend.deterministic
     gen = torch.Generator().manual_seed(0)
     lens = {"p": 600, "q": 300, "r": 90}
-    tokens = {rid: torch.randint(3, runner.vocab_size, (n + 8,), generator=gen).tolist()
-              for rid, n in lens.items()}  # fmt: skip
+    tokens = {
+        rid: torch.randint(3, runner.vocab_size, (n + 8,), generator=gen).tolist()
+        for rid, n in lens.items()
+    }
     alone = RunnerWorld(runner, tokens)  # prompts alone, then each decoded alone
     for rid, n in lens.items():
         alone.extend([(rid, n)])
@@ -207,8 +221,13 @@ def test_greedy_tokens_alone_batched_cached_and_chunked(model_dir):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 380, (n,), generator=gen).tolist() for n in (700, 150, 40, 333)]
     greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    common = {"device": DEV, "enable_deterministic_inference": True, "max_total_tokens": 16384,
-              "max_running_requests": 16, "cuda_graph_max_bs": 16}  # fmt: skip
+    common = {
+        "device": DEV,
+        "enable_deterministic_inference": True,
+        "max_total_tokens": 16384,
+        "max_running_requests": 16,
+        "cuda_graph_max_bs": 16,
+    }
     with Engine(model_dir, **common) as eng:
         alone = [eng.generate([p], greedy)[0].token_ids for p in prompts]
         assert [o.token_ids for o in eng.generate(prompts, greedy)] == alone  # batched, cached
@@ -216,6 +235,7 @@ def test_greedy_tokens_alone_batched_cached_and_chunked(model_dir):
         turn2 = prompts[0] + alone[0][:10]
         assert eng.generate([turn2], greedy)[0].token_ids[:14] == alone[0][10:]
     for chunk in (64, 200):
-        with Engine(model_dir, chunked_prefill_size=chunk, disable_radix_cache=True,
-                    **common) as eng:  # fmt: skip
+        with Engine(
+            model_dir, chunked_prefill_size=chunk, disable_radix_cache=True, **common
+        ) as eng:
             assert [o.token_ids for o in eng.generate(prompts, greedy)] == alone, chunk

@@ -40,8 +40,9 @@ class _Harness:
         torch.manual_seed(0)
         self.dtype = dtype
         self.req_pool = ReqToTokenPool(8, 1024, DEV)
-        self.pools = {n: MHATokenToKVPool(NUM_SLOTS, 1, dtype, kv_heads, head_dim, 1, DEV)
-                      for n in names}  # fmt: skip
+        self.pools = {
+            n: MHATokenToKVPool(NUM_SLOTS, 1, dtype, kv_heads, head_dim, 1, DEV) for n in names
+        }
         self.backends = {}
         for n in names:
             stub = SimpleNamespace(  # what the backend reads off a ModelRunner

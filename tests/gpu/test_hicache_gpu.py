@@ -24,7 +24,8 @@ pytestmark = [
 L, H, D = 4, 2, 64
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 BACKENDS = ["triton", "torch_native"] + (
-    ["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
+    ["flashinfer"] if importlib.util.find_spec("flashinfer") else []
+)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -77,8 +78,13 @@ def _prompts(n: int, seed: int, length: int = 60) -> list[list[int]]:
 def test_greedy_equal_across_tiers_on_cuda(tiny_llama_dir, tmp_path, backend, io_backend):
     conv = _prompts(1, seed=3)[0]
     fillers = _prompts(6, seed=4, length=70)
-    common = {"device": "cuda", "dtype": "float32", "attention_backend": backend,
-              "page_size": 16, "debug_check_invariants": True}
+    common = {
+        "device": "cuda",
+        "dtype": "float32",
+        "attention_backend": backend,
+        "page_size": 16,
+        "debug_check_invariants": True,
+    }
 
     def two_turns(**opts):
         with Engine(tiny_llama_dir, **common, **opts) as eng:
@@ -89,14 +95,19 @@ def test_greedy_equal_across_tiers_on_cuda(tiny_llama_dir, tmp_path, backend, io
             return first, second, eng.cache_stats()
 
     f1, s1, _ = two_turns(max_total_tokens=8192)  # everything stays in L1
-    f2, s2, st2 = two_turns(max_total_tokens=256, enable_hierarchical_cache=True,
-                            hicache_io_backend=io_backend)
+    f2, s2, st2 = two_turns(
+        max_total_tokens=256, enable_hierarchical_cache=True, hicache_io_backend=io_backend
+    )
     assert st2.l2.hit_tokens > 0 and s2.cached_tokens == s1.cached_tokens > 0
-    f3, s3, st3 = two_turns(max_total_tokens=256, enable_hierarchical_cache=True,
-                            hicache_io_backend=io_backend, hicache_ratio=1.0,
-                            hicache_storage_backend="file",
-                            hicache_storage_dir=str(tmp_path / "kv"),
-                            hicache_storage_prefetch_policy="wait_complete")
+    f3, s3, st3 = two_turns(
+        max_total_tokens=256,
+        enable_hierarchical_cache=True,
+        hicache_io_backend=io_backend,
+        hicache_ratio=1.0,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "kv"),
+        hicache_storage_prefetch_policy="wait_complete",
+    )
     assert st3.l3.hit_tokens > 0
     assert f1.token_ids == f2.token_ids == f3.token_ids
     assert s1.token_ids == s2.token_ids == s3.token_ids

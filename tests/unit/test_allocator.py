@@ -102,8 +102,9 @@ def test_alloc_free_property(page_size: int, ops: list[tuple[bool, int]]) -> Non
             alloc.free(held.pop(n % len(held)))
         in_use = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
         every = torch.cat((in_use, alloc.debug_free_slots()))
-        assert torch.equal(torch.sort(every).values,
-                           torch.arange(page_size, (num_pages + 1) * page_size))
+        assert torch.equal(
+            torch.sort(every).values, torch.arange(page_size, (num_pages + 1) * page_size)
+        )
 
 
 def test_req_to_token_pool() -> None:

@@ -31,9 +31,22 @@ def test_concrete_caches_implement_the_core(cls):
 
 
 def test_the_core_is_abstract():
-    core = {"reset", "match_prefix", "insert", "cache_finished_req", "cache_unfinished_req",
-            "record_hit", "evict", "inc_lock_ref", "dec_lock_ref", "evictable_size",
-            "protected_size", "total_size", "all_device_slots", "check_integrity"}
+    core = {
+        "reset",
+        "match_prefix",
+        "insert",
+        "cache_finished_req",
+        "cache_unfinished_req",
+        "record_hit",
+        "evict",
+        "inc_lock_ref",
+        "dec_lock_ref",
+        "evictable_size",
+        "protected_size",
+        "total_size",
+        "all_device_slots",
+        "check_integrity",
+    }
     assert BasePrefixCache.__abstractmethods__ == core
     with pytest.raises(TypeError):
         BasePrefixCache()  # type: ignore[abstract]
@@ -62,8 +75,9 @@ def test_single_tier_caches_answer_optional_calls_neutrally(make):
     assert tree.storage_prefix_len([1, 2, 3, 4]) == 0
     assert tree.node_in_storage(tree.root_node) is False and not tree.storage_busy()
     assert tree.evict_host(100) == 0 and tree.drain_storage(1.0) == 0
-    kv = SimpleNamespace(fill_ids=[1, 2, 3], match_result=res, prefix_indices=res.device_indices,
-                         host_hit_length=0)
+    kv = SimpleNamespace(
+        fill_ids=[1, 2, 3], match_result=res, prefix_indices=res.device_indices, host_hit_length=0
+    )
     req = SimpleNamespace(rid="r", cache_namespace=None, kv=kv)
     assert tree.l3_start(req) == 0 and tree.l3_hit(req) == 0 and tree.object_size == 0
     tree.l3_matched(req)

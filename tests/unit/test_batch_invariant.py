@@ -122,8 +122,9 @@ def test_seeded_sampling_with_row_ops_does_not_depend_on_the_batch():
     assert sampler.row_ops is bi
     gen = torch.Generator().manual_seed(8)
     logits = torch.randn(6, 2500, generator=gen) * 3
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50 * i or -1, seed=i)
-              for i in range(6)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50 * i or -1, seed=i) for i in range(6)
+    ]
 
     def draw(s: Sampler, rows: list[int]) -> list[int]:
         gens = [torch.Generator().manual_seed(i) for i in rows]  # each request's own seed

@@ -42,9 +42,14 @@ def test_percentiles_equal_numpy(n: int) -> None:
     assert median(xs) == pytest.approx(float(np.median(xs)), rel=1e-12)
     s = summary(xs, scale=1000.0)
     a = np.asarray(xs) * 1000.0
-    assert s == pytest.approx({"p50": float(np.percentile(a, 50)),
-                               "p90": float(np.percentile(a, 90)),
-                               "p99": float(np.percentile(a, 99)), "mean": float(a.mean())})
+    assert s == pytest.approx(
+        {
+            "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)),
+            "mean": float(a.mean()),
+        }
+    )
 
 
 def test_no_samples_and_nan_samples() -> None:
@@ -59,8 +64,12 @@ def test_no_samples_and_nan_samples() -> None:
 
 def test_markdown_table() -> None:
     t = markdown_table(["a", "b", "c"], [[1, "x", 2.5], ["FAILED: boom"]])
-    assert t.splitlines() == ["| a | b | c |", "|---|---|---|", "| 1 | x | 2.5 |",
-                              "| FAILED: boom |  |  |"]
+    assert t.splitlines() == [
+        "| a | b | c |",
+        "|---|---|---|",
+        "| 1 | x | 2.5 |",
+        "| FAILED: boom |  |  |",
+    ]
     assert markdown_table(["only"], []) == "| only |\n|---|"
 
 
@@ -78,9 +87,21 @@ def test_header_fields() -> None:
     assert set(rec) == {"command", "date", "plots", "machine"}
     assert rec["plots"] == ["plot.png"]
     m = rec["machine"]
-    for key in ("cpu_model", "cpu_count", "cpu_flags", "gpu", "platform", "python", "torch",
-                "torch_threads", "grpcio", "git_commit", "git_dirty", "loadavg_start",
-                "loadavg_end"):
+    for key in (
+        "cpu_model",
+        "cpu_count",
+        "cpu_flags",
+        "gpu",
+        "platform",
+        "python",
+        "torch",
+        "torch_threads",
+        "grpcio",
+        "git_commit",
+        "git_dirty",
+        "loadavg_start",
+        "loadavg_end",
+    ):
         assert key in m, key
     assert m["cpu_model"] and m["cpu_count"] >= 1
     assert isinstance(m["cpu_flags"], list) and len(m["loadavg_start"]) == 3
@@ -88,8 +109,15 @@ def test_header_fields() -> None:
     assert rec["date"].endswith("+00:00")
     json.dumps(rec)  # JSON as it is
     md = h.markdown(["plot.png"])
-    for text in ("Command: `", "tools/bench_x.py --flag 'a b'`", "CPU flags:",
-                 "Load average (1/5/15 min):", " after", "Plot: `plot.png`", m["cpu_model"]):
+    for text in (
+        "Command: `",
+        "tools/bench_x.py --flag 'a b'`",
+        "CPU flags:",
+        "Load average (1/5/15 min):",
+        " after",
+        "Plot: `plot.png`",
+        m["cpu_model"],
+    ):
         assert text in md, text
     assert " after" not in h.markdown(end=False)
     assert header_markdown(rec) == md
@@ -98,7 +126,9 @@ def test_header_fields() -> None:
 def test_describe_machine() -> None:
     m = Header.now([]).record()["machine"]
     assert describe_machine(m).startswith(f"{m['cpu_count']} x {m['cpu_model']}, torch ")
-    assert describe_machine("x86_64, 2 cores, torch 2.13.0+cpu") == "x86_64, 2 cores, torch 2.13.0+cpu"
+    assert (
+        describe_machine("x86_64, 2 cores, torch 2.13.0+cpu") == "x86_64, 2 cores, torch 2.13.0+cpu"
+    )
 
 
 def test_plot_written(tmp_path) -> None:
@@ -117,7 +147,13 @@ def test_write_json(tmp_path) -> None:
 
 def test_parse_options() -> None:
     assert parse_options(["page_size=16", "x=1.5", "on=true", "name=file", "l=[1, 2]", "e="]) == {
-        "page_size": 16, "x": 1.5, "on": True, "name": "file", "l": [1, 2], "e": ""}
+        "page_size": 16,
+        "x": 1.5,
+        "on": True,
+        "name": "file",
+        "l": [1, 2],
+        "e": "",
+    }
     with pytest.raises(ValueError):
         parse_options(["no_value"])
 

@@ -33,7 +33,7 @@ class FakeScheduler:
         n = len(key) // self.page_size * self.page_size
         value = self.alloc.alloc(n)
         dup = self.tree_cache.insert(key, value)
-        self.alloc.free(value[:dup // self.page_size * self.page_size]) if dup else None
+        self.alloc.free(value[: dup // self.page_size * self.page_size]) if dup else None
 
 
 @pytest.fixture(params=[1, 4])
@@ -46,8 +46,7 @@ def sched(request) -> FakeScheduler:
 
 
 def _snapshot(tree: RadixCache) -> list[tuple]:
-    return sorted((n.id, tuple(n.key), n.last_access_time, n.hit_count)
-                  for n in tree._all_nodes())
+    return sorted((n.id, tuple(n.key), n.last_access_time, n.hit_count) for n in tree._all_nodes())
 
 
 def test_match_prefix_has_no_side_effects(sched):
@@ -124,8 +123,9 @@ def test_inspect_tree_pages_in_depth_first_order(sched):
     assert total == len(nodes) == 4
     ids = {n.node_id: n for n in nodes}
     for n in nodes:  # parents come before their children
-        assert n.parent_id == sched.tree_cache.root_node.id or \
-            nodes.index(ids[n.parent_id]) < nodes.index(n)
+        assert n.parent_id == sched.tree_cache.root_node.id or nodes.index(
+            ids[n.parent_id]
+        ) < nodes.index(n)
         assert n.residency == ["l1"] and len(n.preview_ids) <= 3
     assert sorted(n.prefix_length for n in nodes) == [8, 8, 16, 16]
     page1, _ = cache_admin.inspect_tree(sched, 0, 3)
@@ -220,8 +220,11 @@ def hi():
 
 
 def _tiers(tree) -> dict[int, tuple[bool, bool]]:
-    return {n.id: (n.value is not None, n.host_value is not None)
-            for n in tree._all_nodes() if n is not tree.root_node}
+    return {
+        n.id: (n.value is not None, n.host_value is not None)
+        for n in tree._all_nodes()
+        if n is not tree.root_node
+    }
 
 
 def test_admin_eviction_of_a_prefix_demotes_it_to_l2(hi):
@@ -291,8 +294,11 @@ class AdminMachine(RuleBasedStateMachine):
     run changes nothing and says what the real eviction then frees (tokens and nodes, from that
     tier, within its scope, never a pinned node), and every tier's slots stay accounted for."""
 
-    @initialize(hier=st.booleans(), page_size=st.sampled_from([1, 2]),
-                policy=st.sampled_from(["write_through", "write_back"]))
+    @initialize(
+        hier=st.booleans(),
+        page_size=st.sampled_from([1, 2]),
+        policy=st.sampled_from(["write_through", "write_back"]),
+    )
     def setup(self, hier: bool, page_size: int, policy: str) -> None:
         self.s = HiScheduler(page_size, policy) if hier else FakeScheduler(page_size)
         self.pins: list[str] = []
@@ -324,11 +330,23 @@ class AdminMachine(RuleBasedStateMachine):
         if self.pins:
             assert cache_admin.unpin(self.s, self.pins.pop(i % len(self.pins)))[0] == 1
 
-    @rule(tier=st.sampled_from(["l1", "l2"]), what=st.sampled_from(["count", "prefix", "ns"]),
-          n=st.one_of(st.none(), st.integers(1, 40)), key=KEYS, ns=NAMESPACES,
-          scope=st.sampled_from([frozenset({"a"}), frozenset({"b", "a"})]))
-    def evict(self, tier: str, what: str, n: int | None, key: list[int], ns: str | None,
-              scope: frozenset[str]) -> None:
+    @rule(
+        tier=st.sampled_from(["l1", "l2"]),
+        what=st.sampled_from(["count", "prefix", "ns"]),
+        n=st.one_of(st.none(), st.integers(1, 40)),
+        key=KEYS,
+        ns=NAMESPACES,
+        scope=st.sampled_from([frozenset({"a"}), frozenset({"b", "a"})]),
+    )
+    def evict(
+        self,
+        tier: str,
+        what: str,
+        n: int | None,
+        key: list[int],
+        ns: str | None,
+        scope: frozenset[str],
+    ) -> None:
         tree = self.s.tree_cache
         kw: dict = {"num_tokens": n}
         if what == "prefix":
@@ -382,12 +400,14 @@ class AdminMachine(RuleBasedStateMachine):
             self.s.rig.check_invariants()  # integrity; free + cached == total on L1 and L2
         else:
             self.s.tree_cache.check_integrity()
-            assert self.s.alloc.available_size() + self.s.tree_cache.total_size() == \
-                self.s.alloc.size
+            assert (
+                self.s.alloc.available_size() + self.s.tree_cache.total_size() == self.s.alloc.size
+            )
 
 
-AdminMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25,
-                                          deadline=None, suppress_health_check=list(HealthCheck))
+AdminMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+)
 TestAdminMachine = AdminMachine.TestCase
 
 
@@ -411,8 +431,13 @@ def _real_scheduler(page_size: int = 1, step_hooks=()):
 
     alloc = TokenToKVPoolAllocator(256, page_size, "cpu")
     tree = GateRecordingTree(None, alloc, page_size)
-    runner = SimpleNamespace(req_to_token_pool=None, allocator=alloc, kv_pool=None,
-                             attn_backend=None, device=torch.device("cpu"))
+    runner = SimpleNamespace(
+        req_to_token_pool=None,
+        allocator=alloc,
+        kv_pool=None,
+        attn_backend=None,
+        device=torch.device("cpu"),
+    )
     s = Scheduler(ServerArgs(page_size=page_size), runner, tree, 256, step_hooks=step_hooks)
     return s, alloc
 

@@ -7,8 +7,12 @@ from engine.client.cli import _hoist_global_flags
 
 
 def test_global_flags_before_the_command_are_moved_after_it():
-    assert _hoist_global_flags(["--addr", "h:1", "stats", "--json"]) == \
-        ["stats", "--addr", "h:1", "--json"]
+    assert _hoist_global_flags(["--addr", "h:1", "stats", "--json"]) == [
+        "stats",
+        "--addr",
+        "h:1",
+        "--json",
+    ]
     assert _hoist_global_flags(["--addr=h:1", "--tls", "tree"]) == ["tree", "--addr=h:1", "--tls"]
     assert _hoist_global_flags(["stats", "--addr", "h:1"]) == ["stats", "--addr", "h:1"]
     assert _hoist_global_flags(["--help"]) == ["--help"]
@@ -22,11 +26,19 @@ def test_tls_flags_before_the_command_are_moved_after_it():
 def test_client_commands_do_not_import_torch():
     """`hicache health` is the daemon image's healthcheck: it must not spend seconds importing
     torch (through `serve`'s option definitions) on every run."""
-    code = ("import sys\nfrom engine.client import cli\n"
-            "rc = cli.main(['health', '--addr', '127.0.0.1:1', '--timeout', '0.1'])\n"
-            "print(rc, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True, cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys\nfrom engine.client import cli\n"
+        "rc = cli.main(['health', '--addr', '127.0.0.1:1', '--timeout', '0.1'])\n"
+        "print(rc, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.stdout.split() == [str(cli.EXIT_UNREACHABLE), "False"], out.stderr
 
 

@@ -10,17 +10,25 @@ from engine.server.pb import admin_pb2, common_pb2, gen_pb2
 
 
 def _stats() -> admin_pb2.GetCacheStatsResponse:
-    l1 = admin_pb2.TierStats(tier=common_pb2.TIER_L1, enabled=True, capacity_tokens=4096,
-                             used_tokens=100, hit_tokens=64, bytes_in=3 << 20)
+    l1 = admin_pb2.TierStats(
+        tier=common_pb2.TIER_L1,
+        enabled=True,
+        capacity_tokens=4096,
+        used_tokens=100,
+        hit_tokens=64,
+        bytes_in=3 << 20,
+    )
     l1.extra["free_tokens"] = 3996.0
-    l2 = admin_pb2.TierStats(tier=common_pb2.TIER_L2, enabled=True, capacity_tokens=8192,
-                             evicted_tokens=7)
+    l2 = admin_pb2.TierStats(
+        tier=common_pb2.TIER_L2, enabled=True, capacity_tokens=8192, evicted_tokens=7
+    )
     l2.extra["demotions"] = 3.0
     l2.extra["hit_rate"] = 0.25
     l2.info["write_policy"] = "write_through"
     l3 = admin_pb2.TierStats(tier=common_pb2.TIER_L3, enabled=False)
-    return admin_pb2.GetCacheStatsResponse(tiers=[l1, l2, l3], miss_tokens=12, num_pins=1,
-                                           admin_pinned_tokens=8)
+    return admin_pb2.GetCacheStatsResponse(
+        tiers=[l1, l2, l3], miss_tokens=12, num_pins=1, admin_pinned_tokens=8
+    )
 
 
 def _cells(text: str) -> dict[str, list[str]]:
@@ -31,7 +39,7 @@ def _cells(text: str) -> dict[str, list[str]]:
     for line in lines[2:]:
         cells, pos = [], 0
         for w in widths:
-            cells.append(line[pos: pos + w].strip())
+            cells.append(line[pos : pos + w].strip())
             pos += w + 2
         rows[cells[0]] = cells[1:]
     return rows
@@ -57,22 +65,44 @@ def test_stats_is_one_table_with_a_column_per_tier():
 
 
 def test_number_prints_integers_as_integers():
-    assert (number(3.0), number(0), number(0.125), number(1e12)) == ("3", "0", "0.125",
-                                                                     "1000000000000")
+    assert (number(3.0), number(0), number(0.125), number(1e12)) == (
+        "3",
+        "0",
+        "0.125",
+        "1000000000000",
+    )
 
 
 def test_info_lines_decode_the_config():
-    info = gen_pb2.GetServerInfoResponse(version="1.2", features=["radix_cache", "auth"],
-                                         uptime_s=3.25, active_requests=2)
-    for k, v in {"page_size": 16, "hicache_ratio": 2.0, "model_path": "/m", "tp": None,
-                 "enable_hierarchical_cache": True, "tenants": [{"name": "a"}]}.items():
+    info = gen_pb2.GetServerInfoResponse(
+        version="1.2", features=["radix_cache", "auth"], uptime_s=3.25, active_requests=2
+    )
+    for k, v in {
+        "page_size": 16,
+        "hicache_ratio": 2.0,
+        "model_path": "/m",
+        "tp": None,
+        "enable_hierarchical_cache": True,
+        "tenants": [{"name": "a"}],
+    }.items():
         info.config[k] = json.dumps(v)
     out = io.StringIO()
     server_info_report(info, "l1 device", out)
     lines = out.getvalue().splitlines()
-    assert lines[:6] == ["version: 1.2", "features: radix_cache, auth", "uptime_s: 3.2",
-                         "active_requests: 2", "draining: no", "tiers: l1 device"]
+    assert lines[:6] == [
+        "version: 1.2",
+        "features: radix_cache, auth",
+        "uptime_s: 3.2",
+        "active_requests: 2",
+        "draining: no",
+        "tiers: l1 device",
+    ]
     assert lines[6] == "config:"
-    assert lines[7:] == ["  enable_hierarchical_cache: true", "  hicache_ratio: 2",
-                         "  model_path: /m", "  page_size: 16", '  tenants: [{"name": "a"}]',
-                         "  tp: none"]
+    assert lines[7:] == [
+        "  enable_hierarchical_cache: true",
+        "  hicache_ratio: 2",
+        "  model_path: /m",
+        "  page_size: 16",
+        '  tenants: [{"name": "a"}]',
+        "  tp: none",
+    ]

@@ -23,10 +23,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = spec.load()
 DAEMON_DOCKERFILE = ROOT / "docker" / "Dockerfile"
 GATEWAY_DOCKERFILE = ROOT / "docker" / "smg.Dockerfile"
-DAEMONS = [s for s in PROJECT.services.values()
-           if s.build is not None and s.build.dockerfile == DAEMON_DOCKERFILE]
-[GATEWAY] = [s for s in PROJECT.services.values()
-             if s.build is not None and s.build.dockerfile == GATEWAY_DOCKERFILE]
+DAEMONS = [
+    s
+    for s in PROJECT.services.values()
+    if s.build is not None and s.build.dockerfile == DAEMON_DOCKERFILE
+]
+[GATEWAY] = [
+    s
+    for s in PROJECT.services.values()
+    if s.build is not None and s.build.dockerfile == GATEWAY_DOCKERFILE
+]
 [VALKEY] = [s for s in PROJECT.services.values() if s.image.startswith("valkey/valkey:")]
 VALKEY_PORT = 6379  # valkey-server's default: its command sets no --port
 KEY = "0123456789abcdef" * 4
@@ -62,12 +68,14 @@ def _load(service: spec.Service, tmp_path: Path):
     assert ns.command == "serve"
     key = tmp_path / "kv-salt.key"
     key.write_text(KEY + "\n")
-    mounted = {m.target: key if m.target.startswith("/run/secrets/") else m.source
-               for m in service.mounts}
-    env = {k: str(mounted.get(v, v)) for k, v in {**_image_env(DAEMON_DOCKERFILE),
-                                                   **service.env}.items()}
-    assert all(Path(env[k]).exists() for k in ("HICACHE_CONFIG",
-                                               "HICACHE_KV_EVENTS_SALT_KEY_FILE"))
+    mounted = {
+        m.target: key if m.target.startswith("/run/secrets/") else m.source for m in service.mounts
+    }
+    env = {
+        k: str(mounted.get(v, v))
+        for k, v in {**_image_env(DAEMON_DOCKERFILE), **service.env}.items()
+    }
+    assert all(Path(env[k]).exists() for k in ("HICACHE_CONFIG", "HICACHE_KV_EVENTS_SALT_KEY_FILE"))
     return settings.load(ns, env)
 
 
@@ -88,8 +96,14 @@ def test_two_daemons_and_their_settings_as_the_containers_load_them(tmp_path):
 
 
 def test_both_daemons_get_the_salt_key_the_same_way():
-    secrets = [{(m.source, m.target, m.read_only) for m in s.mounts
-                if m.target.startswith("/run/secrets/")} for s in DAEMONS]
+    secrets = [
+        {
+            (m.source, m.target, m.read_only)
+            for m in s.mounts
+            if m.target.startswith("/run/secrets/")
+        }
+        for s in DAEMONS
+    ]
     [[(source, target, read_only)]] = {frozenset(x) for x in secrets}
     assert read_only and source == ROOT / "docker" / "kv-salt.key"
     assert {s.env["HICACHE_KV_EVENTS_SALT_KEY_FILE"] for s in DAEMONS} == {target}
@@ -97,8 +111,10 @@ def test_both_daemons_get_the_salt_key_the_same_way():
 
 
 def test_gateway_command_is_accepted_by_smg_and_points_at_the_daemons(tmp_path):
-    launch = pytest.importorskip("smg.launch_router", reason="smg is not installed (the test "
-                                 "extra: pip install -e '.[test]')")
+    launch = pytest.importorskip(
+        "smg.launch_router",
+        reason="smg is not installed (the test extra: pip install -e '.[test]')",
+    )
     from smg.router import Router
 
     assert _entrypoint(GATEWAY_DOCKERFILE) == ["smg"]
@@ -111,8 +127,9 @@ def test_gateway_command_is_accepted_by_smg_and_points_at_the_daemons(tmp_path):
         d, _ = _load(s, tmp_path)
         grpc_ports[s.name] = d.port
         assert args.model_aliases == {"default": d.served_model_name}
-    workers = {(urlparse(u).scheme, urlparse(u).hostname, urlparse(u).port)
-               for u in args.worker_urls}
+    workers = {
+        (urlparse(u).scheme, urlparse(u).hostname, urlparse(u).port) for u in args.worker_urls
+    }
     assert workers == {("grpc", name, port) for name, port in grpc_ports.items()}
     assert GATEWAY.depends_on == tuple((s.name, "service_healthy") for s in DAEMONS)
     published = {p.container_port for p in GATEWAY.ports}
@@ -129,11 +146,11 @@ def test_healthchecks_run_the_images_commands_against_their_ports(tmp_path):
         addr = s.env.get("HICACHE_ADDR", "127.0.0.1:50051")
         assert int(addr.rsplit(":", 1)[1]) == _load(s, tmp_path)[0].port
     assert VALKEY.healthcheck is not None and VALKEY.healthcheck.test == ("valkey-cli", "ping")
-    awaited = {d for s in PROJECT.services.values() for d, c in s.depends_on
-               if c == "service_healthy"}
+    awaited = {
+        d for s in PROJECT.services.values() for d, c in s.depends_on if c == "service_healthy"
+    }
     assert all(PROJECT.services[n].healthcheck is not None for n in awaited)
-    assert PROJECT.start_order() == [[VALKEY.name], sorted(s.name for s in DAEMONS),
-                                     [GATEWAY.name]]
+    assert PROJECT.start_order() == [[VALKEY.name], sorted(s.name for s in DAEMONS), [GATEWAY.name]]
 
 
 def test_published_ports_collide_nowhere_and_reach_listening_ports(tmp_path):
@@ -143,7 +160,8 @@ def test_published_ports_collide_nowhere_and_reach_listening_ports(tmp_path):
     for s in DAEMONS:
         d, _ = _load(s, tmp_path)
         assert sorted(p.container_port for p in s.ports) == sorted(
-            [d.port, d.http_port, d.metrics_port])
+            [d.port, d.http_port, d.metrics_port]
+        )
     assert [p.container_port for p in VALKEY.ports] == [VALKEY_PORT]
 
 
@@ -155,7 +173,8 @@ def test_compose_reader_resolves_merges_and_refuses_what_it_does_not_know(tmp_pa
     with pytest.raises(ValueError, match="network_mode"):
         spec.load(bad)
     cycle = tmp_path / "cycle.yaml"
-    cycle.write_text("services:\n  x: {image: a, depends_on: [y]}\n"
-                     "  y: {image: a, depends_on: [x]}\n")
+    cycle.write_text(
+        "services:\n  x: {image: a, depends_on: [y]}\n  y: {image: a, depends_on: [x]}\n"
+    )
     with pytest.raises(ValueError, match="cycle"):
         spec.load(cycle).start_order()

@@ -19,8 +19,9 @@ from hicache.hiradix_cache import HostReads
 from hicache.kv_pool import MHATokenToKVPool
 from hicache.req_to_token import ReqToTokenPool
 
-pytestmark = pytest.mark.skipif(cpu_kernels.KERNELS.get() is None,
-                                reason=f"no CPU kernels: {cpu_kernels.KERNELS.error}")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.KERNELS.get() is None, reason=f"no CPU kernels: {cpu_kernels.KERNELS.error}"
+)
 
 
 class World:
@@ -46,8 +47,9 @@ class World:
         self.layer = RadixAttention(0, heads, kv_heads, hd)
         self.backend = create_backend("cpu", None)
 
-    def forward(self, parts: list[tuple[int, int, int]], decode: bool = False,
-                host: HostReads | None = None) -> dict[tuple[int, int], torch.Tensor]:
+    def forward(
+        self, parts: list[tuple[int, int, int]], decode: bool = False, host: HostReads | None = None
+    ) -> dict[tuple[int, int], torch.Tensor]:
         """One forward of ``(request, first, end)`` query ranges (each request's tokens before
         ``first`` already in the pool); returns ``{(request, position): output row}``."""
         cat = torch.cat
@@ -57,7 +59,8 @@ class World:
         ext = [e - a for _, a, e in parts]
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-            batch_size=len(parts), input_ids=torch.zeros(len(q), dtype=torch.int64),
+            batch_size=len(parts),
+            input_ids=torch.zeros(len(q), dtype=torch.int64),
             positions=cat([torch.arange(a, e) for _, a, e in parts]),
             out_cache_loc=cat([self.slots[b][a:e] for b, a, e in parts]),
             req_pool_indices=torch.tensor([self.rows[b] for b, _, _ in parts]),
@@ -67,8 +70,11 @@ class World:
             seq_lens_cpu=[e for _, _, e in parts],
             extend_prefix_lens_cpu=None if decode else [a for _, a, _ in parts],
             extend_seq_lens_cpu=None if decode else ext,
-            req_to_token_pool=self.r2t, token_to_kv_pool=self.pool, attn_backend=self.backend,
-            host_reads=host)
+            req_to_token_pool=self.r2t,
+            token_to_kv_pool=self.pool,
+            attn_backend=self.backend,
+            host_reads=host,
+        )
         self.backend.init_forward_metadata(fb)
         out = self.backend.forward(q, k, v, self.layer, fb)
         rows, i = {}, 0
@@ -95,8 +101,13 @@ def _cuts(draw, n: int) -> list[int]:
 
 
 @settings(max_examples=30, deadline=None)
-@given(data=st.data(), nreq=st.integers(1, 4), group=st.sampled_from([1, 3, 4]),
-       hd=st.sampled_from([8, 64, 72]), seed=st.integers(0, 2**16))
+@given(
+    data=st.data(),
+    nreq=st.integers(1, 4),
+    group=st.sampled_from([1, 3, 4]),
+    hd=st.sampled_from([8, 64, 72]),
+    seed=st.integers(0, 2**16),
+)
 def test_a_row_is_the_same_in_any_forward(data, nreq, group, hd, seed):
     lens = data.draw(st.lists(st.integers(1, 700), min_size=nreq, max_size=nreq))
     w = World(lens, heads=2 * group, kv_heads=2, hd=hd, seed=seed)
@@ -104,8 +115,9 @@ def test_a_row_is_the_same_in_any_forward(data, nreq, group, hd, seed):
     ref: dict[tuple[int, int], torch.Tensor] = {}
     for b, n in enumerate(lens):
         ref.update(w.forward([(b, 0, n)]))
-        torch.testing.assert_close(torch.stack([ref[b, p] for p in range(n)]), w.sdpa(b),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.stack([ref[b, p] for p in range(n)]), w.sdpa(b), rtol=1e-4, atol=1e-5
+        )
     # all requests in one forward, in a random order
     order = data.draw(st.permutations(range(nreq)))
     got = w.forward([(b, 0, lens[b]) for b in order])
@@ -126,8 +138,7 @@ def test_a_row_is_the_same_in_any_forward(data, nreq, group, hd, seed):
 
 
 @settings(max_examples=15, deadline=None)
-@given(data=st.data(), n=st.integers(2, 900), seed=st.integers(0, 2**16),
-       page_first=st.booleans())
+@given(data=st.data(), n=st.integers(2, 900), seed=st.integers(0, 2**16), page_first=st.booleans())
 def test_keys_read_from_the_host_pool_give_the_same_rows(data, n, seed, page_first):
     """Slots still loading are read in place from the host copy (host_row table), as the CPU's
     hold-and-read does for an L2 hit: the same bytes, so the same bits; the device pool's
@@ -135,11 +146,13 @@ def test_keys_read_from_the_host_pool_give_the_same_rows(data, n, seed, page_fir
     w = World([n], heads=6, kv_heads=2, hd=64, seed=seed)
     ref = w.forward([(0, 0, n)])
     prefix = data.draw(st.integers(1, n - 1))
-    loading = w.slots[0][:prefix][torch.rand(prefix, generator=torch.Generator().manual_seed(seed))
-                                  < 0.6]
+    loading = w.slots[0][:prefix][
+        torch.rand(prefix, generator=torch.Generator().manual_seed(seed)) < 0.6
+    ]
     layers = 3
-    shape = (loading.numel() + 5, layers, 2, 64) if page_first else (
-        layers, loading.numel() + 5, 2, 64)
+    shape = (
+        (loading.numel() + 5, layers, 2, 64) if page_first else (layers, loading.numel() + 5, 2, 64)
+    )
     hk, hv = torch.randn(shape), torch.randn(shape)
     host_rows = torch.randperm(loading.numel() + 5)[: loading.numel()]
     k_buf, v_buf = w.pool.get_kv_buffer(0)
@@ -157,9 +170,25 @@ def test_keys_read_from_the_host_pool_give_the_same_rows(data, n, seed, page_fir
 
 def test_shapes_the_kernel_does_not_take_are_refused():
     with pytest.raises(ValueError, match="head_dim"):
-        create_backend("cpu", type("R", (), {"hf_config": type(
-            "C", (), {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 12,
-                      "hidden_size": 48})()})())
+        create_backend(
+            "cpu",
+            type(
+                "R",
+                (),
+                {
+                    "hf_config": type(
+                        "C",
+                        (),
+                        {
+                            "num_attention_heads": 4,
+                            "num_key_value_heads": 4,
+                            "head_dim": 12,
+                            "hidden_size": 48,
+                        },
+                    )()
+                },
+            )(),
+        )
 
 
 @pytest.mark.skipif(cpu_kernels.isa() == "avx2", reason="the CPU has no AVX-512 / VNNI build")

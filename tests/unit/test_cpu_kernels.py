@@ -81,9 +81,22 @@ def _decode_batch(seq_lens: list[int], heads: int, kv_heads: int, seed: int):
     def run(backend_name: str) -> torch.Tensor:
         backend = create_backend(backend_name, None)
         fb = ForwardBatch(
-            ForwardMode.DECODE, bs, torch.zeros(bs, dtype=torch.int64),
-            torch.tensor(seq_lens) - 1, torch.tensor(out_loc), rows, torch.tensor(seq_lens),
-            None, None, list(seq_lens), None, None, r2t, pool, backend)  # fmt: skip
+            ForwardMode.DECODE,
+            bs,
+            torch.zeros(bs, dtype=torch.int64),
+            torch.tensor(seq_lens) - 1,
+            torch.tensor(out_loc),
+            rows,
+            torch.tensor(seq_lens),
+            None,
+            None,
+            list(seq_lens),
+            None,
+            None,
+            r2t,
+            pool,
+            backend,
+        )
         backend.init_forward_metadata(fb)
         return backend.forward(q, k_new, v_new, layer, fb)
 
@@ -91,8 +104,11 @@ def _decode_batch(seq_lens: list[int], heads: int, kv_heads: int, seed: int):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seq_lens=st.lists(st.integers(1, 90), min_size=1, max_size=6),
-       group=st.sampled_from([(4, 4), (6, 2), (9, 3), (8, 1)]), seed=st.integers(0, 1000))
+@given(
+    seq_lens=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+    group=st.sampled_from([(4, 4), (6, 2), (9, 3), (8, 1)]),
+    seed=st.integers(0, 1000),
+)
 def test_cpu_decode_attention_equals_torch_native(seq_lens, group, seed):
     heads, kv_heads = group
     run = _decode_batch(seq_lens, heads, kv_heads, seed)
@@ -113,8 +129,9 @@ def test_cpu_decode_attention_long_rows_split_into_spans(seq_lens):
 def test_cpu_attention_backend_refuses_heads_it_cannot_take():
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(num_attention_heads=64, num_key_value_heads=2, head_dim=64,
-                          hidden_size=4096)
+    cfg = SimpleNamespace(
+        num_attention_heads=64, num_key_value_heads=2, head_dim=64, hidden_size=4096
+    )
     with pytest.raises(ValueError, match="query heads per kv head"):
         create_backend("cpu", SimpleNamespace(hf_config=cfg))
 

@@ -23,8 +23,9 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_precedence_flag_env_toml(tmp_path):
     cfg = tmp_path / "hicache.toml"
-    cfg.write_text('port = 7000\n[engine]\npage_size = 8\nmax-total-tokens = 999\n'
-                   '[server]\ntoken = "t"\n')
+    cfg.write_text(
+        'port = 7000\n[engine]\npage_size = 8\nmax-total-tokens = 999\n[server]\ntoken = "t"\n'
+    )
     env = {"HICACHE_PAGE_SIZE": "4", "HICACHE_ENABLE_HIERARCHICAL_CACHE": "true"}
     d, e = settings.load(_parse("--config", str(cfg), "--port", "7001"), env)
     assert d.port == 7001 and d.token == "t"  # flag beats TOML
@@ -35,13 +36,16 @@ def test_precedence_flag_env_toml(tmp_path):
     assert d.public_dict()["token"] is None
 
 
-@pytest.mark.parametrize("argv,env,match", [
-    (["--port", "x"], {}, "expected int"),
-    ([], {"HICACHE_WARMUP": "maybe"}, "expected bool"),
-    (["--page-size", "0"], {}, "page_size"),
-    (["--tls-cert", "c.pem"], {}, "go together"),
-    ([], {"HICACHE_SCHEDULE_POLICY": "nope"}, "schedule_policy"),
-])
+@pytest.mark.parametrize(
+    "argv,env,match",
+    [
+        (["--port", "x"], {}, "expected int"),
+        ([], {"HICACHE_WARMUP": "maybe"}, "expected bool"),
+        (["--page-size", "0"], {}, "page_size"),
+        (["--tls-cert", "c.pem"], {}, "go together"),
+        ([], {"HICACHE_SCHEDULE_POLICY": "nope"}, "schedule_policy"),
+    ],
+)
 def test_bad_settings_raise(argv, env, match):
     with pytest.raises(ValueError, match=match):
         settings.load(_parse(*argv), env)
@@ -77,15 +81,18 @@ L2_OFF = (False, None, None)
 L3_OFF = (True, None, None)
 
 
-@pytest.mark.parametrize("argv,env,toml,want", [
-    (["--no-enable-hierarchical-cache"], {}, "", L2_OFF),
-    ([], {"HICACHE_ENABLE_HIERARCHICAL_CACHE": "false"}, "", L2_OFF),
-    ([], {}, "[engine]\nenable_hierarchical_cache = false\n", L2_OFF),
-    (["--hicache-storage-backend", "none"], {}, "", L3_OFF),
-    ([], {"HICACHE_HICACHE_STORAGE_BACKEND": "none"}, "", L3_OFF),
-    ([], {}, 'hicache-storage-backend = "none"\n', L3_OFF),
-    (["--disable-radix-cache"], {}, "", L2_OFF),  # no radix tree, no lower tiers
-])
+@pytest.mark.parametrize(
+    "argv,env,toml,want",
+    [
+        (["--no-enable-hierarchical-cache"], {}, "", L2_OFF),
+        ([], {"HICACHE_ENABLE_HIERARCHICAL_CACHE": "false"}, "", L2_OFF),
+        ([], {}, "[engine]\nenable_hierarchical_cache = false\n", L2_OFF),
+        (["--hicache-storage-backend", "none"], {}, "", L3_OFF),
+        ([], {"HICACHE_HICACHE_STORAGE_BACKEND": "none"}, "", L3_OFF),
+        ([], {}, 'hicache-storage-backend = "none"\n', L3_OFF),
+        (["--disable-radix-cache"], {}, "", L2_OFF),  # no radix tree, no lower tiers
+    ],
+)
 def test_each_tier_turns_off_by_flag_env_or_toml(argv, env, toml, want, tmp_path):
     if toml:
         (tmp_path / "c.toml").write_text(toml)
@@ -119,10 +126,13 @@ def test_docker_storage_dir_env_wins_and_is_harmless_with_l2_off():
     assert e.enable_hierarchical_cache is False and e.hicache_storage_backend is None
 
 
-@pytest.mark.parametrize("argv,env", [
-    (["--no-enable-hierarchical-cache", "--hicache-storage-backend", "file"], {}),
-    ([], {"HICACHE_ENABLE_HIERARCHICAL_CACHE": "0", "HICACHE_HICACHE_STORAGE_BACKEND": "file"}),
-])
+@pytest.mark.parametrize(
+    "argv,env",
+    [
+        (["--no-enable-hierarchical-cache", "--hicache-storage-backend", "file"], {}),
+        ([], {"HICACHE_ENABLE_HIERARCHICAL_CACHE": "0", "HICACHE_HICACHE_STORAGE_BACKEND": "file"}),
+    ],
+)
 def test_storage_without_hierarchy_is_an_error(argv, env):
     with pytest.raises(ValueError, match="hicache_storage_backend='file' needs the hierarchical"):
         settings.load(_parse(*argv), env)
@@ -142,16 +152,21 @@ def test_ensure_storage_dir_creates_it_user_only(tmp_path):
 def test_uncreatable_storage_dir_fails_serve_naming_the_option(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    e = ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
-                   hicache_storage_dir=str(blocker / "kv"))
+    e = ServerArgs(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(blocker / "kv"),
+    )
     with pytest.raises(ValueError, match="--hicache-storage-dir"):
         settings.ensure_storage_dir(e)
     # `hicache serve` stops before loading anything: usage error, the message names the option.
     assert cli.main(["serve", "--hicache-storage-dir", str(blocker / "kv")]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "not a directory" in err and "--hicache-storage-dir" in err and "none" in err
-    assert cli.main(["serve", "--no-enable-hierarchical-cache", "--hicache-storage-backend",
-                     "file"]) == cli.EXIT_USAGE
+    assert (
+        cli.main(["serve", "--no-enable-hierarchical-cache", "--hicache-storage-backend", "file"])
+        == cli.EXIT_USAGE
+    )
     assert "needs the hierarchical cache" in capsys.readouterr().err
 
 
@@ -159,8 +174,9 @@ def test_uncreatable_storage_dir_fails_serve_naming_the_option(tmp_path, capsys)
 def test_unwritable_storage_dir_is_an_error(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
-    e = ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
-                   hicache_storage_dir=str(ro))
+    e = ServerArgs(
+        enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(ro)
+    )
     with pytest.raises(ValueError, match="--hicache-storage-dir"):
         settings.ensure_storage_dir(e)
 
@@ -169,10 +185,15 @@ def test_describe_tiers():
     assert settings.describe_tiers(ServerArgs().to_dict()) == "l1 device; l2, l3 off"
     on = ServerArgs(enable_hierarchical_cache=True, hicache_size=4.0)
     assert settings.describe_tiers(on.to_dict()) == "l1 device + l2 host (4 GB); l3 off"
-    l3 = ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
-                    hicache_storage_dir="/kv", hicache_storage_size_gb=8)
+    l3 = ServerArgs(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir="/kv",
+        hicache_storage_size_gb=8,
+    )
     assert settings.describe_tiers(l3.to_dict()) == (
-        f"l1 device + l2 host ({l3.hicache_ratio:g}x l1) + l3 file /kv (cap 8 GB)")
+        f"l1 device + l2 host ({l3.hicache_ratio:g}x l1) + l3 file /kv (cap 8 GB)"
+    )
 
 
 ADMIN = "/hicache.v1.CacheAdminService/Flush"
@@ -195,8 +216,13 @@ def test_auth_rules():
     # SMG's worker protocol: its HealthCheck is a probe, FlushCache an admin mutation
     smg = "/sglang.grpc.scheduler.SglangScheduler/"
     assert code(smg + "HealthCheck", None, "u", "a") is ok
-    assert code(smg + "Generate", None, "u", "a") == U and code(smg + "Generate", "u", "u", "a") is ok
-    assert code(smg + "FlushCache", "u", "u", "a") == P and code(smg + "FlushCache", "a", "u", "a") is ok
+    assert (
+        code(smg + "Generate", None, "u", "a") == U and code(smg + "Generate", "u", "u", "a") is ok
+    )
+    assert (
+        code(smg + "FlushCache", "u", "u", "a") == P
+        and code(smg + "FlushCache", "a", "u", "a") is ok
+    )
 
 
 def test_bearer_parsing():
@@ -208,19 +234,21 @@ def test_bearer_parsing():
 def test_redis_l3_settings_from_the_compose_toml_and_errors(tmp_path):
     toml = os.path.join(os.path.dirname(__file__), "..", "..", "docker", "hicache.toml")
     _, e = settings.load(_parse("--config", toml), {})
-    assert (e.hicache_storage_backend, e.hicache_storage_url) == ("redis",
-                                                                  "redis://valkey:6379/0")
+    assert (e.hicache_storage_backend, e.hicache_storage_url) == ("redis", "redis://valkey:6379/0")
     assert e.hicache_storage_key_prefix == "hicache"
-    _, e = settings.load(_parse("--hicache-storage-backend", "redis"),
-                         {"HICACHE_HICACHE_STORAGE_URL": "redis://u:s3cret@h:6379/0"})
+    _, e = settings.load(
+        _parse("--hicache-storage-backend", "redis"),
+        {"HICACHE_HICACHE_STORAGE_URL": "redis://u:s3cret@h:6379/0"},
+    )
     shown = e.public_dict()["hicache_storage_url"]
     assert "s3cret" not in shown and shown == "redis://u@h:6379/0"
     assert "s3cret" not in settings.describe_tiers(e.public_dict())
     with pytest.raises(ValueError, match="needs hicache_storage_url"):
         settings.load(_parse("--hicache-storage-backend", "redis"), {})
     with pytest.raises(ValueError, match="unknown scheme 'http'"):
-        settings.load(_parse("--hicache-storage-backend", "redis",
-                             "--hicache-storage-url", "http://h:1"), {})
+        settings.load(
+            _parse("--hicache-storage-backend", "redis", "--hicache-storage-url", "http://h:1"), {}
+        )
     with pytest.raises(ValueError, match="unknown hicache_storage_backend 's3'"):
         settings.load(_parse("--hicache-storage-backend", "s3"), {})
 
@@ -233,13 +261,16 @@ def test_storage_admin_rpcs_are_admin_mutations():
     assert auth.check(get, "user", "user", "admin") is None
 
 
-@pytest.mark.parametrize("argv,env,want", [
-    ([], {}, None),  # auto: off on the CPU, on on an accelerator
-    (["--disable-overlap"], {}, True),
-    (["--no-disable-overlap"], {}, False),
-    ([], {"HICACHE_DISABLE_OVERLAP": "false"}, False),
-    ([], {"HICACHE_DISABLE_OVERLAP": "none"}, None),
-])
+@pytest.mark.parametrize(
+    "argv,env,want",
+    [
+        ([], {}, None),  # auto: off on the CPU, on on an accelerator
+        (["--disable-overlap"], {}, True),
+        (["--no-disable-overlap"], {}, False),
+        ([], {"HICACHE_DISABLE_OVERLAP": "false"}, False),
+        ([], {"HICACHE_DISABLE_OVERLAP": "none"}, None),
+    ],
+)
 def test_disable_overlap_is_auto_unless_set(argv, env, want):
     _, e = settings.load(_parse(*argv), env)
     assert e.disable_overlap is want
@@ -263,8 +294,11 @@ def test_kv_events_salt_key_from_env_toml_or_file_never_shown(tmp_path, capsys):
     for argv, env, match in (
         ([], {"HICACHE_KV_EVENTS_SALT_KEY": "short"}, "fewer than 16"),
         (["--kv-events-salt-key-file", str(tmp_path / "missing")], {}, "cannot read"),
-        (["--kv-events-salt-key-file", str(keyfile)], {"HICACHE_KV_EVENTS_SALT_KEY": key},
-         "give one"),
+        (
+            ["--kv-events-salt-key-file", str(keyfile)],
+            {"HICACHE_KV_EVENTS_SALT_KEY": key},
+            "give one",
+        ),
     ):
         with pytest.raises(ValueError, match=match) as e:
             settings.load(_parse(*argv), env)
@@ -275,13 +309,16 @@ def test_kv_events_salt_key_from_env_toml_or_file_never_shown(tmp_path, capsys):
     assert "kv_events_salt_key" in err and "0123456789" not in err
 
 
-@pytest.mark.parametrize("argv,device,want", [
-    ([], "cpu", 0),  # auto: every L3 hit is read on the CPU
-    ([], "cuda", 256),  # SGLang's default on CUDA
-    ([], "cuda:1", 256),
-    (["--hicache-prefetch-threshold", "256"], "cpu", 256),
-    (["--hicache-prefetch-threshold", "0"], "cuda", 0),
-])
+@pytest.mark.parametrize(
+    "argv,device,want",
+    [
+        ([], "cpu", 0),  # auto: every L3 hit is read on the CPU
+        ([], "cuda", 256),  # SGLang's default on CUDA
+        ([], "cuda:1", 256),
+        (["--hicache-prefetch-threshold", "256"], "cpu", 256),
+        (["--hicache-prefetch-threshold", "0"], "cuda", 0),
+    ],
+)
 def test_prefetch_threshold_is_auto_by_device_unless_set(argv, device, want):
     _, e = settings.load(_parse(*argv, "--device", device), {})
     assert e.hicache_prefetch_threshold == want

@@ -24,8 +24,10 @@ if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
 os.environ["TRITON_INTERPRET"] = "1"
-for _name in ("engine.runtime.layers.batch_invariant",
-              "engine.runtime.layers.attention.triton_fixed_split"):  # fmt: skip
+for _name in (
+    "engine.runtime.layers.batch_invariant",
+    "engine.runtime.layers.attention.triton_fixed_split",
+):
     importlib.reload(sys.modules[_name]) if _name in sys.modules else importlib.import_module(_name)
 
 from engine.config import ServerArgs
@@ -43,8 +45,9 @@ DECODE_STEPS = 3
 
 
 def _args(path: str, **kw) -> ServerArgs:
-    return ServerArgs(model_path=path, max_running_requests=4, max_total_tokens=512,
-                      context_length=128, **kw)  # fmt: skip
+    return ServerArgs(
+        model_path=path, max_running_requests=4, max_total_tokens=512, context_length=128, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,10 @@ def runner(model_dir) -> ModelRunner:
 @pytest.fixture(scope="module")
 def tokens(runner) -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(0)
-    return {rid: torch.randint(3, runner.vocab_size, (n + DECODE_STEPS,), generator=gen).tolist()
-            for rid, n in LENS.items()}  # fmt: skip
+    return {
+        rid: torch.randint(3, runner.vocab_size, (n + DECODE_STEPS,), generator=gen).tolist()
+        for rid, n in LENS.items()
+    }
 
 
 @pytest.fixture(scope="module")

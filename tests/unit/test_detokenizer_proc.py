@@ -54,12 +54,14 @@ def _run(tok, params: SamplingParams, outputs: list[int], steps: list[int], sink
     use_stop=st.booleans(),
     skip_special=st.booleans(),
 )
-def test_split_text_equals_in_process(tok, outputs, steps, stop_at, stop_len, use_stop,
-                                      skip_special):
+def test_split_text_equals_in_process(
+    tok, outputs, steps, stop_at, stop_len, use_stop, skip_special
+):
     free = tok.decode(outputs, skip_special_tokens=skip_special)
-    stop = [free[stop_at : stop_at + stop_len]] if use_stop and free[stop_at:stop_at + 1] else []
-    params = SamplingParams(max_new_tokens=len(outputs), stop=stop,
-                            skip_special_tokens=skip_special)
+    stop = [free[stop_at : stop_at + stop_len]] if use_stop and free[stop_at : stop_at + 1] else []
+    params = SamplingParams(
+        max_new_tokens=len(outputs), stop=stop, skip_special_tokens=skip_special
+    )
     want, _ = _run(tok, params, outputs, steps)
 
     sent: list[ipc.TokenOut] = []
@@ -83,7 +85,8 @@ def test_scheduler_side_req_without_stop_strings_does_not_detokenize(tok):
     """In the split daemon, text is the detokenizer's job: the scheduler only decodes for
     stop strings."""
     sent: list[StreamChunk] = []
-    chunks, _ = _run(tok, SamplingParams(max_new_tokens=8), list(range(10, 18)), [1] * 8,
-                     sent.append)
+    chunks, _ = _run(
+        tok, SamplingParams(max_new_tokens=8), list(range(10, 18)), [1] * 8, sent.append
+    )
     assert chunks == [] and len(sent) == 8 and all(c.text == "" for c in sent)
     assert [t for c in sent for t in c.token_ids] == list(range(10, 18))

@@ -181,8 +181,21 @@ class _FakeWrapper:
 
 
 class _FakeDecode(_FakeWrapper):
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, *, q_data_type, kv_data_type, data_type=None, sm_scale=None):  # fmt: skip
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        *,
+        q_data_type,
+        kv_data_type,
+        data_type=None,
+        sm_scale=None,
+    ):
         assert data_type == kv_data_type
         self.sm_scale = sm_scale
         qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
@@ -191,13 +204,34 @@ class _FakeDecode(_FakeWrapper):
 
 
 class _FakePrefill(_FakeWrapper):
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-             num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False,
-             sm_scale=None, q_data_type="float16", kv_data_type=None):  # fmt: skip
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        *,
+        causal=False,
+        sm_scale=None,
+        q_data_type="float16",
+        kv_data_type=None,
+    ):
         self.sm_scale = sm_scale
         geom = (num_qo_heads, num_kv_heads, head_dim_qk, page_size)
-        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, geom,
-                   causal, q_data_type, kv_data_type)  # fmt: skip
+        self._plan(
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            geom,
+            causal,
+            q_data_type,
+            kv_data_type,
+        )
 
 
 @pytest.fixture
@@ -220,8 +254,9 @@ ATOL = 2e-2
 class _Harness:
     """Two layers, two backends (flashinfer over the fake, torch_native), real pools."""
 
-    def __init__(self, heads, kv_heads, head_dim, runner=False, q_dtype=DTYPE, seed=0,
-                 deterministic=False):  # fmt: skip
+    def __init__(
+        self, heads, kv_heads, head_dim, runner=False, q_dtype=DTYPE, seed=0, deterministic=False
+    ):
         self.gen = torch.Generator().manual_seed(seed)
         self.req_pool = ReqToTokenPool(8, 128, "cpu")
         self.pools = {
@@ -252,8 +287,12 @@ class _Harness:
         seq_len 1 on row 0 writing the padding slot 0, as a graph replay is)."""
         prefix = [self.lens[r] - n for r, n in zip(rids, ext)]
         seq = [self.lens[r] for r in rids]
-        locs = torch.cat([self.req_pool.req_to_token[self.rows[r], p:s].long()
-                          for r, p, s in zip(rids, prefix, seq)])  # fmt: skip
+        locs = torch.cat(
+            [
+                self.req_pool.req_to_token[self.rows[r], p:s].long()
+                for r, p, s in zip(rids, prefix, seq)
+            ]
+        )
         rows = [self.rows[r] for r in rids] + [0] * pad_rows
         seq = seq + [1] * pad_rows
         locs = torch.cat([locs, torch.zeros(pad_rows, dtype=torch.int64)])
@@ -368,15 +407,19 @@ class _FixedSplitDecode(_FakeDecode):
     torch model has no splits)."""
 
     def plan(self, *args, fixed_split_size=None, disable_split_kv=False, **kw):
-        self.split_options = {"fixed_split_size": fixed_split_size,
-                              "disable_split_kv": disable_split_kv}  # fmt: skip
+        self.split_options = {
+            "fixed_split_size": fixed_split_size,
+            "disable_split_kv": disable_split_kv,
+        }
         super().plan(*args, **kw)
 
 
 class _FixedSplitPrefill(_FakePrefill):
     def plan(self, *args, fixed_split_size=None, disable_split_kv=False, **kw):
-        self.split_options = {"fixed_split_size": fixed_split_size,
-                              "disable_split_kv": disable_split_kv}  # fmt: skip
+        self.split_options = {
+            "fixed_split_size": fixed_split_size,
+            "disable_split_kv": disable_split_kv,
+        }
         super().plan(*args, **kw)
 
 
@@ -393,7 +436,9 @@ def test_deterministic_plans_fix_the_splits(fixed_split_flashinfer):
     assert fi.deterministic
     h.step(ForwardMode.EXTEND, [0, 1], [9, 40])
     assert fi.prefill_wrapper.split_options == {
-        "fixed_split_size": fib.PREFILL_SPLIT_SIZE, "disable_split_kv": False}
+        "fixed_split_size": fib.PREFILL_SPLIT_SIZE,
+        "disable_split_kv": False,
+    }
     h.step(ForwardMode.DECODE, [0, 1], [1, 1])
     assert list(fi.decode_wrappers) == [True]  # tensor cores whatever the group
     decode = fi.decode_wrappers[True]
@@ -414,8 +459,7 @@ def test_without_the_flag_plans_keep_flashinfers_splits(fixed_split_flashinfer):
     h.step(ForwardMode.DECODE, [0], [1])
     fi = h.backends["flashinfer"]
     assert not fi.deterministic and list(fi.decode_wrappers) == [False]
-    assert fi.prefill_wrapper.split_options == {"fixed_split_size": None,
-                                                "disable_split_kv": False}  # fmt: skip
+    assert fi.prefill_wrapper.split_options == {"fixed_split_size": None, "disable_split_kv": False}
     assert fi.workspace.numel() == fib.WORKSPACE_BYTES
 
 

@@ -31,28 +31,50 @@ L, H, D = 3, 2, 4
 class Rig:
     """Device pool + allocator + host pool + controller + tree, and the reference KV bytes."""
 
-    def __init__(self, page_size: int = 1, device_size: int = 32, host_size: int = 64,
-                 policy: str = "write_through", layout: str = "layer_first",
-                 storage_dir: str | None = None, layer_hook=None, storage=None,
-                 object_size: int | None = None, prefetch_policy: str = "wait_complete",
-                 prefetch_timeout_base: float = 1.0) -> None:
+    def __init__(
+        self,
+        page_size: int = 1,
+        device_size: int = 32,
+        host_size: int = 64,
+        policy: str = "write_through",
+        layout: str = "layer_first",
+        storage_dir: str | None = None,
+        layer_hook=None,
+        storage=None,
+        object_size: int | None = None,
+        prefetch_policy: str = "wait_complete",
+        prefetch_timeout_base: float = 1.0,
+    ) -> None:
         self.page_size = page_size
         self.allocator = TokenToKVPoolAllocator(device_size, page_size, "cpu")
         self.kv_pool = MHATokenToKVPool(device_size, page_size, torch.float32, H, D, L, "cpu")
-        self.host_pool = MHATokenToKVPoolHost(host_size, page_size, torch.float32, H, D, L,
-                                              layout=layout)
+        self.host_pool = MHATokenToKVPoolHost(
+            host_size, page_size, torch.float32, H, D, L, layout=layout
+        )
         if storage is None and storage_dir:
             storage = FileStorageBackend(storage_dir, 1 << 26)
         self.object_size = object_size or page_size * 4
-        self.controller = HiCacheController(self.kv_pool, self.host_pool, self.allocator,
-                                            storage=storage, model_fingerprint="test-model",
-                                            layer_hook=layer_hook,
-                                            storage_object_size=self.object_size)
-        self.tree = HiRadixCache(None, self.allocator, page_size, self.host_pool,
-                                 self.controller, write_policy=policy, prefetch_threshold=0,
-                                 prefetch_policy=prefetch_policy,
-                                 prefetch_timeout_base=prefetch_timeout_base,
-                                 prefetch_timeout_per_ki_token=0.0)
+        self.controller = HiCacheController(
+            self.kv_pool,
+            self.host_pool,
+            self.allocator,
+            storage=storage,
+            model_fingerprint="test-model",
+            layer_hook=layer_hook,
+            storage_object_size=self.object_size,
+        )
+        self.tree = HiRadixCache(
+            None,
+            self.allocator,
+            page_size,
+            self.host_pool,
+            self.controller,
+            write_policy=policy,
+            prefetch_threshold=0,
+            prefetch_policy=prefetch_policy,
+            prefetch_timeout_base=prefetch_timeout_base,
+            prefetch_timeout_per_ki_token=0.0,
+        )
         self.kv: dict[int, torch.Tensor] = {}  # token id -> [2, L, H, D] bytes written for it
 
     def tiers(self) -> TierSet:
@@ -128,8 +150,9 @@ def rigs():
         r.close()
 
 
-@pytest.mark.parametrize("page_size,layout", [(1, "layer_first"), (4, "page_first"),
-                                              (4, "layer_first")])
+@pytest.mark.parametrize(
+    "page_size,layout", [(1, "layer_first"), (4, "page_first"), (4, "layer_first")]
+)
 def test_demote_then_load_back_identical_bytes(rigs, page_size, layout):
     r = rigs(page_size=page_size, layout=layout)
     key = list(range(100, 124))
@@ -154,7 +177,9 @@ def test_partial_device_hit_then_host_tail(rigs):
     r = rigs(page_size=2, device_size=16)
     a, b = list(range(10, 18)), list(range(10, 14)) + list(range(50, 58))
     r.insert(a)
-    r.insert(b)  # needs eviction while a's write-through may still be in flight  # shares 4 tokens with a
+    r.insert(
+        b
+    )  # needs eviction while a's write-through may still be in flight  # shares 4 tokens with a
     r.settle()
     r.tree.match_prefix(b)  # b is the most recent: a's tail is the LRU leaf
     r.tree.evict(4)
@@ -371,8 +396,11 @@ def test_events_and_stats(rigs):
 
 def _tiers(tree: HiRadixCache) -> dict[int, tuple[bool, bool]]:
     """node id -> (holds l1, holds l2), for every node in the tree."""
-    return {n.id: (n.value is not None, n.host_value is not None)
-            for n in tree._all_nodes() if n is not tree.root_node}
+    return {
+        n.id: (n.value is not None, n.host_value is not None)
+        for n in tree._all_nodes()
+        if n is not tree.root_node
+    }
 
 
 def test_admin_l1_plan_demotes_to_host_like_evict(rigs):
@@ -479,8 +507,9 @@ def test_layer_counter_and_overlap():
         r.insert(key)
         r.settle()
         r.tree.evict(16)
-        host = torch.cat([n.host_value for n in r.tree._path(r.tree.match_prefix(key)
-                                                                .last_host_node)])
+        host = torch.cat(
+            [n.host_value for n in r.tree._path(r.tree.match_prefix(key).last_host_node)]
+        )
         dev = r.controller.load(host, node_id=-1)
         assert dev is not None
         r.controller.start_loading()
@@ -492,8 +521,9 @@ def test_layer_counter_and_overlap():
         assert r.controller.wait_layer(L - 1, timeout=5)
         assert landed[-1][0] == L - 1 and landed[-1][1] >= t0
         for layer in range(L):
-            assert torch.equal(r.kv_pool.k_buffer[layer][dev],
-                               torch.stack([r.token_kv(t)[0, layer] for t in key]))
+            assert torch.equal(
+                r.kv_pool.k_buffer[layer][dev], torch.stack([r.token_kv(t)[0, layer] for t in key])
+            )
         r.controller.wait_idle()
         r.controller.drain_load_acks()
         r.allocator.free(dev)
@@ -506,8 +536,9 @@ def test_layer_wait_uses_only_its_layers_event(monkeypatch):
     """The forward's wait for layer i makes the compute stream wait on layer i's copy event and
     on nothing else (CUDA events; here stand-ins, since CPU copies have none)."""
     waited: list[object] = []
-    monkeypatch.setattr("hicache.copy_stream.CopyStream.compute_wait",
-                        staticmethod(lambda ev: waited.append(ev)))
+    monkeypatch.setattr(
+        "hicache.copy_stream.CopyStream.compute_wait", staticmethod(lambda ev: waited.append(ev))
+    )
     c = LayerDoneCounter(3)
     c.increment("ev0")
     c.increment("ev1")
@@ -546,9 +577,10 @@ def test_pending_layer_wait_until_load_landed():
 class HiCacheSoak(RuleBasedStateMachine):
     """Random inserts / matches / locks / evictions / load backs on tiny pools."""
 
-    @initialize(page_size=st.sampled_from([1, 2]),
-                policy=st.sampled_from(["write_through", "write_through_selective",
-                                        "write_back"]))
+    @initialize(
+        page_size=st.sampled_from([1, 2]),
+        policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+    )
     def setup(self, page_size: int, policy: str) -> None:
         self.rig = Rig(page_size=page_size, device_size=24, host_size=32, policy=policy)
         self.locked: list = []
@@ -600,8 +632,9 @@ class HiCacheSoak(RuleBasedStateMachine):
             self.rig.check_invariants()
 
 
-HiCacheSoak.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                         suppress_health_check=list(HealthCheck))
+HiCacheSoak.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+)
 TestHiCacheSoak = HiCacheSoak.TestCase
 
 
@@ -610,8 +643,12 @@ class HiCacheAdminSoak(HiCacheSoak):
     frees exactly its nodes from that tier (demoted or deleted through evict's own path), and
     with every copy landed a plan of n tokens is what ``evict(n)`` / ``evict_host(n)`` frees."""
 
-    @rule(tier=st.sampled_from(["l1", "l2"]), n=st.one_of(st.none(), st.integers(1, 32)),
-          key=st.lists(st.integers(0, 5), min_size=1, max_size=12), scoped=st.booleans())
+    @rule(
+        tier=st.sampled_from(["l1", "l2"]),
+        n=st.one_of(st.none(), st.integers(1, 32)),
+        key=st.lists(st.integers(0, 5), min_size=1, max_size=12),
+        scoped=st.booleans(),
+    )
     def admin_evict(self, tier: str, n: int | None, key: list[int], scoped: bool) -> None:
         tree = self.rig.tree
         path = tree.walk([k + 1 for k in key])

@@ -39,7 +39,7 @@ def test_freed_pages_come_back_sorted_in_runs():
     p = pool(size=32, page_size=4)  # 8 pages
     everything = p.alloc(32)
     for page in (6, 1, 7, 2):  # freed scattered; one released while a copy protects it
-        p.free(everything[page * 4: page * 4 + 4])
+        p.free(everything[page * 4 : page * 4 + 4])
     p.protect(everything[12:16])
     p.free(everything[12:16])  # page 3: pending until released
     assert p.alloc(20) is None
@@ -144,7 +144,10 @@ def test_backup_then_load_roundtrip(layout, page_size, io_backend):
 def test_oversized_host_pool_is_refused_before_allocating(monkeypatch):
     monkeypatch.setattr("hicache.host_pool.available_host_memory", lambda: 3 << 30)
     # 2 (K, V) x 4 layers x 2**22 tokens x 8 x 16 x 4 B = 16 GiB > 3 GiB - 2 GiB reserve
-    with pytest.raises(ValueError, match="host KV pool of 4194304 tokens needs 16.0 GiB but only "
-                                         "3.0 GiB .* lower hicache_ratio or set hicache_size"):
+    with pytest.raises(
+        ValueError,
+        match="host KV pool of 4194304 tokens needs 16.0 GiB but only "
+        "3.0 GiB .* lower hicache_ratio or set hicache_size",
+    ):
         MHATokenToKVPoolHost(1 << 22, 1, torch.float32, 8, 16, 4)
     MHATokenToKVPoolHost(1 << 10, 1, torch.float32, 8, 16, 4)  # 32 MiB fits

@@ -58,8 +58,9 @@ class FakeEngine:
         self.calls.append(("storage_info",))
         return {"backend": "file"}
 
-    def attach_storage(self, backend: str, url: str | None = None,
-                       directory: str | None = None) -> dict[str, str]:
+    def attach_storage(
+        self, backend: str, url: str | None = None, directory: str | None = None
+    ) -> dict[str, str]:
         self.calls.append(("attach_storage", backend, url, directory))
         return {"attached": backend}
 
@@ -82,13 +83,24 @@ class FakeEngine:
     def match_prefix(self, key: list[int], namespace: str | None = None) -> Any:
         return self._admin("match_prefix", key, namespace)
 
-    def evict(self, tier: str, num_tokens: int | None = None, prefix: list[int] | None = None,
-              namespace: str | None = None, dry_run: bool = False,
-              namespaces: frozenset[str] | None = None) -> Any:
+    def evict(
+        self,
+        tier: str,
+        num_tokens: int | None = None,
+        prefix: list[int] | None = None,
+        namespace: str | None = None,
+        dry_run: bool = False,
+        namespaces: frozenset[str] | None = None,
+    ) -> Any:
         return self._admin("evict", tier, num_tokens, prefix, namespace, dry_run, namespaces)
 
-    def pin(self, key: list[int], namespace: str | None = None, ttl_s: float = 0.0,
-            owner: str | None = None) -> Any:
+    def pin(
+        self,
+        key: list[int],
+        namespace: str | None = None,
+        ttl_s: float = 0.0,
+        owner: str | None = None,
+    ) -> Any:
         return self._admin("pin", key, namespace, ttl_s, owner)
 
     def unpin(self, pin_id: str | None = None, owner: str | None = None) -> Any:
@@ -100,12 +112,18 @@ class FakeEngine:
     def flush(self, tiers: list[str] | None = None) -> Any:
         return self._admin("flush", tiers)
 
-    def flush_namespaces(self, namespaces: frozenset[str], tiers: list[str] | None,
-                         owner: str | None) -> Any:
+    def flush_namespaces(
+        self, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
+    ) -> Any:
         return self._admin("flush_namespaces", namespaces, tiers, owner)
 
-    def inspect_tree(self, offset: int = 0, limit: int = 100, preview_tokens: int = 16,
-                     namespaces: frozenset[str] | None = None) -> Any:
+    def inspect_tree(
+        self,
+        offset: int = 0,
+        limit: int = 100,
+        preview_tokens: int = 16,
+        namespaces: frozenset[str] | None = None,
+    ) -> Any:
         return self._admin("inspect_tree", offset, limit, preview_tokens, namespaces)
 
     def apply_quotas(self, quotas: Any) -> Any:
@@ -149,9 +167,14 @@ def test_engine_operations_call_the_method_they_name(server):
     assert ask(server, ipc.AttachStorage("redis", "redis://h:1", None)) == {"attached": "redis"}
     assert ask(server, ipc.DetachStorage(12.5)) == {"detached": True}
     assert ask(server, ipc.GetServerArgs()) is engine.server_args
-    assert engine.calls == [("call_in_scheduler", 5.0), ("cache_stats",), ("model_info",),
-                            ("storage_info",), ("attach_storage", "redis", "redis://h:1", None),
-                            ("detach_storage", 12.5)]
+    assert engine.calls == [
+        ("call_in_scheduler", 5.0),
+        ("cache_stats",),
+        ("model_info",),
+        ("storage_info",),
+        ("attach_storage", "redis", "redis://h:1", None),
+        ("detach_storage", 12.5),
+    ]
     assert engine.event_logs_made == 0
 
 
@@ -190,10 +213,22 @@ def test_event_operations_read_one_event_log(server):
 
 
 def test_only_event_operations_are_event_calls():
-    events = [ipc.EventsLastSeq(), ipc.EventsFirstSeq(), ipc.EventsSince(0, None),
-              ipc.EventsMissed(0), ipc.EventsWaitFor(0, None)]
-    others = [ipc.InScheduler(shout, None), ipc.CacheStats(), ipc.ModelInfo(), ipc.StorageInfo(),
-              ipc.GetServerArgs(), ipc.AttachStorage("file", None, "/d"), ipc.DetachStorage(1.0)]
+    events = [
+        ipc.EventsLastSeq(),
+        ipc.EventsFirstSeq(),
+        ipc.EventsSince(0, None),
+        ipc.EventsMissed(0),
+        ipc.EventsWaitFor(0, None),
+    ]
+    others = [
+        ipc.InScheduler(shout, None),
+        ipc.CacheStats(),
+        ipc.ModelInfo(),
+        ipc.StorageInfo(),
+        ipc.GetServerArgs(),
+        ipc.AttachStorage("file", None, "/d"),
+        ipc.DetachStorage(1.0),
+    ]
     assert all(isinstance(op, ipc.EventCall) for op in events)
     assert not any(isinstance(op, ipc.EventCall) for op in others)
 

@@ -22,8 +22,12 @@ pytestmark = pytest.mark.skipif(LIB is None, reason=f"no CPU kernels: {cpu_kerne
 
 def _product(layer: QuantLinear, x: torch.Tensor, nthreads: int) -> torch.Tensor:
     y = torch.empty(x.shape[0], layer.out_features)
-    assert LIB.linear_packed(ctypes.byref(layer.panels.desc), x.data_ptr(), x.shape[0],
-                             y.data_ptr(), nthreads) == 0
+    assert (
+        LIB.linear_packed(
+            ctypes.byref(layer.panels.desc), x.data_ptr(), x.shape[0], y.data_ptr(), nthreads
+        )
+        == 0
+    )
     return y
 
 

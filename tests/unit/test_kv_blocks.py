@@ -25,7 +25,7 @@ def _chain(tokens: list[int], salt: str | None = None) -> list[int]:
     """The block hashes of a sequence, computed from the whole sequence (the reference)."""
     out, parent = [], None
     for i in range(0, len(tokens) - len(tokens) % B, B):
-        parent = block_hash(parent, salt, tuple(tokens[i: i + B]))
+        parent = block_hash(parent, salt, tuple(tokens[i : i + B]))
         out.append(parent)
     return out
 
@@ -71,8 +71,10 @@ def test_namespaces_are_salted_never_named():
     salted = [x.block_hash for x in blocks if x.salt == salt]
     assert shared == _chain(tokens) and salted == _chain(tokens, salt)
     assert not set(shared) & set(salted)  # the same prompt, different blocks
-    assert all(x.token_ids == tuple(tokens[i * B:(i + 1) * B])
-               for i, x in enumerate(x for x in blocks if x.salt == salt))
+    assert all(
+        x.token_ids == tuple(tokens[i * B : (i + 1) * B])
+        for i, x in enumerate(x for x in blocks if x.salt == salt)
+    )
     assert namespace_salt(b"other key", "acme") != salt
 
 
@@ -80,7 +82,8 @@ def test_pages_larger_than_one_token():
     tree = _tree(page_size=2)
     _insert(tree, list(range(100, 110)))
     assert [x.block_hash for x in BlockView(B, KEY).snapshot(tree)["l1"]] == _chain(
-        list(range(100, 110)))
+        list(range(100, 110))
+    )
 
 
 def test_publisher_diff_and_chains():
@@ -121,6 +124,7 @@ def test_changes_are_the_diff_between_looks():
     tree.evict(1 << 20)
     gone = view.changes(tree)
     assert sorted(gone.removed["l1"]) == sorted(
-        b.block_hash for b in first.stored["l1"] + grown.stored["l1"])
+        b.block_hash for b in first.stored["l1"] + grown.stored["l1"]
+    )
     again = view.changes(tree, reset=True)
     assert again.full and again.stored == {"l1": [], "l2": []}

@@ -22,7 +22,7 @@ def test_free_tree_and_held_pages_partition_the_pool(page_size):
     req_to_token = torch.zeros((2, 32), dtype=torch.int32)
     own = alloc.alloc(4 * page_size)
     req_to_token[1, :8] = cached.to(torch.int32)  # its prefix: the tree's slots
-    req_to_token[1, 8: 8 + len(own)] = own.to(torch.int32)
+    req_to_token[1, 8 : 8 + len(own)] = own.to(torch.int32)
     req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, kv_alloc=8 + len(own)))
     held = held_slots(req_to_token, [req, req], tree)  # listed twice: counted once
     assert sorted(held.tolist()) == sorted(own.tolist())

@@ -9,8 +9,9 @@ from hicache import MHATokenToKVPool
 
 
 def _pool(dtype: torch.dtype = torch.float32, page_size: int = 4) -> MHATokenToKVPool:
-    return MHATokenToKVPool(size=16, page_size=page_size, dtype=dtype, head_num=2, head_dim=8,
-                            layer_num=3, device="cpu")
+    return MHATokenToKVPool(
+        size=16, page_size=page_size, dtype=dtype, head_num=2, head_dim=8, layer_num=3, device="cpu"
+    )
 
 
 def test_buffer_layout() -> None:
@@ -55,8 +56,7 @@ def test_bytes_per_token_and_budget() -> None:
     pool = _pool(torch.bfloat16)
     assert pool.bytes_per_token() == 2 * 3 * 2 * 8 * 2
     per_token = pool.bytes_per_token()
-    args = {"page_size": 4, "dtype": torch.bfloat16, "head_num": 2, "head_dim": 8,
-            "layer_num": 3}
+    args = {"page_size": 4, "dtype": torch.bfloat16, "head_num": 2, "head_dim": 8, "layer_num": 3}
     size = MHATokenToKVPool.size_for_budget(per_token * 103, **args)
     assert size == 96  # 103 slots - 4 padding = 99 -> rounded down to a page multiple
     assert (size + 4) * per_token <= per_token * 103

@@ -26,22 +26,33 @@ KEY = b"k" * 16  # the salts' HMAC key
 FP = "test-model|layout"  # the key chain's fingerprint
 
 
-def _keys(tokens: Sequence[int], size: int, namespace: str | None = None,
-          fp: str = FP) -> list[str]:
+def _keys(
+    tokens: Sequence[int], size: int, namespace: str | None = None, fp: str = FP
+) -> list[str]:
     return object_keys(tokens, size, prefix_hash_seed(fp, namespace))
 
 
-def _write(store: FileStorageBackend, tokens: Sequence[int], size: int,
-           indices: Sequence[int] | None = None, namespace: str | None = None,
-           fp: str = FP, content: bool = True) -> list[str]:
+def _write(
+    store: FileStorageBackend,
+    tokens: Sequence[int],
+    size: int,
+    indices: Sequence[int] | None = None,
+    namespace: str | None = None,
+    fp: str = FP,
+    content: bool = True,
+) -> list[str]:
     """Objects ``indices`` (all) of the path ``tokens`` written as the backup thread does."""
     keys = _keys(tokens, size, namespace, fp)
     idx = list(range(len(keys))) if indices is None else list(indices)
     ok = store.batch_set(
-        [keys[i] for i in idx], [bytes([i]) * 600 for i in idx],
+        [keys[i] for i in idx],
+        [bytes([i]) * 600 for i in idx],
         [keys[i - 1] if i else None for i in idx],
-        [ObjectContent.of(namespace, tokens[i * size:(i + 1) * size]) if content else None
-         for i in idx])
+        [
+            ObjectContent.of(namespace, tokens[i * size : (i + 1) * size]) if content else None
+            for i in idx
+        ],
+    )
     assert all(ok)
     return keys
 
@@ -50,7 +61,7 @@ def _reference(tokens: Sequence[int], salt: str | None = None) -> list[int]:
     """The hashes of a sequence's full blocks, from the whole sequence."""
     out, parent = [], None
     for i in range(0, len(tokens) - len(tokens) % B, B):
-        parent = block_hash(parent, salt, tuple(tokens[i:i + B]))
+        parent = block_hash(parent, salt, tuple(tokens[i : i + B]))
         out.append(parent)
     return out
 
@@ -97,7 +108,8 @@ def test_disk_blocks_equal_the_trees_blocks_for_the_same_tokens(tmp_path, namesp
     tree.insert(key, tree.token_to_kv_pool_allocator.alloc(len(key)))
     assert got["disk"] == BlockView(B, KEY).snapshot(tree)["l1"] and got["external"] == []
     assert [b.block_hash for b in got["disk"]] == _reference(
-        tokens[:16], namespace_salt(KEY, namespace))
+        tokens[:16], namespace_salt(KEY, namespace)
+    )
 
 
 def test_a_block_needs_every_object_from_the_root(tmp_path):
@@ -120,8 +132,10 @@ def test_changes_follow_writes_evictions_losses_and_clear(tmp_path):
     store = FileStorageBackend(tmp_path / "kv", 4 * obj_bytes)  # room for two chains of two
     index = L3Index(store, FP, 8)
     view = L3BlockView(B, KEY)
-    assert view.fresh and view.changes(index) == ({"disk": [], "external": []},
-                                                  {"disk": [], "external": []})
+    assert view.fresh and view.changes(index) == (
+        {"disk": [], "external": []},
+        {"disk": [], "external": []},
+    )
     assert not view.fresh
     _write(store, a, 8)
     stored, removed = view.changes(index)
@@ -138,9 +152,12 @@ def test_changes_follow_writes_evictions_losses_and_clear(tmp_path):
     store.clear()
     stored, removed = view.changes(index)
     assert stored["disk"] == [] and sorted(removed["disk"]) == sorted(
-        _reference(b) + _reference(c)[:2])
-    assert view.changes(index, reset=True) == ({"disk": [], "external": []},
-                                               {"disk": [], "external": []})
+        _reference(b) + _reference(c)[:2]
+    )
+    assert view.changes(index, reset=True) == (
+        {"disk": [], "external": []},
+        {"disk": [], "external": []},
+    )
 
 
 def test_a_rescan_drops_what_vanished_and_adopts_what_another_process_wrote(tmp_path):
@@ -168,12 +185,19 @@ def test_restart_publishes_what_is_on_disk_and_nothing_else(tmp_path):
     _write(store, theirs, 8, fp="another-model|layout")
     opaque = _write(store, list(range(600, 616)), 8, content=False)
     liar = _keys(list(range(700, 716)), 8)
-    store.batch_set(liar, [b"x" * 600, b"y" * 600], [None, liar[0]],
-                    [ObjectContent.of(None, range(900, 908)),  # not the tokens of its key
-                     ObjectContent.of(None, range(708, 716))])
+    store.batch_set(
+        liar,
+        [b"x" * 600, b"y" * 600],
+        [None, liar[0]],
+        [
+            ObjectContent.of(None, range(900, 908)),  # not the tokens of its key
+            ObjectContent.of(None, range(708, 716)),
+        ],
+    )
     before = L3BlockView(B, KEY).snapshot(L3Index(store, FP, 8))
     assert sorted(x.block_hash for x in before["disk"]) == sorted(
-        _reference(mine) + _reference(mine, namespace_salt(KEY, "acme")))
+        _reference(mine) + _reference(mine, namespace_salt(KEY, "acme"))
+    )
     again = FileStorageBackend(tmp_path, 1 << 20)
     assert again.stats()["objects"] == 10
     index = L3Index(again, FP, 8)
@@ -263,8 +287,7 @@ def _tree_blocks(rig: Rig, tier: str) -> list[int]:
 
 
 def test_tree_backups_publish_disk_blocks_and_a_flush_removes_them(tmp_path):
-    rig = Rig(page_size=1, device_size=64, host_size=128, storage_dir=str(tmp_path),
-              object_size=8)
+    rig = Rig(page_size=1, device_size=64, host_size=128, storage_dir=str(tmp_path), object_size=8)
     try:
         tokens = list(range(30, 50))  # 2 objects and a tail
         rig.insert(tokens)
@@ -282,9 +305,15 @@ def test_tree_backups_publish_disk_blocks_and_a_flush_removes_them(tmp_path):
 def test_tree_hooks_follow_a_shared_valkey(valkey_server):
     """Backups acknowledged, an exists check, a delete: what the daemon learns of a Redis /
     Valkey L3 (objects another daemon wrote are published once a check finds them)."""
+
     def rig() -> Rig:
-        return Rig(page_size=1, device_size=64, host_size=128, object_size=8,
-                   storage=RedisStorageBackend(valkey_server.url, "l3blocks"))
+        return Rig(
+            page_size=1,
+            device_size=64,
+            host_size=128,
+            object_size=8,
+            storage=RedisStorageBackend(valkey_server.url, "l3blocks"),
+        )
 
     a, b = rig(), rig()
     try:

@@ -169,11 +169,18 @@ def _in_l3_only(r: Rig, key: list[int]) -> None:
     assert r.tree.match_prefix(key, touch=False).host_hit_length == 0
 
 
-@pytest.mark.parametrize("policy,timeout,waits", [
-    ("best_effort", 60.0, False), ("wait_complete", 60.0, True), ("timeout", 60.0, True),
-    ("timeout", 0.0, False)])
-def test_prefetch_policy_decides_whether_a_request_waits_for_its_read(gated, policy, timeout,
-                                                                     waits):
+@pytest.mark.parametrize(
+    "policy,timeout,waits",
+    [
+        ("best_effort", 60.0, False),
+        ("wait_complete", 60.0, True),
+        ("timeout", 60.0, True),
+        ("timeout", 0.0, False),
+    ],
+)
+def test_prefetch_policy_decides_whether_a_request_waits_for_its_read(
+    gated, policy, timeout, waits
+):
     r, store = gated(object_size=4, prefetch_policy=policy, prefetch_timeout_base=timeout)
     pf = r.tree.l3.prefetch
     key = list(range(400, 432))
@@ -375,8 +382,7 @@ def test_a_prefix_evicted_while_waiting_is_prefetched_again(gated):
     r.check_invariants()
 
 
-def test_a_request_without_l2_room_takes_it_from_the_landed_prefetches_behind_it(gated,
-                                                                                  tmp_path):
+def test_a_request_without_l2_room_takes_it_from_the_landed_prefetches_behind_it(gated, tmp_path):
     d = str(tmp_path / "shared")
     first = Rig(storage_dir=d, object_size=4, device_size=64, host_size=128)
     a, b = list(range(100, 124)), list(range(500, 524))
@@ -420,10 +426,17 @@ def test_the_scheduler_tells_the_cache_when_each_request_goes(tiny_llama_dir, tm
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 380) for _ in range(50)] for _ in range(4)]
     greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-    opts = {"enable_hierarchical_cache": True, "max_total_tokens": 512, "page_size": 16,
-            "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "kv"),
-            "hicache_storage_page_size": 16, "hicache_prefetch_threshold": 0,
-            "hicache_storage_prefetch_policy": "wait_complete", "debug_check_invariants": True}
+    opts = {
+        "enable_hierarchical_cache": True,
+        "max_total_tokens": 512,
+        "page_size": 16,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(tmp_path / "kv"),
+        "hicache_storage_page_size": 16,
+        "hicache_prefetch_threshold": 0,
+        "hicache_storage_prefetch_policy": "wait_complete",
+        "debug_check_invariants": True,
+    }
 
     def known(s) -> tuple[dict, dict]:
         l3 = s.tree_cache.l3

@@ -61,25 +61,44 @@ def test_prepacked_linear_equals_f_linear(backend, rows, bias):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         # any leading dims, non-contiguous input
         x3 = torch.randn(96, 2, 3, generator=g).permute(1, 2, 0)
-        torch.testing.assert_close(layer(x3), F.linear(x3, dense_w, layer.bias), rtol=1e-5,
-                                   atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            layer(x3), F.linear(x3, dense_w, layer.bias), rtol=1e-5, atol=1e-5
+        )
 
 
 def _decode_logits(model, config, tokens: list[int]) -> torch.Tensor:
     """Prefill ``tokens`` as one EXTEND batch through the torch-native backend: last-token
     logits ``[vocab]``."""
     n = len(tokens)
-    pool = MHATokenToKVPool(64, 1, torch.float32, config.num_key_value_heads,
-                            config.hidden_size // config.num_attention_heads,
-                            config.num_hidden_layers, "cpu")  # fmt: skip
+    pool = MHATokenToKVPool(
+        64,
+        1,
+        torch.float32,
+        config.num_key_value_heads,
+        config.hidden_size // config.num_attention_heads,
+        config.num_hidden_layers,
+        "cpu",
+    )
     r2t = ReqToTokenPool(2, 64, "cpu")
     slots = torch.arange(1, n + 1)
     r2t.req_to_token[0, :n] = slots.to(r2t.req_to_token.dtype)
     fb = ForwardBatch(
-        ForwardMode.EXTEND, 1, torch.tensor(tokens), torch.arange(n), slots, torch.tensor([0]),
-        torch.tensor([n]), torch.tensor([0]), torch.tensor([n]), [n], [0], [n], r2t, pool,
+        ForwardMode.EXTEND,
+        1,
+        torch.tensor(tokens),
+        torch.arange(n),
+        slots,
+        torch.tensor([0]),
+        torch.tensor([n]),
+        torch.tensor([0]),
+        torch.tensor([n]),
+        [n],
+        [0],
+        [n],
+        r2t,
+        pool,
         create_backend("torch_native", None),
-    )  # fmt: skip
+    )
     with torch.inference_mode():
         fb.attn_backend.init_forward_metadata(fb)
         return model(fb)[0]
@@ -130,7 +149,10 @@ def test_engine_linear_backends_agree(tiny_llama_dir):
     for backend in ("torch", "auto", "onednn"):
         with Engine(tiny_llama_dir, linear_backend=backend, max_total_tokens=1024) as eng:
             outs[backend] = [o.token_ids for o in eng.generate(prompts, sp)]
-            expected = backend if backend != "auto" else resolve_linear_backend(
-                "auto", torch.device("cpu"), torch.float32)
+            expected = (
+                backend
+                if backend != "auto"
+                else resolve_linear_backend("auto", torch.device("cpu"), torch.float32)
+            )
             assert eng.model_info()["linear_backend"] == expected
     assert outs["torch"] == outs["auto"] == outs["onednn"]

@@ -27,8 +27,10 @@ def _local_includes(path: Path) -> set[Path]:
         if p in seen:
             continue
         seen.add(p)
-        todo += [p.parent / name for name in
-                 re.findall(r'^\s*#include\s+"([^"]+)"', p.read_text(), re.MULTILINE)]
+        todo += [
+            p.parent / name
+            for name in re.findall(r'^\s*#include\s+"([^"]+)"', p.read_text(), re.MULTILINE)
+        ]
     return seen
 
 

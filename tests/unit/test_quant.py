@@ -35,8 +35,9 @@ from engine.runtime.layers.quant import (
 )
 from engine.runtime.models.loader import load_model
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.KERNELS.get() is None,
-                                   reason=f"no CPU kernels: {cpu_kernels.KERNELS.error}")
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.KERNELS.get() is None, reason=f"no CPU kernels: {cpu_kernels.KERNELS.error}"
+)
 
 
 def _weights(seed: int, n: int, k: int, scale: float) -> torch.Tensor:
@@ -45,8 +46,12 @@ def _weights(seed: int, n: int, k: int, scale: float) -> torch.Tensor:
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**16), n=st.integers(1, 40), blocks=st.integers(1, 6),
-       scale=st.sampled_from([1e-3, 0.05, 3.0]))
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 40),
+    blocks=st.integers(1, 6),
+    scale=st.sampled_from([1e-3, 0.05, 3.0]),
+)
 def test_q4_1_round_trip_and_requantization_is_exact(seed, n, blocks, scale):
     """Dequantized values are within half a step of the input, and requantizing them gives back
     the same floats (the property that recovers a GGUF's Q4_1 codes from dense weights)."""
@@ -60,8 +65,12 @@ def test_q4_1_round_trip_and_requantization_is_exact(seed, n, blocks, scale):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**16), n=st.integers(1, 40), blocks=st.integers(1, 6),
-       scale=st.sampled_from([1e-3, 0.05, 3.0]))
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 40),
+    blocks=st.integers(1, 6),
+    scale=st.sampled_from([1e-3, 0.05, 3.0]),
+)
 def test_q8_0_round_trip_and_requantization_is_exact(seed, n, blocks, scale):
     w = _weights(seed, n, 32 * blocks, scale)
     qs, d = quantize_q8_0(w)
@@ -156,9 +165,14 @@ def _layer(kind: str, n: int, k: int, seed: int, bias: bool) -> QuantLinear | Pa
 
 @needs_kernels
 @settings(max_examples=25, deadline=None)
-@given(kind=st.sampled_from(["q4_1", "q8_0", "f32"]), n=st.integers(1, 70),
-       kb=st.integers(1, 6), rows=st.integers(1, 70), bias=st.booleans(),
-       data=st.data())
+@given(
+    kind=st.sampled_from(["q4_1", "q8_0", "f32"]),
+    n=st.integers(1, 70),
+    kb=st.integers(1, 6),
+    rows=st.integers(1, 70),
+    bias=st.booleans(),
+    data=st.data(),
+)
 def test_products_are_row_invariant(kind, n, kb, rows, bias, data):
     """A row's outputs are the same bits whatever rows share the call: alone, in any slice of
     the batch, at any position (the C products' one numeric path for every row count)."""
@@ -257,8 +271,7 @@ def test_q8_0_products_take_every_code(rows):
     layer.panels = PackedWeight("q8_0", pack_q8_0(qs, d), 40, 64, None)
     x = torch.randn(rows, 64)
     x[:, 0] = -5.0  # the block's largest: rounded to -127, times -128
-    torch.testing.assert_close(layer(x), _int8_activation_reference(x, layer), rtol=1e-5,
-                               atol=1e-4)
+    torch.testing.assert_close(layer(x), _int8_activation_reference(x, layer), rtol=1e-5, atol=1e-4)
 
 
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
@@ -313,8 +326,12 @@ def test_quantize_linears_keeps_tied_embedding(tiny_llama_dir):
 def test_engine_quantized_runs_and_reports(tiny_llama_dir, quantization):
     sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     prompts = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 9]
-    with Engine(tiny_llama_dir, quantization=quantization, max_total_tokens=1024,
-                debug_check_invariants=True) as eng:
+    with Engine(
+        tiny_llama_dir,
+        quantization=quantization,
+        max_total_tokens=1024,
+        debug_check_invariants=True,
+    ) as eng:
         info = eng.model_info()
         assert info["quantization"] == quantization
         outs = eng.generate(prompts, sp)

@@ -18,8 +18,9 @@ class Sim:
     """A tiny scheduler stand-in: pools, a cache, live requests, and the prefix each slot's KV
     belongs to (``content``) so that matches can be checked for correctness."""
 
-    def __init__(self, page_size: int, num_pages: int = 64, policy: str = "lru",
-                 chunk: bool = False) -> None:
+    def __init__(
+        self, page_size: int, num_pages: int = 64, policy: str = "lru", chunk: bool = False
+    ) -> None:
         self.p = page_size
         self.alloc = TokenToKVPoolAllocator(num_pages * page_size, page_size, "cpu")
         self.pool = ReqToTokenPool(8, 256, "cpu")
@@ -38,12 +39,24 @@ class Sim:
         # the fields of hicache.cache_request.CacheRequest / CacheKV the caches use
         # (kv_committed_len None: every token but the last sampled one has KV); ``tokens`` and
         # ``kv.kv_len`` are the simulation's own
-        kv = SimpleNamespace(req_pool_idx=rows[0], kv_len=len(m.device_indices),
-                             fill_ids=list(tokens[: len(m.device_indices)]),
-                             prefix_indices=m.device_indices, last_node=m.last_device_node,
-                             match_result=None, host_hit_length=0, kv_committed_len=None)
-        req = SimpleNamespace(rid=f"sim-{rows[0]}", tokens=list(tokens), origin_input_ids=[],
-                              output_ids=[], cache_namespace=None, kv=kv)
+        kv = SimpleNamespace(
+            req_pool_idx=rows[0],
+            kv_len=len(m.device_indices),
+            fill_ids=list(tokens[: len(m.device_indices)]),
+            prefix_indices=m.device_indices,
+            last_node=m.last_device_node,
+            match_result=None,
+            host_hit_length=0,
+            kv_committed_len=None,
+        )
+        req = SimpleNamespace(
+            rid=f"sim-{rows[0]}",
+            tokens=list(tokens),
+            origin_input_ids=[],
+            output_ids=[],
+            cache_namespace=None,
+            kv=kv,
+        )
         self.reqs.append(req)
         return req
 
@@ -76,7 +89,7 @@ class Sim:
     def owned_slots(self, req: SimpleNamespace) -> torch.Tensor:
         """Whole pages the request owns: its slots past the tree-held (page-aligned) prefix."""
         tree_len = len(req.kv.prefix_indices) // self.p * self.p
-        row = self.pool.req_to_token[req.kv.req_pool_idx, tree_len: req.kv.kv_len].to(torch.int64)
+        row = self.pool.req_to_token[req.kv.req_pool_idx, tree_len : req.kv.kv_len].to(torch.int64)
         pages = torch.unique(row // self.p)
         return (pages[:, None] * self.p + torch.arange(self.p)).reshape(-1)
 
@@ -90,8 +103,9 @@ class Sim:
         assert torch.equal(every, torch.arange(self.p, total + self.p)), "slots leaked/shared"
         for r in self.reqs:  # every request reads KV computed for its own tokens
             row = self.pool.req_to_token[r.kv.req_pool_idx, : r.kv.kv_len].tolist()
-            assert [self.content[s] for s in row] == [tuple(r.tokens[: i + 1])
-                                                      for i in range(r.kv.kv_len)]
+            assert [self.content[s] for s in row] == [
+                tuple(r.tokens[: i + 1]) for i in range(r.kv.kv_len)
+            ]
             assert not set(row) & set(free.tolist()), "a request reads freed slots"
         # every lock_ref counts exactly the holders (requests, explicit locks) in its subtree
         expected: dict[int, int] = {}
@@ -107,7 +121,8 @@ class Sim:
         n = len(m.device_indices)
         assert n % self.p == 0 and n <= len(key)
         assert [self.content[s] for s in m.device_indices.tolist()] == [
-            tuple(key[: i + 1]) for i in range(n)]
+            tuple(key[: i + 1]) for i in range(n)
+        ]
         return m.device_indices
 
 
@@ -180,8 +195,17 @@ def test_evict_lfu_prefers_rarely_hit() -> None:
 
 def _state(cache: RadixCache) -> list[tuple]:
     """Every node's key, slots, lock, access time and hit count: what a read must not change."""
-    return sorted((n.id, n.key, None if n.value is None else tuple(n.value.tolist()), n.lock_ref,
-                   n.last_access_time, n.hit_count) for n in cache._all_nodes())
+    return sorted(
+        (
+            n.id,
+            n.key,
+            None if n.value is None else tuple(n.value.tolist()),
+            n.lock_ref,
+            n.last_access_time,
+            n.hit_count,
+        )
+        for n in cache._all_nodes()
+    )
 
 
 def test_walk_reads_the_path_without_splitting_or_touching() -> None:
@@ -190,8 +214,7 @@ def test_walk_reads_the_path_without_splitting_or_touching() -> None:
     _insert(sim, [1, 2, 5, 6])
     c, before = sim.cache, _state(sim.cache)
     steps = c.walk([1, 2, 3, 9])  # ends inside the [3, 4] node
-    assert [(s.node.key, s.tokens, s.tier) for s in steps] == [((1, 2), 2, "l1"),
-                                                                ((3, 4), 1, "l1")]
+    assert [(s.node.key, s.tokens, s.tier) for s in steps] == [((1, 2), 2, "l1"), ((3, 4), 1, "l1")]
     assert c.walk([9, 9]) == [] and c.walk([]) == []
     assert _state(c) == before
     paged = Sim(4)
@@ -247,7 +270,9 @@ def test_plan_within_a_subtree_and_locked_nodes() -> None:
     sim.check(locks=(lock.node,))
     c.unlock_prefix(lock)
     assert {n.key for n in c.plan_eviction("l1", None, c.subtree(prefix_node)).nodes} == {
-        (1, 2), (4,)}
+        (1, 2),
+        (4,),
+    }
     sim.check()
 
 
@@ -369,8 +394,12 @@ def test_reset_and_pretty_print(capsys: pytest.CaptureFixture[str]) -> None:
 
 # keys share long prefixes that diverge mid-page, so that splits and duplicates are common
 BASES = ([i % 3 for i in range(24)], [i % 3 for i in range(10)] + [2] * 14, [1] * 24)
-TOKENS = st.builds(lambda b, n, tail: BASES[b][:n] + tail, st.integers(0, 2), st.integers(0, 24),
-                   st.lists(st.integers(0, 2), max_size=6)).filter(bool)
+TOKENS = st.builds(
+    lambda b, n, tail: BASES[b][:n] + tail,
+    st.integers(0, 2),
+    st.integers(0, 24),
+    st.lists(st.integers(0, 2), max_size=6),
+).filter(bool)
 
 
 class RadixMachine(RuleBasedStateMachine):

@@ -18,14 +18,22 @@ from engine.runtime.scheduler.policy import SchedulePolicy
 CACHE = SimpleNamespace(l3_hit=lambda r: r.l3)
 
 
-def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0,
-        l3: int = 0):
+def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0, l3: int = 0):
     """A waiting request as the policy reads it (engine's Req: its ``kv`` and ``admission``)."""
-    kv = SimpleNamespace(prefix_indices=torch.zeros(cached, dtype=torch.int64),
-                         host_hit_length=host, fill_ids=list(range(1000, 1000 + cached + 50)),
-                         last_node=None)
-    return SimpleNamespace(rid=rid, cache_namespace=rid, max_new_tokens=8, l3=l3, kv=kv,
-                           admission=SimpleNamespace(created=created, bypassed=bypassed))
+    kv = SimpleNamespace(
+        prefix_indices=torch.zeros(cached, dtype=torch.int64),
+        host_hit_length=host,
+        fill_ids=list(range(1000, 1000 + cached + 50)),
+        last_node=None,
+    )
+    return SimpleNamespace(
+        rid=rid,
+        cache_namespace=rid,
+        max_new_tokens=8,
+        l3=l3,
+        kv=kv,
+        admission=SimpleNamespace(created=created, bypassed=bypassed),
+    )
 
 
 def order(policy: SchedulePolicy, waiting: list) -> list[str]:
@@ -35,16 +43,24 @@ def order(policy: SchedulePolicy, waiting: list) -> list[str]:
 
 def test_lpm_orders_by_cached_prefix_including_host_and_l3():
     p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=4)
-    w = [req("cold", 0, 10.0), req("l1", 500, 10.1), req("l2", 100, 10.2, host=600),
-         req("l3", 0, 10.3, l3=640)]
+    w = [
+        req("cold", 0, 10.0),
+        req("l1", 500, 10.1),
+        req("l2", 100, 10.2, host=600),
+        req("l3", 0, 10.3, l3=640),
+    ]
     assert order(p, w) == ["l2", "l3", "l1", "cold"]
 
 
 def test_lpm_overtaken_request_goes_first_in_arrival_order():
     p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=4)
-    w = [req("warm-b", 900, 11.5), req("first-turn", 0, 9.0, bypassed=4),
-         req("warm-a", 800, 11.0), req("older-first-turn", 0, 8.0, bypassed=7),
-         req("young-cold", 0, 7.0, bypassed=3)]
+    w = [
+        req("warm-b", 900, 11.5),
+        req("first-turn", 0, 9.0, bypassed=4),
+        req("warm-a", 800, 11.0),
+        req("older-first-turn", 0, 8.0, bypassed=7),
+        req("young-cold", 0, 7.0, bypassed=3),
+    ]
     assert order(p, w) == ["older-first-turn", "first-turn", "warm-b", "warm-a", "young-cold"]
 
 
@@ -68,8 +84,14 @@ def test_bypasses_count_only_later_arrivals():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 1000), st.floats(0, 100), st.integers(0, 10)),
-                min_size=1, max_size=20), st.integers(1, 8))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 1000), st.floats(0, 100), st.integers(0, 10)),
+        min_size=1,
+        max_size=20,
+    ),
+    st.integers(1, 8),
+)
 def test_no_fresh_request_ever_precedes_an_aged_one(specs, max_bypass):
     p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=max_bypass)
     w = [req(f"r{i}", c, t, bypassed=b) for i, (c, t, b) in enumerate(specs)]
@@ -99,8 +121,7 @@ def test_starvation_is_bounded_in_a_stream_of_cached_arrivals():
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 def test_aging_applies_to_cache_aware_policies(policy):
-    tree = SimpleNamespace(root_node=SimpleNamespace(children={}, parent=None),
-                           l3_hit=CACHE.l3_hit)
+    tree = SimpleNamespace(root_node=SimpleNamespace(children={}, parent=None), l3_hit=CACHE.l3_hit)
     p = SchedulePolicy(policy, tree_cache=tree, max_bypass=1)
     w = [req("young", 50, 9.9), req("old", 0, 5.0, bypassed=1)]
     assert order(p, w)[0] == "old"

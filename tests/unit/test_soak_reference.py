@@ -23,8 +23,7 @@ SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234, "ignore_eos": True}
 def fake_model(prompt: list[int], sampling: dict[str, Any]) -> list[int]:
     """Deterministic in (prompt, seed); max_new_tokens only cuts the answer."""
     seed = sampling.get("seed", 0) if sampling.get("temperature") else 0
-    ids = [(sum(prompt) * 31 + seed * 7 + i * 13) % 1000 for i in range(
-        sampling["max_new_tokens"])]
+    ids = [(sum(prompt) * 31 + seed * 7 + i * 13) % 1000 for i in range(sampling["max_new_tokens"])]
     return ids if sampling.get("ignore_eos") else ids[:STOP_AT]
 
 
@@ -37,16 +36,36 @@ class CountingModel:
         return fake_model(prompt, sampling)
 
 
-def served(rec: Recorder, variant: str, prompt: list[int], sampling: dict[str, Any],
-           n: int, *, got: int | None = None, code: str = "OK", finish: str = "LENGTH",
-           t0: float = 100.0, cached: tuple[int, int, int, int] | None = None) -> Answer:
+def served(
+    rec: Recorder,
+    variant: str,
+    prompt: list[int],
+    sampling: dict[str, Any],
+    n: int,
+    *,
+    got: int | None = None,
+    code: str = "OK",
+    finish: str = "LENGTH",
+    t0: float = 100.0,
+    cached: tuple[int, int, int, int] | None = None,
+) -> Answer:
     """Records the answer the fake model gives (``got``: only its first ``got`` tokens, as a
     stream cut short receives)."""
     sp = {**sampling, "max_new_tokens": n}
     ids = fake_model(prompt, sp)
-    return rec.answer(variant, prompt, sp, ids if got is None else ids[:got], code=code,
-                      finish=finish, rid=f"r{len(rec.answers)}", namespace="soak-a",
-                      cached=cached or (16, 0, 0, len(prompt)), t0=t0, t1=t0 + 1.0)
+    return rec.answer(
+        variant,
+        prompt,
+        sp,
+        ids if got is None else ids[:got],
+        code=code,
+        finish=finish,
+        rid=f"r{len(rec.answers)}",
+        namespace="soak-a",
+        cached=cached or (16, 0, 0, len(prompt)),
+        t0=t0,
+        t1=t0 + 1.0,
+    )
 
 
 def soak_answers() -> Recorder:
@@ -84,7 +103,11 @@ def test_equal_answers_pass_with_one_reference_per_prompt_and_params():
     # A greedy at the longest asked (9), A with EOS, B greedy (the empty answer adds nothing),
     # B seeded
     assert [(p, sp["max_new_tokens"]) for p, sp in model.calls] == [
-        (PROMPT_A, 9), (PROMPT_A, 12), (PROMPT_B, 3), (PROMPT_B, 5)]
+        (PROMPT_A, 9),
+        (PROMPT_A, 12),
+        (PROMPT_B, 3),
+        (PROMPT_B, 5),
+    ]
     assert rep.references == 4 and rep.answers == 9
     assert (rep.checked, rep.whole, rep.partial) == (7, 5, 2)
     assert (rep.greedy, rep.seeded, rep.unseeded, rep.empty) == (6, 1, 1, 1)
@@ -93,9 +116,15 @@ def test_equal_answers_pass_with_one_reference_per_prompt_and_params():
     assert not rec.violations
 
 
-@pytest.mark.parametrize("seq, pos, whole, kind", [
-    (1, 3, True, "plain greedy l2"), (0, 0, True, "plain greedy l1"),
-    (3, 2, False, "abort greedy l1"), (6, 4, True, "plain sampled l1")])
+@pytest.mark.parametrize(
+    "seq, pos, whole, kind",
+    [
+        (1, 3, True, "plain greedy l2"),
+        (0, 0, True, "plain greedy l1"),
+        (3, 2, False, "abort greedy l1"),
+        (6, 4, True, "plain sampled l1"),
+    ],
+)
 def test_one_changed_token_is_a_mismatch_with_its_details(seq, pos, whole, kind):
     rec = soak_answers()
     with_token_changed(rec, seq, pos)
@@ -125,8 +154,16 @@ def test_answer_stopped_early_or_running_past_the_reference_is_a_mismatch():
     rec = Recorder()
     a = served(rec, "plain", PROMPT_A, GREEDY, 8)
     rec.answers[0] = dataclasses.replace(a, ids=a.ids[:5], finish="STOP")  # an EOS too early
-    b = served(rec, "cancel", PROMPT_A, {"temperature": 0.0, "ignore_eos": False}, 12,
-               got=STOP_AT, code="CANCELLED", finish="")
+    b = served(
+        rec,
+        "cancel",
+        PROMPT_A,
+        {"temperature": 0.0, "ignore_eos": False},
+        12,
+        got=STOP_AT,
+        code="CANCELLED",
+        finish="",
+    )
     rec.answers[1] = dataclasses.replace(b, ids=(*b.ids, 7))  # went on past the EOS
     rep = check_answers(rec.answers, fake_model)
     assert [(m.answer.seq, m.position) for m in rep.mismatches] == [(0, 5), (1, STOP_AT)]
@@ -134,8 +171,9 @@ def test_answer_stopped_early_or_running_past_the_reference_is_a_mismatch():
 
 def test_an_answer_without_max_new_tokens_is_refused():
     rec = Recorder()
-    rec.answer("plain", PROMPT_A, {"temperature": 0.0}, [1, 2], code="OK", finish="LENGTH",
-               t0=0.0, t1=1.0)
+    rec.answer(
+        "plain", PROMPT_A, {"temperature": 0.0}, [1, 2], code="OK", finish="LENGTH", t0=0.0, t1=1.0
+    )
     with pytest.raises(ValueError, match="max_new_tokens"):
         check_answers(rec.answers, fake_model)
 

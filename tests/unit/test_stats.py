@@ -33,14 +33,18 @@ def _names(cls: type) -> list[str]:
 def test_tier_records_mirror_the_proto():
     """TierStats' fields are the proto's typed fields, in its order; a tier's own fields are
     none of them (they travel in extra / info)."""
-    proto = [f.name for f in sorted(admin_pb2.TierStats.DESCRIPTOR.fields, key=lambda f: f.number)
-             if f.name not in ("tier", "enabled", "extra", "info")]
+    proto = [
+        f.name
+        for f in sorted(admin_pb2.TierStats.DESCRIPTOR.fields, key=lambda f: f.number)
+        if f.name not in ("tier", "enabled", "extra", "info")
+    ]
     assert sorted(_names(TierStats)) == sorted(proto)
     assert _names(TierStats) == [n for n in proto if n != "errors"] + ["errors"]
     for cls in TIER_RECORDS:
         assert _names(cls)[: len(proto)] == _names(TierStats), cls
-        assert not set(_names(cls)[len(proto):]) & {f.name for f in
-                                                    admin_pb2.TierStats.DESCRIPTOR.fields}, cls
+        assert not set(_names(cls)[len(proto) :]) & {
+            f.name for f in admin_pb2.TierStats.DESCRIPTOR.fields
+        }, cls
 
 
 def test_the_cache_record_mirrors_the_response():
@@ -67,11 +71,21 @@ def _distinct(cls: type, start: int) -> object:
 
 
 def _full_record() -> CacheStats:
-    tiers = {"l1": _distinct(L1Stats, 100), "l2": _distinct(L2Stats, 200),
-             "l3": _distinct(L3Stats, 300)}
-    return rec.cache_stats(**tiers, prompt_tokens=9000, miss_tokens=1000, requests=7,
-                           finished_requests=6, retractions=2, running_requests=1,
-                           waiting_requests=3)
+    tiers = {
+        "l1": _distinct(L1Stats, 100),
+        "l2": _distinct(L2Stats, 200),
+        "l3": _distinct(L3Stats, 300),
+    }
+    return rec.cache_stats(
+        **tiers,
+        prompt_tokens=9000,
+        miss_tokens=1000,
+        requests=7,
+        finished_requests=6,
+        retractions=2,
+        running_requests=1,
+        waiting_requests=3,
+    )
 
 
 def test_get_cache_stats_copies_every_field():
@@ -96,33 +110,82 @@ def test_prometheus_exports_every_figure_of_the_record():
 
 
 def test_l3_record_counts_objects_in_tokens_once():
-    backend = {"objects": 5, "bytes": 5000, "capacity_bytes": 10 * 64 * 10 + 5, "hits": 2,
-               "misses": 1, "errors": 1, "evictions": 3, "corrupt": 0, "vanished": 0,
-               "bytes_read": 640, "bytes_written": 1280, "refused": 4}
-    io = {"backup_objects": 2, "backup_skipped_present": 1, "backup_failed_objects": 0,
-          "backup_errors": 2, "prefetch_objects": 1, "prefetch_errors": 3, "prefetch_misses": 0}
-    counters = dict.fromkeys(("prefetch_started", "prefetch_skipped", "prefetch_cancelled",
-                              "prefetch_discarded_tokens", "prefetch_partial", "backup_deferred",
-                              "backup_dropped_nodes", "repaired_objects", "backup_gated_nodes",
-                              "prefetch_yielded"), 0) | {"prefetch_tokens": 48}
-    l3, moves = l3_stats(hit_tokens=7, backend=backend, describe={"backend": "file"},
-                         object_tokens=64, bytes_per_token=10, prefetch_policy="timeout", io=io,
-                         counters=counters, pending_backups=1, deferred_backups=0,
-                         pending_prefetches=0)
+    backend = {
+        "objects": 5,
+        "bytes": 5000,
+        "capacity_bytes": 10 * 64 * 10 + 5,
+        "hits": 2,
+        "misses": 1,
+        "errors": 1,
+        "evictions": 3,
+        "corrupt": 0,
+        "vanished": 0,
+        "bytes_read": 640,
+        "bytes_written": 1280,
+        "refused": 4,
+    }
+    io = {
+        "backup_objects": 2,
+        "backup_skipped_present": 1,
+        "backup_failed_objects": 0,
+        "backup_errors": 2,
+        "prefetch_objects": 1,
+        "prefetch_errors": 3,
+        "prefetch_misses": 0,
+    }
+    counters = dict.fromkeys(
+        (
+            "prefetch_started",
+            "prefetch_skipped",
+            "prefetch_cancelled",
+            "prefetch_discarded_tokens",
+            "prefetch_partial",
+            "backup_deferred",
+            "backup_dropped_nodes",
+            "repaired_objects",
+            "backup_gated_nodes",
+            "prefetch_yielded",
+        ),
+        0,
+    ) | {"prefetch_tokens": 48}
+    l3, moves = l3_stats(
+        hit_tokens=7,
+        backend=backend,
+        describe={"backend": "file"},
+        object_tokens=64,
+        bytes_per_token=10,
+        prefetch_policy="timeout",
+        io=io,
+        counters=counters,
+        pending_backups=1,
+        deferred_backups=0,
+        pending_prefetches=0,
+    )
     assert (l3.used_tokens, l3.evicted_tokens, l3.capacity_tokens) == (5 * 64, 3 * 64, 10 * 64)
     assert l3.errors == 1 + 2 + 3  # the backend's, failed backup jobs, failed prefetches
     assert (l3.hit_tokens, l3.address, l3.backend_figures) == (7, "", {"refused": 4})
     assert moves == (48, 2 * 64, 640, 1280)  # L2's: read from / written to L3
     figures = l3.figures()
-    for duplicate in ("objects", "evictions", "backup_objects", "prefetch_tokens", "bytes_read",
-                      "bytes_written", "backup_errors", "prefetch_errors", "used_tokens"):
+    for duplicate in (
+        "objects",
+        "evictions",
+        "backup_objects",
+        "prefetch_tokens",
+        "bytes_read",
+        "bytes_written",
+        "backup_errors",
+        "prefetch_errors",
+        "used_tokens",
+    ):
         assert duplicate not in figures, duplicate
 
 
 def test_the_clients_tiers_are_the_cache_library_s_and_it_loads_no_torch():
     assert cli_args.TIERS == TIERS
-    code = ("import sys, engine.client.cli, engine.client.cli_output, engine.client.cli_args; "
-            "sys.exit('torch' in sys.modules or 'hicache' in sys.modules)")
+    code = (
+        "import sys, engine.client.cli, engine.client.cli_output, engine.client.cli_args; "
+        "sys.exit('torch' in sys.modules or 'hicache' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=120).returncode == 0
 
 

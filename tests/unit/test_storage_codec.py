@@ -30,8 +30,11 @@ def stored(value: torch.Tensor | bytes) -> tuple[codec.Encoded, bytes]:
 
 # ---- codec -------------------------------------------------------------------------------------
 @settings(max_examples=50, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
-       seed=st.integers(0, 1000))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
+    seed=st.integers(0, 1000),
+)
 def test_tensor_round_trip(dtype, shape, seed):
     t = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 50).to(dtype)
     enc, data = stored(t)
@@ -92,8 +95,10 @@ def test_unknown_dtype_is_corrupt():
             codec.decode(True, name, enc.shape, data, len(data), codec.checksum(data))
 
 
-@pytest.mark.parametrize("dtype,shape", [("float32", (3, 3)), ("float32", (7,)),
-                                         ("float16", (8,)), ("int64", (8,)), ("float32", (0,))])
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [("float32", (3, 3)), ("float32", (7,)), ("float16", (8,)), ("int64", (8,)), ("float32", (0,))],
+)
 def test_shape_and_dtype_that_disagree_with_the_length_are_corrupt(dtype, shape):
     _, data = stored(torch.arange(8, dtype=torch.float32))  # 32 bytes
     with pytest.raises(Corrupt, match="shape and length disagree"):
@@ -121,20 +126,25 @@ T = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
 FILE_V4_TENSOR = bytes.fromhex(
     "48434b560400020004000000030000000c00000000000000c389a7a5381e7d4b62666c6f6174313600000000"
     "0000000004000000020000006b6579307061720200000000000000030000000000000061636d650500000006"
-    "0000000000803f004040408040a040")
+    "0000000000803f004040408040a040"
+)
 FILE_V4_BYTES = bytes.fromhex(
     "48434b560400010102000000ffffffff030000000000000050392f89945faf7875696e743800000000000000"
-    "00000000ffffffff010000006b31030000000000000007000000616263")
+    "00000000ffffffff010000006b31030000000000000007000000616263"
+)
 FILE_V4_NO_CONTENT = bytes.fromhex(
     "48434b560400010102000000ffffffff030000000000000050392f89945faf7875696e743800000000000000"
-    "00000000ffffffffffffffff6b310300000000000000616263")
+    "00000000ffffffffffffffff6b310300000000000000616263"
+)
 # written by the format's VERSION 3 (pinned: files already on disk must still read)
 FILE_V3_TENSOR = bytes.fromhex(
     "48434b560300020004000000030000000c00000000000000c389a7a5381e7d4b62666c6f6174313600000000"
-    "000000006b657930706172020000000000000003000000000000000000803f004040408040a040")
+    "000000006b657930706172020000000000000003000000000000000000803f004040408040a040"
+)
 FILE_V3_BYTES = bytes.fromhex(
     "48434b560300010102000000ffffffff030000000000000050392f89945faf7875696e743800000000000000"
-    "000000006b310300000000000000616263")
+    "000000006b310300000000000000616263"
+)
 
 
 def test_file_format_is_unchanged():
@@ -149,13 +159,25 @@ def test_file_format_is_unchanged():
 def test_file_header_reads_back():
     h = file_mod._read_header(io.BytesIO(FILE_V4_TENSOR))
     assert (h.key, h.parent, h.kind, h.dtype, h.shape, h.payload_len, h.version) == (
-        "key0", "par", 0, "bfloat16", (2, 3), 12, 4)
+        "key0",
+        "par",
+        0,
+        "bfloat16",
+        (2, 3),
+        12,
+        4,
+    )
     assert h.content == ObjectContent.of("acme", [5, 6]) and h.content.token_ids() == [5, 6]
-    assert h.matches(FILE_V4_TENSOR[h.header_len:])
-    assert not h.matches(FILE_V4_TENSOR[h.header_len:-1] + b"\0")
+    assert h.matches(FILE_V4_TENSOR[h.header_len :])
+    assert not h.matches(FILE_V4_TENSOR[h.header_len : -1] + b"\0")
     h = file_mod._read_header(io.BytesIO(FILE_V4_BYTES))
     assert (h.key, h.parent, h.kind, h.shape, h.content) == (
-        "k1", None, 1, (3,), ObjectContent(None, bytes([7, 0, 0, 0])))
+        "k1",
+        None,
+        1,
+        (3,),
+        ObjectContent(None, bytes([7, 0, 0, 0])),
+    )
     h = file_mod._read_header(io.BytesIO(FILE_V4_NO_CONTENT))
     assert (h.key, h.shape, h.content) == ("k1", (3,), None)
 
@@ -164,10 +186,17 @@ def test_version3_file_header_reads_as_before():
     """Files written before the content (VERSION 3) read as before, their content unknown."""
     h = file_mod._read_header(io.BytesIO(FILE_V3_TENSOR))
     assert (h.key, h.parent, h.kind, h.dtype, h.shape, h.payload_len, h.version) == (
-        "key0", "par", 0, "bfloat16", (2, 3), 12, 3)
+        "key0",
+        "par",
+        0,
+        "bfloat16",
+        (2, 3),
+        12,
+        3,
+    )
     assert h.content is None
-    assert h.matches(FILE_V3_TENSOR[h.header_len:])
-    assert not h.matches(FILE_V3_TENSOR[h.header_len:-1] + b"\0")
+    assert h.matches(FILE_V3_TENSOR[h.header_len :])
+    assert not h.matches(FILE_V3_TENSOR[h.header_len : -1] + b"\0")
     h = file_mod._read_header(io.BytesIO(FILE_V3_BYTES))
     assert (h.key, h.parent, h.kind, h.shape, h.content) == ("k1", None, 1, (3,), None)
 
@@ -194,19 +223,20 @@ def test_truncated_file_header_is_corrupt(cut, raw):
 def test_truncated_file_content_is_corrupt():
     h = file_mod._read_header(io.BytesIO(FILE_V4_TENSOR))
     with pytest.raises(Corrupt, match="short header"):
-        file_mod._read_header(io.BytesIO(FILE_V4_TENSOR[:h.header_len - 1]))
+        file_mod._read_header(io.BytesIO(FILE_V4_TENSOR[: h.header_len - 1]))
 
 
 def test_file_content_beyond_the_limits_is_corrupt():
     at = file_mod._FIXED.size - 4  # token_count
-    raw = FILE_V4_TENSOR[:at] + struct.pack("<I", 1 << 30) + FILE_V4_TENSOR[at + 4:]
+    raw = FILE_V4_TENSOR[:at] + struct.pack("<I", 1 << 30) + FILE_V4_TENSOR[at + 4 :]
     with pytest.raises(Corrupt, match="bad header fields"):
         file_mod._read_header(io.BytesIO(raw))
 
 
 # ---- the redis backend's framing -----------------------------------------------------------------
-REDIS_META_TENSOR = (b'{"v":2,"n":12,"k":"t","dt":"bfloat16","sh":[2,3],'
-                     b'"h":5439537153579649475,"p":"par"}')
+REDIS_META_TENSOR = (
+    b'{"v":2,"n":12,"k":"t","dt":"bfloat16","sh":[2,3],"h":5439537153579649475,"p":"par"}'
+)
 REDIS_META_BYTES = b'{"v":2,"n":3,"k":"b","dt":"uint8","sh":[3],"h":8696274497037089104,"p":null}'
 
 
@@ -233,8 +263,17 @@ def test_redis_metadata_of_another_version_or_kind_is_corrupt(change):
         redis_mod._Meta.decode(json.dumps(d).encode())
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"[]", b'{"v":2}', REDIS_META_TENSOR[:-10],
-                                 b'{"v":2,"n":"x","k":"t","dt":"f","sh":[],"h":0,"p":null}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"{",
+        b"[]",
+        b'{"v":2}',
+        REDIS_META_TENSOR[:-10],
+        b'{"v":2,"n":"x","k":"t","dt":"f","sh":[],"h":0,"p":null}',
+    ],
+)
 def test_unparsable_redis_metadata_is_corrupt(raw):
     with pytest.raises(Corrupt, match="unparsable metadata"):
         redis_mod._Meta.decode(raw)

@@ -43,8 +43,9 @@ def parents(keys: list[str], first_parent: str | None = None) -> list[str | None
     return [first_parent] + keys[:-1]
 
 
-def store_chain(s: FileStorageBackend, keys: list[str], base: int = 0,
-                first_parent: str | None = None) -> None:
+def store_chain(
+    s: FileStorageBackend, keys: list[str], base: int = 0, first_parent: str | None = None
+) -> None:
     vals = [page(base + i) for i in range(len(keys))]
     assert s.batch_set(keys, vals, parents(keys, first_parent)) == [True] * len(keys)
 
@@ -319,12 +320,20 @@ def test_version2_files_with_crc32_are_still_read(tmp_path):
             h = fmod._read_header(f)
             f.seek(h.header_len)
             payload = f.read()
-        head = fmod._FIXED_V2.pack(fmod.MAGIC, 2, len(h.shape), h.kind,
-                                   len(h.key.encode()), fmod.NO_PARENT if h.parent is None
-                                   else len(h.parent.encode()), h.payload_len,
-                                   zlib.crc32(payload), h.dtype.encode())
-        var = h.key.encode() + (h.parent or "").encode() + struct.pack(
-            f"<{len(h.shape)}Q", *h.shape)
+        head = fmod._FIXED_V2.pack(
+            fmod.MAGIC,
+            2,
+            len(h.shape),
+            h.kind,
+            len(h.key.encode()),
+            fmod.NO_PARENT if h.parent is None else len(h.parent.encode()),
+            h.payload_len,
+            zlib.crc32(payload),
+            h.dtype.encode(),
+        )
+        var = (
+            h.key.encode() + (h.parent or "").encode() + struct.pack(f"<{len(h.shape)}Q", *h.shape)
+        )
         with open(path, "wb") as f:
             f.write(head + var + payload)
     s2 = FileStorageBackend(tmp_path, capacity_bytes=1 << 20)
@@ -445,8 +454,11 @@ def block_writes(d, blocked: list[str], writable: tuple[str, ...] = ()):
 
 
 def warnings_of(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.levelno >= logging.WARNING
-            and r.name == "hicache.storage.file"]
+    return [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name == "hicache.storage.file"
+    ]
 
 
 def test_unwritable_directory_logs_once_and_counts_each_failed_call(tmp_path, caplog):
@@ -522,13 +534,19 @@ def test_clear(tmp_path):
     assert s.set("k1", page(1)) and torch.equal(s.get("k1"), page(1))
 
 
-_ops = st.lists(st.one_of(
-    st.tuples(st.just("write"), st.integers(0, 5), st.integers(1, 4)),  # chain tag, length
-    st.tuples(st.just("branch"), st.integers(0, 5), st.integers(0, 3)),  # a child under one
-    st.tuples(st.sampled_from(["remove", "corrupt", "truncate", "get", "delete"]),
-              st.integers(0, 5), st.integers(0, 3)),
-    st.tuples(st.just("reconcile"), st.just(0), st.just(0)),
-), max_size=25)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(0, 5), st.integers(1, 4)),  # chain tag, length
+        st.tuples(st.just("branch"), st.integers(0, 5), st.integers(0, 3)),  # a child under one
+        st.tuples(
+            st.sampled_from(["remove", "corrupt", "truncate", "get", "delete"]),
+            st.integers(0, 5),
+            st.integers(0, 3),
+        ),
+        st.tuples(st.just("reconcile"), st.just(0), st.just(0)),
+    ),
+    max_size=25,
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -622,7 +640,8 @@ def test_concurrent_readers_writers_and_damage(tmp_path):
 
 
 def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
-        tiny_llama_dir, tmp_path, caplog):
+    tiny_llama_dir, tmp_path, caplog
+):
     """Issue 12 (9): an Engine whose L3 directory is read-only except its older fan-out dirs
     (half of the objects cannot be written) logs one warning, counts each failed write call
     once in cache_stats().l3.errors, and never believes in an object it did not store."""
@@ -637,10 +656,19 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
     greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     calls: list[list[bool]] = []
     try:
-        with caplog.at_level(logging.WARNING, logger="hicache.storage.file"), Engine(
-                tiny_llama_dir, enable_hierarchical_cache=True, max_total_tokens=512,
-                page_size=16, hicache_storage_backend="file", hicache_storage_dir=str(d),
-                hicache_storage_page_size=16, hicache_prefetch_threshold=0) as eng:
+        with (
+            caplog.at_level(logging.WARNING, logger="hicache.storage.file"),
+            Engine(
+                tiny_llama_dir,
+                enable_hierarchical_cache=True,
+                max_total_tokens=512,
+                page_size=16,
+                hicache_storage_backend="file",
+                hicache_storage_dir=str(d),
+                hicache_storage_page_size=16,
+                hicache_prefetch_threshold=0,
+            ) as eng,
+        ):
             store = eng.scheduler.tree_cache.l3.storage
             real_set = store.batch_set
 
@@ -679,6 +707,7 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
 
 def _settle_l3(eng) -> None:
     """Every L3 backup the engine queued (deferred ones included) landed and was acked."""
+
     def settle(s) -> int:
         tree = s.tree_cache
         tree.check()
@@ -692,8 +721,7 @@ def _settle_l3(eng) -> None:
     raise AssertionError("L3 backups never settled")
 
 
-def test_daemons_with_other_object_sizes_never_read_each_others_objects(tiny_llama_dir,
-                                                                         tmp_path):
+def test_daemons_with_other_object_sizes_never_read_each_others_objects(tiny_llama_dir, tmp_path):
     """The L3 object size is part of the fingerprint that seeds the key chain (and names a
     shared server's scope): an Engine with 32-token objects on the directory another filled
     with 16-token objects reads none of them, and an Engine with 16-token objects reads them
@@ -705,10 +733,16 @@ def test_daemons_with_other_object_sizes_never_read_each_others_objects(tiny_lla
     greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
     def run(object_size: int) -> tuple[list[list[int]], int, str]:
-        with Engine(tiny_llama_dir, enable_hierarchical_cache=True, max_total_tokens=512,
-                    page_size=16, hicache_storage_backend="file",
-                    hicache_storage_dir=str(tmp_path / "kv"),
-                    hicache_storage_page_size=object_size, hicache_prefetch_threshold=0) as eng:
+        with Engine(
+            tiny_llama_dir,
+            enable_hierarchical_cache=True,
+            max_total_tokens=512,
+            page_size=16,
+            hicache_storage_backend="file",
+            hicache_storage_dir=str(tmp_path / "kv"),
+            hicache_storage_page_size=object_size,
+            hicache_prefetch_threshold=0,
+        ) as eng:
             outs = [o.token_ids for o in eng.generate(prompts, greedy)]
             _settle_l3(eng)
             fingerprint = eng.scheduler.tree_cache.l3.storage_io.fingerprint

@@ -65,8 +65,9 @@ def test_a_slow_pass_does_not_keep_the_next_one_away(monkeypatch: pytest.MonkeyP
     wait: the clock is moved); the next pass still comes RECONCILE_MAX_INTERVAL_S later (made
     0.1 s here), not 1,000 s / 2% later."""
     offset = [0.0]  # seconds the test moved StorageIO's clock ahead of the real one
-    monkeypatch.setattr(storage_io, "time", types.SimpleNamespace(
-        monotonic=lambda: time.monotonic() + offset[0]))
+    monkeypatch.setattr(
+        storage_io, "time", types.SimpleNamespace(monotonic=lambda: time.monotonic() + offset[0])
+    )
     monkeypatch.setattr(storage_io, "RECONCILE_MIN_INTERVAL_S", 0.01)
     monkeypatch.setattr(storage_io, "RECONCILE_MAX_INTERVAL_S", 0.1)
     store = _SlowReconcile(offset, first_pass_s=1000.0)

@@ -102,15 +102,22 @@ def _stored_then_flushed(r: Rig, key: list[int]) -> None:
 @pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
 def test_prefetch_policies(gated_rig, policy):
     """12 objects of 4 tokens, read 4 per batch; the first batch lands, the rest hang."""
-    r, store = gated_rig(object_size=4, prefetch_policy=policy, prefetch_timeout_base=0.5,
-                         device_size=64, host_size=128)
+    r, store = gated_rig(
+        object_size=4,
+        prefetch_policy=policy,
+        prefetch_timeout_base=0.5,
+        device_size=64,
+        host_size=128,
+    )
     key = list(range(400, 448))
     _stored_then_flushed(r, key)
     store.reads.close()
     match = r.tree.match_prefix(key, touch=False)
     assert r.tree.l3.prefetch.start_prefetch("req", key, None, match) == (48, 48)
     if policy == "best_effort":
-        assert r.tree.l3.prefetch.poll_prefetch("req") == 0  # admitted now, with what arrived: nothing
+        assert (
+            r.tree.l3.prefetch.poll_prefetch("req") == 0
+        )  # admitted now, with what arrived: nothing
     else:
         store.reads.allow(1)
         assert store.reads.wait_passed(1)
@@ -191,7 +198,9 @@ def test_l2_repairs_objects_l3_lost(gated_rig):
     assert store.inner.batch_exists(keys) == 8
     store.inner.delete(keys[3])  # lost behind our back: it and everything after it
     assert store.inner.batch_exists(keys) == 3
-    r.tree.l3.prefetch.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
+    r.tree.l3.prefetch.start_prefetch(
+        "req", key + [1], None, r.tree.match_prefix(key + [1], touch=False)
+    )
     r.settle()
     assert store.inner.batch_exists(keys) == 8  # written again from L2
     assert r.tiers().l3.repaired_objects == 5
@@ -291,7 +300,9 @@ def test_attach_at_run_time_backs_up_what_l2_holds_and_serves_it(gated_rig, tmp_
     keys = r.tree.l3.storage_keys(tuple(key))
     assert fresh.batch_exists(keys) == 0
     # the next match of the prefix backs up what L2 holds (the repair path)
-    r.tree.l3.prefetch.start_prefetch("req", key + [1], None, r.tree.match_prefix(key + [1], touch=False))
+    r.tree.l3.prefetch.start_prefetch(
+        "req", key + [1], None, r.tree.match_prefix(key + [1], touch=False)
+    )
     r.settle()
     r.tree.l3.prefetch.cancel_prefetch("req")
     assert fresh.batch_exists(keys) == 8

@@ -41,8 +41,12 @@ def tensor(seed: int, dtype: torch.dtype = torch.float32, shape=(2, 3, 4, 8)) ->
 
 def same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a, b))
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     return a == b
 
 
@@ -64,11 +68,13 @@ PATIENT_TIMEOUT_S = 60.0
 HANG_TIMEOUT_S = 0.5  # what those calls wait for a hung server
 
 
-def patient(url: str, scope_: str | None = None, key_prefix: str = "hicache"
-            ) -> RedisStorageBackend:
+def patient(
+    url: str, scope_: str | None = None, key_prefix: str = "hicache"
+) -> RedisStorageBackend:
     """A backend for a test that is not about outages (see ``PATIENT_TIMEOUT_S``)."""
-    return RedisStorageBackend(url, scope_ or scope(), key_prefix=key_prefix,
-                               socket_timeout_s=PATIENT_TIMEOUT_S)
+    return RedisStorageBackend(
+        url, scope_ or scope(), key_prefix=key_prefix, socket_timeout_s=PATIENT_TIMEOUT_S
+    )
 
 
 def set_socket_timeout(b: RedisStorageBackend, seconds: float) -> None:
@@ -160,8 +166,13 @@ def single(shared_server: ValkeyServer) -> Iterator[RedisStorageBackend]:
 # ---- round trips and existence -----------------------------------------------------------------
 def test_round_trip_tensors_and_bytes(backend: RedisStorageBackend) -> None:
     values: list[torch.Tensor | bytes] = [
-        tensor(1, torch.float32), tensor(2, torch.bfloat16), tensor(3, torch.float16),
-        tensor(4, torch.float32, shape=()), torch.empty(0, 4), b"\x00raw bytes\xff", b"",
+        tensor(1, torch.float32),
+        tensor(2, torch.bfloat16),
+        tensor(3, torch.float16),
+        tensor(4, torch.float32, shape=()),
+        torch.empty(0, 4),
+        b"\x00raw bytes\xff",
+        b"",
         tensor(5, torch.float32).transpose(0, 1),  # not contiguous: stored as its values
     ]
     keys, parents = chain(len(values))
@@ -183,15 +194,19 @@ def test_large_objects_in_batches(backend: RedisStorageBackend) -> None:
     keys, parents = chain(8)
     assert all(backend.batch_set(keys, values, parents))
     for start in range(0, 8, 4):  # the prefetch thread reads 4 at a time
-        got = backend.batch_get(keys[start: start + 4])
-        assert all(same(v, g) for v, g in zip(values[start: start + 4], got))
+        got = backend.batch_get(keys[start : start + 4])
+        assert all(same(v, g) for v, g in zip(values[start : start + 4], got))
 
 
 def test_exists_counts_leading_keys_and_mask(backend: RedisStorageBackend) -> None:
     keys, parents = chain(5)
     present = [0, 1, 3]
-    assert backend.batch_set([keys[i] for i in present], [tensor(i) for i in present],
-                             [parents[i] for i in present]) == [True] * 3
+    assert (
+        backend.batch_set(
+            [keys[i] for i in present], [tensor(i) for i in present], [parents[i] for i in present]
+        )
+        == [True] * 3
+    )
     assert backend.batch_exists(keys) == 2
     assert backend.batch_exists(keys[2:]) == 0
     assert backend.batch_exists(keys[:2]) == 2
@@ -213,16 +228,18 @@ def test_rewrite_is_idempotent_and_not_double_counted(backend: RedisStorageBacke
 def test_describe_and_key_layout(shared_server: ValkeyServer) -> None:
     s = scope()
     b = patient(shared_server.url, s, key_prefix="team-a")
-    assert b.describe() == {"backend": "redis", "address": shared_server.url,
-                            "key_prefix": f"team-a:{s}"}
+    assert b.describe() == {
+        "backend": "redis",
+        "address": shared_server.url,
+        "key_prefix": f"team-a:{s}",
+    }
     assert b.set("k0", b"v")
     names = sorted(shared_server.client().keys(f"team-a:{s}:*"))
     assert names == [f"team-a:{s}:{{k0}}:d".encode(), f"team-a:{s}:{{k0}}:m".encode()]
     b.clear()
 
 
-def test_cluster_spreads_objects_and_keeps_pairs_together(
-        valkey_cluster: ValkeyCluster) -> None:
+def test_cluster_spreads_objects_and_keeps_pairs_together(valkey_cluster: ValkeyCluster) -> None:
     b = patient(valkey_cluster.url)
     assert b.describe()["backend"] == "redis-cluster"
     keys, parents = chain(30)
@@ -259,8 +276,10 @@ def test_clear_leaves_other_scopes_and_prefixes(target: ValkeyServer | ValkeyClu
 
 # ---- damage: corrupt, half-written, chains -----------------------------------------------------
 def test_corrupt_payload_is_a_miss_and_removed(
-        backend: RedisStorageBackend, target: ValkeyServer | ValkeyCluster,
-        caplog: pytest.LogCaptureFixture) -> None:
+    backend: RedisStorageBackend,
+    target: ValkeyServer | ValkeyCluster,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     keys, parents = chain(2)
     assert all(backend.batch_set(keys, [tensor(0), tensor(1)], parents))
     plain = target.client()
@@ -278,8 +297,9 @@ def test_corrupt_payload_is_a_miss_and_removed(
 
 
 @pytest.mark.parametrize("damage", ["short payload", "bad metadata", "wrong version"])
-def test_other_damage_is_corrupt(single: RedisStorageBackend, shared_server: ValkeyServer,
-                                 damage: str) -> None:
+def test_other_damage_is_corrupt(
+    single: RedisStorageBackend, shared_server: ValkeyServer, damage: str
+) -> None:
     key = "k" + uuid.uuid4().hex
     assert single.set(key, tensor(0))
     plain = shared_server.client()
@@ -294,8 +314,9 @@ def test_other_damage_is_corrupt(single: RedisStorageBackend, shared_server: Val
     assert plain.exists(single._dkey(key), single._mkey(key)) == 0
 
 
-def test_payload_without_metadata_is_absent(single: RedisStorageBackend,
-                                            shared_server: ValkeyServer) -> None:
+def test_payload_without_metadata_is_absent(
+    single: RedisStorageBackend, shared_server: ValkeyServer
+) -> None:
     key = "k" + uuid.uuid4().hex
     plain = shared_server.client()
     plain.set(single._dkey(key), b"an unfinished write")
@@ -309,7 +330,8 @@ def test_payload_without_metadata_is_absent(single: RedisStorageBackend,
 
 
 def test_metadata_without_payload_is_a_miss_and_removed(
-        backend: RedisStorageBackend, target: ValkeyServer | ValkeyCluster) -> None:
+    backend: RedisStorageBackend, target: ValkeyServer | ValkeyCluster
+) -> None:
     key = "k" + uuid.uuid4().hex
     assert backend.set(key, tensor(0))
     plain = target.client()
@@ -321,8 +343,9 @@ def test_metadata_without_payload_is_a_miss_and_removed(
     assert backend.stats()["vanished"] == 1
 
 
-def test_loss_takes_the_later_chain_of_the_batch(single: RedisStorageBackend,
-                                                 shared_server: ValkeyServer) -> None:
+def test_loss_takes_the_later_chain_of_the_batch(
+    single: RedisStorageBackend, shared_server: ValkeyServer
+) -> None:
     keys, parents = chain(5)
     other, other_parents = chain(1, "o")
     assert all(single.batch_set(keys, [tensor(i) for i in range(5)], parents))
@@ -353,9 +376,9 @@ def test_delete(backend: RedisStorageBackend) -> None:
     assert backend.stats()["objects"] == 1 and backend.stats()["bytes"] == tensor(0).nbytes
 
 
-def test_a_client_library_surprise_is_contained(single: RedisStorageBackend,
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_client_library_surprise_is_contained(
+    single: RedisStorageBackend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     assert single.set("k", b"v")
 
     def broken(**kwargs: object) -> None:
@@ -380,8 +403,8 @@ def test_maxmemory_eviction_never_returns_wrong_data(valkey_server: ValkeyServer
     values = [tensor(i, shape=(64, 1024)) for i in range(40)]  # 256 KiB each, 10 MiB total
     keys = [f"k{i}-{uuid.uuid4().hex}" for i in range(40)]
     for i in range(0, 40, 4):
-        b.batch_set(keys[i: i + 4], values[i: i + 4])  # independent objects (no parents)
-    got = [v for i in range(0, 40, 4) for v in b.batch_get(keys[i: i + 4])]
+        b.batch_set(keys[i : i + 4], values[i : i + 4])  # independent objects (no parents)
+    got = [v for i in range(0, 40, 4) for v in b.batch_get(keys[i : i + 4])]
     assert all(g is None or same(v, g) for v, g in zip(values, got))
     lost = sum(g is None for g in got)
     assert 0 < lost < 40
@@ -397,7 +420,8 @@ def test_maxmemory_eviction_never_returns_wrong_data(valkey_server: ValkeyServer
 
 
 def test_noeviction_oom_fails_writes_and_logs_once(
-        valkey_server: ValkeyServer, caplog: pytest.LogCaptureFixture) -> None:
+    valkey_server: ValkeyServer, caplog: pytest.LogCaptureFixture
+) -> None:
     plain = valkey_server.client()
     used = plain.info("memory")["used_memory"]
     plain.config_set("maxmemory", used + (1 << 20))
@@ -406,7 +430,7 @@ def test_noeviction_oom_fails_writes_and_logs_once(
     values = [tensor(i, shape=(64, 1024)) for i in range(12)]  # 3 MiB > the 1 MiB left
     keys = [f"k{i}" for i in range(12)]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        ok = [o for i in range(0, 12, 2) for o in b.batch_set(keys[i: i + 2], values[i: i + 2])]
+        ok = [o for i in range(0, 12, 2) for o in b.batch_set(keys[i : i + 2], values[i : i + 2])]
     assert any(ok) and not all(ok)
     assert b.exists_mask(keys) == ok
     got = b.batch_get(keys)
@@ -432,9 +456,12 @@ def _tls_files(tmp_path) -> tuple[str, str]:
     return str(chain_pem), str(key_pem)
 
 
-def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp_path,
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_rediss_over_tls_checks_the_certificate(
+    shared_server: ValkeyServer,
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """rediss:// against a real server behind TLS: the data round-trips when the server's
     certificate checks out against the given CA; with another CA the handshake fails, and the
     backend answers misses and counts one outage (it never talks in the clear)."""
@@ -456,7 +483,8 @@ def test_rediss_over_tls_checks_the_certificate(shared_server: ValkeyServer, tmp
 
         monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)
         wrong = RedisStorageBackend(
-            f"rediss://127.0.0.1:{front.port}/0?ssl_ca_certs={tmp_path / 'other.pem'}", scope())
+            f"rediss://127.0.0.1:{front.port}/0?ssl_ca_certs={tmp_path / 'other.pem'}", scope()
+        )
         with caplog.at_level(logging.INFO, logger=LOGGER):
             assert wrong.batch_set(keys, values, parents) == [False] * 3
             assert wrong.batch_get(keys) == [None] * 3
@@ -481,8 +509,12 @@ def test_rediss_cluster_over_tls(tmp_path) -> None:
             node.client().config_set("cluster-announce-port", front.port)
         want = sorted(f.port for f in fronts)
         deadline = time.monotonic() + 60  # liveness bound only: gossip, a ping a second
-        while sorted(int(r[2][1]) for r in cluster.nodes[0].client().execute_command(
-                "CLUSTER", "SLOTS")) != want:
+        while (
+            sorted(
+                int(r[2][1]) for r in cluster.nodes[0].client().execute_command("CLUSTER", "SLOTS")
+            )
+            != want
+        ):
             assert time.monotonic() < deadline, "the announced ports did not spread"
             time.sleep(0.1)
         hosts = ",".join(f"127.0.0.1:{f.port}" for f in fronts)
@@ -497,15 +529,18 @@ def test_rediss_cluster_over_tls(tmp_path) -> None:
         assert b.stats()["objects"] == 12
         held = [node.client().dbsize() for node in cluster.nodes]
         assert sum(held) == 24 and sum(1 for n in held if n) >= 2  # spread, pairs together
-        assert all(f.sessions >= 1 for f in fronts) and not any(f.handshake_failures
-                                                               for f in fronts)
+        assert all(f.sessions >= 1 for f in fronts) and not any(
+            f.handshake_failures for f in fronts
+        )
         b.clear()
         wrong = RedisStorageBackend(
-            f"rediss-cluster://{hosts}?ssl_ca_certs={tmp_path / 'other.pem'}", scope())
+            f"rediss-cluster://{hosts}?ssl_ca_certs={tmp_path / 'other.pem'}", scope()
+        )
         assert wrong.batch_set(keys, values, parents) == [False] * 12
         assert wrong.batch_get(keys) == [None] * 12
-        assert wrong.stats()["outages"] == 1 and sum(n.client().dbsize()
-                                                     for n in cluster.nodes) == 0
+        assert (
+            wrong.stats()["outages"] == 1 and sum(n.client().dbsize() for n in cluster.nodes) == 0
+        )
     finally:
         for f in fronts:
             f.close()
@@ -513,8 +548,8 @@ def test_rediss_cluster_over_tls(tmp_path) -> None:
 
 
 def test_server_down_answers_at_once_without_network(
-        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)  # no retry during this test
     b = patient(valkey_server.url)
     keys, parents = chain(3)
@@ -545,9 +580,9 @@ def test_server_down_answers_at_once_without_network(
     assert valkey_server.url.split("@")[-1].split("/")[0] in warned[0].getMessage()
 
 
-def test_restart_recovers_after_backoff(valkey_server: ValkeyServer,
-                                        monkeypatch: pytest.MonkeyPatch,
-                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_restart_recovers_after_backoff(
+    valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
     b = patient(valkey_server.url)
     keys, parents = chain(2)
@@ -589,8 +624,9 @@ def test_cluster_down_answers_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     leases = [PortLease(), PortLease()]  # nobody listens there (a free_port may be taken)
     try:
         ports = [lease.port for lease in leases]
-        b = RedisStorageBackend(f"redis-cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
-                                scope())
+        b = RedisStorageBackend(
+            f"redis-cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", scope()
+        )
         assert b.batch_get(["a", "b"]) == [None, None]
         assert b.batch_set(["a"], [b"x"]) == [False] and b.batch_exists(["a"]) == 0
         s = b.stats()
@@ -619,7 +655,8 @@ def _stall(server: ValkeyServer, seconds: float) -> threading.Timer:
 
 
 def test_only_the_calls_under_test_get_the_hang_timeout(
-        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the hung-server tests rely on: a stall longer than HANG_TIMEOUT_S before or after
     their ``hang_timeout`` block (set-up, recovery, checks) is waited out; inside it, a server
     that answers nothing for HANG_TIMEOUT_S is an outage."""
@@ -645,8 +682,8 @@ def test_only_the_calls_under_test_get_the_hang_timeout(
 
 
 def test_hung_server_costs_one_timeout_then_answers_at_once(
-        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A server that stops answering (stopped, swapping, a network black hole): the first call
     waits one socket timeout, later calls answer from the backoff state without the network,
     one warning; when it answers again the data is there and nothing is believed wrongly."""
@@ -677,8 +714,7 @@ def test_hung_server_costs_one_timeout_then_answers_at_once(
     assert len(our_warnings(caplog)) == 1
 
 
-def test_one_hung_cluster_node_never_returns_wrong_data(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_hung_cluster_node_never_returns_wrong_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """One primary of three stops answering: calls end with misses or the right data, never an
     exception; when it answers again the same client reads every object back."""
     monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
@@ -718,8 +754,9 @@ def test_one_hung_cluster_node_never_returns_wrong_data(
 
 
 # ---- stats and reconcile -----------------------------------------------------------------------
-def test_stats_and_reconcile_agree_with_the_server(backend: RedisStorageBackend,
-                                                   target: ValkeyServer | ValkeyCluster) -> None:
+def test_stats_and_reconcile_agree_with_the_server(
+    backend: RedisStorageBackend, target: ValkeyServer | ValkeyCluster
+) -> None:
     keys, parents = chain(6)
     values = [tensor(i, shape=(3, 5)) for i in range(6)]
     assert all(backend.batch_set(keys, values, parents))
@@ -751,17 +788,20 @@ class StallMidSweep:
     client's slow command can make it. A timer resumes it after ``resume_after_s`` (None: only
     ``resume()`` does)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, backend: RedisStorageBackend,
-                 target: ValkeyServer | ValkeyCluster, resume_after_s: float | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        backend: RedisStorageBackend,
+        target: ValkeyServer | ValkeyCluster,
+        resume_after_s: float | None = None,
+    ) -> None:
         self.stalled: ValkeyServer | None = None
         self.counted_before = 0  # objects the sweep had counted when the server stalled
         self._timer: threading.Timer | None = None
         servers = target.nodes if isinstance(target, ValkeyCluster) else [target]
         real_scan = backend._scan
 
-        def scan(client: object, node: object, cursor: int, match: str
-                 ) -> tuple[int, list[bytes]]:
+        def scan(client: object, node: object, cursor: int, match: str) -> tuple[int, list[bytes]]:
             sweep = backend._sweep
             if self.stalled is None and sweep is not None and sweep.objects > 0:
                 port = getattr(node, "port", None)  # None: the single server
@@ -784,8 +824,10 @@ class StallMidSweep:
 
 
 def test_a_stall_mid_sweep_keeps_the_last_complete_counts(
-        target: ValkeyServer | ValkeyCluster, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    target: ValkeyServer | ValkeyCluster,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A server that stops answering in the middle of a sweep for longer than the socket
     timeout: an outage (one warning), and the sweep is dropped: the counts stay those of the
     last complete sweep plus this process's own changes, not the part of the sweep counted
@@ -827,7 +869,8 @@ def test_a_stall_mid_sweep_keeps_the_last_complete_counts(
 
 
 def test_a_sweep_waits_out_a_stall_shorter_than_its_socket_timeout(
-        target: ValkeyServer | ValkeyCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    target: ValkeyServer | ValkeyCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A server that stalls mid-sweep for longer than the default socket timeout, but not as
     long as this backend's: the sweep waits, reads the late replies and counts every object,
     and nothing is an outage. (The tests that are not about outages rely on this: their
@@ -851,8 +894,9 @@ def test_a_sweep_waits_out_a_stall_shorter_than_its_socket_timeout(
         twin.clear()  # the scope's keys (b's own counts are asserted above)
 
 
-def test_reconcile_leaves_the_servers_lru_alone(backend: RedisStorageBackend,
-                                              target: ValkeyServer | ValkeyCluster) -> None:
+def test_reconcile_leaves_the_servers_lru_alone(
+    backend: RedisStorageBackend, target: ValkeyServer | ValkeyCluster
+) -> None:
     """The idle rescan reads lengths without touching keys: under allkeys-lru the objects it
     counted stay as old to the server as they were (a touched payload would look as new as the
     objects written after it, and the server would evict among them at random)."""
@@ -867,8 +911,9 @@ def test_reconcile_leaves_the_servers_lru_alone(backend: RedisStorageBackend,
             assert raw.object("idletime", name) >= 2, name
 
 
-def test_reconcile_sweeps_over_several_passes(single: RedisStorageBackend,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reconcile_sweeps_over_several_passes(
+    single: RedisStorageBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(redis_mod, "RECONCILE_MAX_KEYS", 5)
     monkeypatch.setattr(redis_mod, "SCAN_COUNT", 3)
     keys = [f"k{i}" for i in range(30)]
@@ -895,7 +940,8 @@ def _sweep_until_published(b: RedisStorageBackend) -> tuple[int, int]:
 
 @pytest.mark.parametrize("between", ["an outage", "a quick restart"])
 def test_a_sweep_starts_over_after_a_restart_between_its_passes(
-        valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, between: str) -> None:
+    valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, between: str
+) -> None:
     """A sweep spread over passes counted objects of a server that then restarted (its data
     gone): the counts it publishes are the restarted server's alone, never the part counted
     before plus the rest of a walk with an old cursor. Seen as an outage (another call failed
@@ -949,47 +995,72 @@ def test_password_protected_server_and_describe_hides_it() -> None:
 
 def test_redact_and_parse_urls() -> None:
     assert redact_url("redis://user:pw@h:1/0") == "redis://user@h:1/0"
-    assert redact_url("rediss://:pw@h:1/2?ssl_cert_reqs=none&password=x") == \
-        "rediss://h:1/2?ssl_cert_reqs=none"
+    assert (
+        redact_url("rediss://:pw@h:1/2?ssl_cert_reqs=none&password=x")
+        == "rediss://h:1/2?ssl_cert_reqs=none"
+    )
     t = parse_target("rediss-cluster://u:p%40ss@10.0.0.1:7000,[::1]:7001,h3?ssl_cert_reqs=none")
     assert t.cluster and t.nodes == (("10.0.0.1", 7000), ("::1", 7001), ("h3", 6379))
     assert t.options["password"] == "p@ss" and t.options["username"] == "u"
     assert t.options["ssl"] is True and t.options["ssl_cert_reqs"] == "none"
     assert "p%40ss" not in t.address and "p@ss" not in t.address
     d = RedisStorageBackend("redis-cluster://:pw@h1:1,h2:2", "ab").describe()
-    assert d == {"backend": "redis-cluster", "address": "redis-cluster://h1:1,h2:2",
-                 "key_prefix": "hicache:ab"}
+    assert d == {
+        "backend": "redis-cluster",
+        "address": "redis-cluster://h1:1,h2:2",
+        "key_prefix": "hicache:ab",
+    }
     assert not parse_target("unix:///tmp/valkey.sock?db=1").cluster
 
 
-@pytest.mark.parametrize("url", [
-    "", "localhost:6379", "http://h:1", "redis://h:port", "redis-cluster://",
-    "redis-cluster://h:1,,h:2", "redis-cluster://h:99999", "redis-cluster://h:1/3",
-    "rediss://h:1?socket_timeout=soon", "redis://h:1?no_such_option=1",
-    "redis-cluster://h:1?no_such_option=1", "memcached://h:1",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "localhost:6379",
+        "http://h:1",
+        "redis://h:port",
+        "redis-cluster://",
+        "redis-cluster://h:1,,h:2",
+        "redis-cluster://h:99999",
+        "redis-cluster://h:1/3",
+        "rediss://h:1?socket_timeout=soon",
+        "redis://h:1?no_such_option=1",
+        "redis-cluster://h:1?no_such_option=1",
+        "memcached://h:1",
+    ],
+)
 def test_bad_urls_raise(url: str) -> None:
     with pytest.raises(ValueError):
         RedisStorageBackend(url, "ab")
 
 
-@pytest.mark.parametrize("prefix,scope_", [
-    ("", "ab"), ("a b", "ab"), ("{x}", "ab"), ("a:b", "ab"), ("a*", "ab"), ("ok", ""),
-    ("ok", "a{b"), ("ok", "a:b"),
-])
+@pytest.mark.parametrize(
+    "prefix,scope_",
+    [
+        ("", "ab"),
+        ("a b", "ab"),
+        ("{x}", "ab"),
+        ("a:b", "ab"),
+        ("a*", "ab"),
+        ("ok", ""),
+        ("ok", "a{b"),
+        ("ok", "a:b"),
+    ],
+)
 def test_bad_names_raise(prefix: str, scope_: str) -> None:
     with pytest.raises(ValueError):
         RedisStorageBackend("redis://127.0.0.1:1/0", scope_, key_prefix=prefix)
 
 
 def test_describe_defaults(tmp_path) -> None:
-    assert FileStorageBackend(tmp_path).describe() == {"backend": "file",
-                                                       "address": str(tmp_path)}
+    assert FileStorageBackend(tmp_path).describe() == {"backend": "file", "address": str(tmp_path)}
 
 
 # ---- zero copy and threads ---------------------------------------------------------------------
-def test_tensor_payload_is_sent_from_its_own_memory(single: RedisStorageBackend,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_payload_is_sent_from_its_own_memory(
+    single: RedisStorageBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     value = tensor(0, torch.bfloat16, shape=(256, 64))
     sent: list[object] = []
     real_send = redis.connection.AbstractConnection.send_packed_command
@@ -1029,16 +1100,24 @@ def test_threads_share_one_backend(single: RedisStorageBackend) -> None:
 
 
 # ---- random operation sequences against a model ------------------------------------------------
-_OPS = st.lists(st.tuples(st.sampled_from(["set", "get", "delete", "exists"]),
-                          st.lists(st.integers(0, 7), min_size=1, max_size=4),
-                          st.integers(0, 3)), min_size=1, max_size=25)
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["set", "get", "delete", "exists"]),
+        st.lists(st.integers(0, 7), min_size=1, max_size=4),
+        st.integers(0, 3),
+    ),
+    min_size=1,
+    max_size=25,
+)
 
 
-@settings(max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=_OPS)
-def test_random_operations_match_a_model(shared_server: ValkeyServer,
-                                         ops: list[tuple[str, list[int], int]]) -> None:
+def test_random_operations_match_a_model(
+    shared_server: ValkeyServer, ops: list[tuple[str, list[int], int]]
+) -> None:
     """set / get / delete / exists against a dict of key -> (value, parent); a get that misses
     also drops the batch's later keys chained after the missing one."""
     b = patient(shared_server.url)
@@ -1048,8 +1127,10 @@ def test_random_operations_match_a_model(shared_server: ValkeyServer,
         for op, idx, salt in ops:
             keys = [names[i] for i in idx]
             if op == "set":
-                values = [tensor(i * 10 + salt, shape=(4,)) if salt % 2 else
-                          bytes([i, salt]) * 3 for i in idx]
+                values = [
+                    tensor(i * 10 + salt, shape=(4,)) if salt % 2 else bytes([i, salt]) * 3
+                    for i in idx
+                ]
                 parents = [names[i - 1] if i and salt < 2 else None for i in idx]
                 assert b.batch_set(keys, values, parents) == [True] * len(keys)
                 for k, v, p in zip(keys, values, parents):

@@ -27,8 +27,10 @@ def _by_name(tenants: tuple[Tenant, ...]) -> dict[str, Tenant]:
 
 # --- the spec string ----------------------------------------------------------------------------
 def test_parse_spec_every_key():
-    t = parse_spec("acme:s1,namespaces=acme|acme-rag,quota_l1_tokens=4096,quota_l2_tokens=16384,"
-                   "quota_l3_tokens=65536")
+    t = parse_spec(
+        "acme:s1,namespaces=acme|acme-rag,quota_l1_tokens=4096,quota_l2_tokens=16384,"
+        "quota_l3_tokens=65536"
+    )
     assert t == Tenant("acme", ("s1",), ("acme", "acme-rag"), 4096, 16384, 65536)
     assert t.default_namespace == "acme"
     assert [t.quota(x) for x in ("l1", "l2", "l3")] == [4096, 16384, 65536]
@@ -48,20 +50,23 @@ def test_parse_specs_separated_by_semicolons():
     assert parse_specs("") == ()
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("acme", "NAME:TOKEN"),  # no token at all
-    ("acme:", "NAME:TOKEN"),  # empty token
-    (":tok", "NAME:TOKEN"),  # empty name
-    ("bad name:tok", "tenant name"),
-    ("a/b:tok", "tenant name"),
-    ("n" * 65 + ":tok", "tenant name"),
-    ("acme:tok,color=red", "unknown key"),
-    ("acme:tok,quota_l1_tokens", "key=value"),
-    ("acme:tok,quota_l1_tokens=lots", "quota_l1_tokens must be an integer"),
-    ("acme:tok,quota_l2_tokens=1.5", "quota_l2_tokens must be an integer"),
-    ("acme:tok,quota_l3_tokens=-1", "quota_l3_tokens"),
-    ("acme:tok,namespaces=good|bad ns", "namespace"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("acme", "NAME:TOKEN"),  # no token at all
+        ("acme:", "NAME:TOKEN"),  # empty token
+        (":tok", "NAME:TOKEN"),  # empty name
+        ("bad name:tok", "tenant name"),
+        ("a/b:tok", "tenant name"),
+        ("n" * 65 + ":tok", "tenant name"),
+        ("acme:tok,color=red", "unknown key"),
+        ("acme:tok,quota_l1_tokens", "key=value"),
+        ("acme:tok,quota_l1_tokens=lots", "quota_l1_tokens must be an integer"),
+        ("acme:tok,quota_l2_tokens=1.5", "quota_l2_tokens must be an integer"),
+        ("acme:tok,quota_l3_tokens=-1", "quota_l3_tokens"),
+        ("acme:tok,namespaces=good|bad ns", "namespace"),
+    ],
+)
 def test_parse_spec_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_spec(spec)
@@ -74,25 +79,35 @@ def test_parse_specs_error_names_the_bad_entry():
 
 # --- the TOML table -----------------------------------------------------------------------------
 def test_from_table_token_and_tokens_combine():
-    t = from_table("acme", {"token": "t0", "tokens": ["t1", "t2"], "namespaces": ["acme", "rag"],
-                            "quota_l2_tokens": 128})
+    t = from_table(
+        "acme",
+        {
+            "token": "t0",
+            "tokens": ["t1", "t2"],
+            "namespaces": ["acme", "rag"],
+            "quota_l2_tokens": 128,
+        },
+    )
     assert set(t.tokens) == {"t0", "t1", "t2"}
     assert t.namespaces == ("acme", "rag") and t.quota_l2_tokens == 128
 
 
-@pytest.mark.parametrize("name,table,match", [
-    ("bad name", {"token": "t"}, "tenant name"),
-    ("acme", {}, "token"),  # no token
-    ("acme", {"token": ""}, "token"),
-    ("acme", {"tokens": []}, "token"),
-    ("acme", {"tokens": ["ok", ""]}, "token"),
-    ("acme", {"token": "t", "colour": "red"}, "unknown key"),
-    ("acme", {"token": "t", "quota_l1_tokens": "4096"}, "quota_l1_tokens"),
-    ("acme", {"token": "t", "quota_l1_tokens": 1.5}, "quota_l1_tokens"),
-    ("acme", {"token": "t", "quota_l2_tokens": True}, "quota_l2_tokens"),
-    ("acme", {"token": "t", "quota_l3_tokens": -5}, "quota_l3_tokens"),
-    ("acme", {"token": "t", "namespaces": ["a b"]}, "namespace"),
-])
+@pytest.mark.parametrize(
+    "name,table,match",
+    [
+        ("bad name", {"token": "t"}, "tenant name"),
+        ("acme", {}, "token"),  # no token
+        ("acme", {"token": ""}, "token"),
+        ("acme", {"tokens": []}, "token"),
+        ("acme", {"tokens": ["ok", ""]}, "token"),
+        ("acme", {"token": "t", "colour": "red"}, "unknown key"),
+        ("acme", {"token": "t", "quota_l1_tokens": "4096"}, "quota_l1_tokens"),
+        ("acme", {"token": "t", "quota_l1_tokens": 1.5}, "quota_l1_tokens"),
+        ("acme", {"token": "t", "quota_l2_tokens": True}, "quota_l2_tokens"),
+        ("acme", {"token": "t", "quota_l3_tokens": -5}, "quota_l3_tokens"),
+        ("acme", {"token": "t", "namespaces": ["a b"]}, "namespace"),
+    ],
+)
 def test_from_table_errors(name, table, match):
     with pytest.raises(ValueError, match=match):
         from_table(name, table)
@@ -101,10 +116,18 @@ def test_from_table_errors(name, table, match):
 # --- rules across tenants -----------------------------------------------------------------------
 CROSS_CASES = [
     ("duplicate token", [Tenant("a", ("same",)), Tenant("b", ("same",))], None, None),
-    ("namespace owned twice", [Tenant("a", ("ta",), ("shared",)), Tenant("b", ("tb",), ("shared",))],
-     None, None),
-    ("namespace = other's name", [Tenant("a", ("ta",), ("a", "b")), Tenant("b", ("tb",))],
-     None, None),
+    (
+        "namespace owned twice",
+        [Tenant("a", ("ta",), ("shared",)), Tenant("b", ("tb",), ("shared",))],
+        None,
+        None,
+    ),
+    (
+        "namespace = other's name",
+        [Tenant("a", ("ta",), ("a", "b")), Tenant("b", ("tb",))],
+        None,
+        None,
+    ),
     ("tenant defined twice", [Tenant("a", ("t1",)), Tenant("a", ("t2",), ("other",))], None, None),
     ("token = admin token", [Tenant("a", ("A",))], None, "A"),
     ("token = shared token", [Tenant("a", ("U",))], "U", None),
@@ -125,12 +148,15 @@ def test_distinct_tenants_are_accepted():
     assert DaemonSettings(token="U", admin_token="A", tenants=ts).tenants == ts
 
 
-@pytest.mark.parametrize("argv", [
-    ["--tenant", "a:same", "--tenant", "b:same"],
-    ["--tenant", "a:ta,namespaces=x", "--tenant", "b:tb,namespaces=x"],
-    ["--admin-token", "A", "--tenant", "a:A"],
-    ["--token", "U", "--tenant", "a:U"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tenant", "a:same", "--tenant", "b:same"],
+        ["--tenant", "a:ta,namespaces=x", "--tenant", "b:tb,namespaces=x"],
+        ["--admin-token", "A", "--tenant", "a:A"],
+        ["--token", "U", "--tenant", "a:U"],
+    ],
+)
 def test_load_rejects_cross_tenant_conflicts(argv):
     with pytest.raises(ValueError):
         settings.load(_parse(*argv), {})
@@ -164,8 +190,9 @@ def test_toml_tenant_tables(tmp_path):
     assert d.port == 7000 and d.admin_token == "A"  # the other options still load
     ts = _by_name(d.tenants)
     assert set(ts) == {"acme", "beta"}
-    assert ts["acme"] == Tenant("acme", ("acme-1", "acme-2"), ("acme", "acme-rag"),
-                                4096, 16384, 65536)
+    assert ts["acme"] == Tenant(
+        "acme", ("acme-1", "acme-2"), ("acme", "acme-rag"), 4096, 16384, 65536
+    )
     assert ts["beta"] == Tenant("beta", ("beta-1",))
     assert isinstance(d.tenants, tuple)
 
@@ -218,9 +245,12 @@ def test_bad_toml_tenant_table_is_an_error(tmp_path):
 # --- no secrets in public_dict ------------------------------------------------------------------
 def test_public_dict_never_contains_a_tenant_token():
     d = DaemonSettings(
-        token="shared-sekrit", admin_token="admin-sekrit",
-        tenants=(Tenant("acme", ("acme-sekrit-1", "acme-sekrit-2"), ("acme", "acme-rag"), 64),
-                 Tenant("beta", ("beta-sekrit",))),
+        token="shared-sekrit",
+        admin_token="admin-sekrit",
+        tenants=(
+            Tenant("acme", ("acme-sekrit-1", "acme-sekrit-2"), ("acme", "acme-rag"), 64),
+            Tenant("beta", ("beta-sekrit",)),
+        ),
     )
     text = json.dumps(d.public_dict(), default=repr)
     assert "sekrit" not in text, text

@@ -138,8 +138,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _random_kv(shape, dtype, g):
     """Every bit pattern (NaNs with payloads, -0.0, denormals) for floating dtypes."""
-    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * torch.empty((), dtype=dtype)
-                                 .element_size()), generator=g, dtype=torch.uint8)
+    raw = torch.randint(
+        0,
+        256,
+        (*shape[:-1], shape[-1] * torch.empty((), dtype=dtype).element_size()),
+        generator=g,
+        dtype=torch.uint8,
+    )
     return raw.view(dtype)
 
 
@@ -150,13 +155,14 @@ def big_patterns(num_pages: int, g: torch.Generator) -> dict[str, tuple[list[int
     run_host = list(range(10, 10 + num_pages))
     run_dev = list(range(3, 3 + num_pages))
     with_neg = [p if i % 7 else -1 for i, p in enumerate(host)]
-    chunks = [run_host[i:i + 8] for i in range(0, num_pages, 8)]  # runs of 8 pages, shuffled
+    chunks = [run_host[i : i + 8] for i in range(0, num_pages, 8)]  # runs of 8 pages, shuffled
     order = torch.randperm(len(chunks), generator=g).tolist()
     return {
         "random": (host, dev),
-        "runs": ([p for i in order for p in chunks[i]], [p for i in order for p in
-                                                         [run_dev[j:j + 8] for j in
-                                                          range(0, num_pages, 8)][i]]),
+        "runs": (
+            [p for i in order for p in chunks[i]],
+            [p for i in order for p in [run_dev[j : j + 8] for j in range(0, num_pages, 8)][i]],
+        ),
         "host consecutive": (run_host, dev),
         "device consecutive": (host, run_dev),
         "both consecutive": (run_host, run_dev),
@@ -164,11 +170,21 @@ def big_patterns(num_pages: int, g: torch.Generator) -> dict[str, tuple[list[int
     }
 
 
-BIG_CASES = [(lay, ps, dt, pat) for lay in ("layer_first", "page_first") for ps in (1, 4)
-             for dt in (torch.float32, torch.bfloat16, torch.uint8)
-             for pat in ("random", "runs", "host consecutive", "device consecutive",
-                         "both consecutive", "negatives")
-             if dt == torch.float32 or pat in ("random", "runs")]  # dtypes: views, not plans
+BIG_CASES = [
+    (lay, ps, dt, pat)
+    for lay in ("layer_first", "page_first")
+    for ps in (1, 4)
+    for dt in (torch.float32, torch.bfloat16, torch.uint8)
+    for pat in (
+        "random",
+        "runs",
+        "host consecutive",
+        "device consecutive",
+        "both consecutive",
+        "negatives",
+    )
+    if dt == torch.float32 or pat in ("random", "runs")
+]  # dtypes: views, not plans
 
 
 def _big(layout, page_size, dtype, seed):
@@ -186,10 +202,18 @@ def _big(layout, page_size, dtype, seed):
 # host <-> flat copies consider runs at all (0: only a single run); SMALL_PLAN 0 plans with
 # tensor ops, 1 << 20 on Python lists.
 PLAN_MODES = {
-    "slices-lists": {"RUN_BYTES": 1, "FLAT_RUN_PAGES": 1, "FLAT_SMALL_ROW": 1 << 60,
-                     "SMALL_PLAN": 1 << 20},
-    "slices-tensors": {"RUN_BYTES": 1, "FLAT_RUN_PAGES": 1, "FLAT_SMALL_ROW": 1 << 60,
-                       "SMALL_PLAN": 0},
+    "slices-lists": {
+        "RUN_BYTES": 1,
+        "FLAT_RUN_PAGES": 1,
+        "FLAT_SMALL_ROW": 1 << 60,
+        "SMALL_PLAN": 1 << 20,
+    },
+    "slices-tensors": {
+        "RUN_BYTES": 1,
+        "FLAT_RUN_PAGES": 1,
+        "FLAT_SMALL_ROW": 1 << 60,
+        "SMALL_PLAN": 0,
+    },
     "indexed-lists": {"RUN_BYTES": 1 << 60, "FLAT_RUN_PAGES": 1 << 60, "SMALL_PLAN": 1 << 20},
     "indexed-tensors": {"RUN_BYTES": 1 << 60, "FLAT_RUN_PAGES": 1 << 60, "SMALL_PLAN": 0},
     "big-flat-rows-tensors": {"FLAT_SMALL_ROW": 0, "SMALL_PLAN": 0},
@@ -243,7 +267,7 @@ def test_flat_gather_scatter_pages(layout, page_size, pattern, plan_mode):
     unplanned path of the controller's one-page-per-call L3 loops)."""
     host, _, _, g = _big(layout, page_size, torch.float32, seed=3)
     if pattern == "few":
-        host_pages = big_patterns(48, g)["random"][0][:transfer.FLAT_FEW_PAGES]
+        host_pages = big_patterns(48, g)["random"][0][: transfer.FLAT_FEW_PAGES]
     else:
         host_pages = big_patterns(48, g)[pattern][0]
     idx = slots(host_pages, page_size)
@@ -282,8 +306,16 @@ def test_out_of_range_raises_and_never_resizes():
     host, dk, dv = make("layer_first", 1)
     storage = dk[0].untyped_storage().nbytes()
     with pytest.raises(IndexError):  # device-consecutive destination past the end
-        transfer_per_layer(host, dk[0], dv[0], torch.tensor([1, 9, 3]),
-                           torch.tensor([46, 47, 48]), 0, "layer_first", 1)
+        transfer_per_layer(
+            host,
+            dk[0],
+            dv[0],
+            torch.tensor([1, 9, 3]),
+            torch.tensor([46, 47, 48]),
+            0,
+            "layer_first",
+            1,
+        )
     assert dk[0].untyped_storage().nbytes() == storage
     with pytest.raises((IndexError, RuntimeError)):
         gather_tokens(host, torch.tensor([3, HOST_SIZE]), "layer_first")

@@ -95,7 +95,9 @@ class _Harness:
         assert got.shape == ref.shape == (n_tok, lay.num_heads * lay.head_dim)
         torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
         a, b = self.pools["torch_native"], self.pools["triton"]
-        assert torch.equal(a.k_buffer[1], b.k_buffer[1]) and torch.equal(a.v_buffer[1], b.v_buffer[1])
+        assert torch.equal(a.k_buffer[1], b.k_buffer[1]) and torch.equal(
+            a.v_buffer[1], b.v_buffer[1]
+        )
 
 
 GEOMS = [(2, 2, 16), (6, 2, 16), (3, 1, 64), (2, 2, 24)]  # (heads, kv_heads, head_dim)

@@ -67,10 +67,12 @@ def test_per_layer_kernel_equals_reference(layout, page_size, case):
     host, dk, dv = make(layout, page_size, torch.float32, case)
     ref_k, ref_v = [b.clone() for b in dk], [b.clone() for b in dv]
     layer = 1
-    transfer_per_layer(host, ref_k[layer], ref_v[layer], hi, di, layer, layout, page_size,
-                       use_triton=False)  # fmt: skip
-    transfer_per_layer(host, dk[layer], dv[layer], hi, di, layer, layout, page_size,
-                       use_triton=True)  # fmt: skip
+    transfer_per_layer(
+        host, ref_k[layer], ref_v[layer], hi, di, layer, layout, page_size, use_triton=False
+    )
+    transfer_per_layer(
+        host, dk[layer], dv[layer], hi, di, layer, layout, page_size, use_triton=True
+    )
     assert torch.equal(dk[layer], ref_k[layer]) and torch.equal(dv[layer], ref_v[layer])
     assert not torch.equal(dk[layer], make(layout, page_size, torch.float32, case)[1][layer])
     assert torch.equal(dk[0], ref_k[0])  # other layers untouched

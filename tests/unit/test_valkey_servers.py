@@ -29,12 +29,14 @@ def test_a_leased_port_is_nobody_elses() -> None:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low, high = (int(x) for x in f.read().split())
         assert not low <= lease.port <= high
-        probe = ("import fcntl, os, sys\n"
-                 f"fd = os.open(os.path.join({PORT_LOCK_DIR!r}, '{lease.port}'), os.O_RDWR)\n"
-                 "try:\n"
-                 "    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
-                 "except BlockingIOError:\n"
-                 "    sys.exit(7)\n")
+        probe = (
+            "import fcntl, os, sys\n"
+            f"fd = os.open(os.path.join({PORT_LOCK_DIR!r}, '{lease.port}'), os.O_RDWR)\n"
+            "try:\n"
+            "    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+            "except BlockingIOError:\n"
+            "    sys.exit(7)\n"
+        )
         locked = subprocess.run([sys.executable, "-c", probe], check=False, timeout=60)
         assert locked.returncode == 7
     finally:

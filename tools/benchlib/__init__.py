@@ -23,6 +23,20 @@ from tools.benchlib.results import write_json
 from tools.benchlib.stats import median, percentile, summary
 from tools.benchlib.table import cell, markdown_table
 
-__all__ = ["Header", "cell", "daemon_env", "describe_machine", "free_port", "markdown_table", "median",
-           "parse_options", "percentile", "save_figure", "stop_process", "subplots", "summary",
-           "wait_until", "write_json"]
+__all__ = [
+    "Header",
+    "cell",
+    "daemon_env",
+    "describe_machine",
+    "free_port",
+    "markdown_table",
+    "median",
+    "parse_options",
+    "percentile",
+    "save_figure",
+    "stop_process",
+    "subplots",
+    "summary",
+    "wait_until",
+    "write_json",
+]

@@ -28,9 +28,28 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 # the flags that decide which CPU kernels run (x86: /proc/cpuinfo "flags"; Arm: "Features")
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-              "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
-              "asimd", "asimddp", "sve", "sve2", "bf16", "i8mm")
+SIMD_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "asimd",
+    "asimddp",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+)
 
 
 def _cpuinfo() -> tuple[str, list[str]]:
@@ -52,8 +71,9 @@ def _cpuinfo() -> tuple[str, list[str]]:
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=False).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -82,8 +102,11 @@ def _torch_facts() -> tuple[int | None, list[str] | None]:
     torch = sys.modules.get("torch")
     if torch is None:
         return None, None
-    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if torch.cuda.is_available() else None)
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else None
+    )
     return torch.get_num_threads(), gpus
 
 
@@ -104,27 +127,44 @@ class Header:
     @classmethod
     def now(cls, argv: list[str] | None = None) -> Header:
         model, flags = _cpuinfo()
-        return cls(command=_command(sys.argv if argv is None else argv),
-                   date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                   cpu_model=model, cpu_count=os.cpu_count() or 1, cpu_flags=tuple(flags),
-                   loadavg_start=tuple(_loadavg()), git_commit=_git("rev-parse", "HEAD"),
-                   git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")))
+        return cls(
+            command=_command(sys.argv if argv is None else argv),
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            cpu_model=model,
+            cpu_count=os.cpu_count() or 1,
+            cpu_flags=tuple(flags),
+            loadavg_start=tuple(_loadavg()),
+            git_commit=_git("rev-parse", "HEAD"),
+            git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")),
+        )
 
     def machine(self) -> dict[str, Any]:
         threads, gpus = _torch_facts()
-        return {"cpu_model": self.cpu_model, "cpu_count": self.cpu_count,
-                "cpu_flags": list(self.cpu_flags), "gpu": gpus,
-                "platform": platform.platform(), "python": platform.python_version(),
-                "torch": _version("torch"), "torch_threads": threads,
-                "grpcio": _version("grpcio"), "git_commit": self.git_commit,
-                "git_dirty": self.git_dirty, "loadavg_start": list(self.loadavg_start),
-                "loadavg_end": _loadavg()}
+        return {
+            "cpu_model": self.cpu_model,
+            "cpu_count": self.cpu_count,
+            "cpu_flags": list(self.cpu_flags),
+            "gpu": gpus,
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": _version("torch"),
+            "torch_threads": threads,
+            "grpcio": _version("grpcio"),
+            "git_commit": self.git_commit,
+            "git_dirty": self.git_dirty,
+            "loadavg_start": list(self.loadavg_start),
+            "loadavg_end": _loadavg(),
+        }
 
     def record(self, plots: list[str | None] | None = None) -> dict[str, Any]:
         """The keys a result's JSON carries at its top level; the plots not written (None or
         "") are left out."""
-        return {"command": self.command, "date": self.date,
-                "plots": [str(p) for p in plots or [] if p], "machine": self.machine()}
+        return {
+            "command": self.command,
+            "date": self.date,
+            "plots": [str(p) for p in plots or [] if p],
+            "machine": self.machine(),
+        }
 
     def markdown(self, plots: list[str | None] | None = None, end: bool = True) -> str:
         """The header as the lines above a result's table in docs/benchmarks.md; ``end=False``
@@ -154,12 +194,16 @@ def header_markdown(record: dict[str, Any]) -> str:
     def la(xs: list[float]) -> str:
         return ", ".join(f"{x:.2f}" for x in xs)
 
-    lines = [f"Command: `{record['command']}`",
-             f"Date: {record['date']}, commit {m['git_commit'][:10]}{dirty}",
-             (f"Machine: {describe_machine(m)}{threads}; CPU flags: "
-              f"{', '.join(m['cpu_flags']) or 'none of the SIMD ones'}"),
-             f"Load average (1/5/15 min): {la(m['loadavg_start'])} before"
-             + (f", {la(m['loadavg_end'])} after" if m.get("loadavg_end") else "")]
+    lines = [
+        f"Command: `{record['command']}`",
+        f"Date: {record['date']}, commit {m['git_commit'][:10]}{dirty}",
+        (
+            f"Machine: {describe_machine(m)}{threads}; CPU flags: "
+            f"{', '.join(m['cpu_flags']) or 'none of the SIMD ones'}"
+        ),
+        f"Load average (1/5/15 min): {la(m['loadavg_start'])} before"
+        + (f", {la(m['loadavg_end'])} after" if m.get("loadavg_end") else ""),
+    ]
     if record["plots"]:
         lines.append("Plot: " + ", ".join(f"`{p}`" for p in record["plots"]))
     return "  \n".join(lines)

@@ -23,16 +23,25 @@ def daemon_env(work_dir: Path, log_level: str = "warning") -> dict[str, str]:
     """The environment of a `hicache serve` a benchmark starts: this one without the user's
     HICACHE_* settings (they would change what is measured) but for the model cache (the
     converted GGUF), its default L3 under ``work_dir``/xdg, unbuffered logs."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"}
-    env.update(XDG_CACHE_HOME=str(work_dir / "xdg"), HICACHE_LOG_LEVEL=log_level,
-               PYTHONUNBUFFERED="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HICACHE_") or k == "HICACHE_MODEL_CACHE"
+    }
+    env.update(
+        XDG_CACHE_HOME=str(work_dir / "xdg"), HICACHE_LOG_LEVEL=log_level, PYTHONUNBUFFERED="1"
+    )
     return env
 
 
-def wait_until(ready: Callable[[], bool], what: str, timeout_s: float = 300.0,
-               interval_s: float = 0.3, proc: subprocess.Popen | None = None,
-               retry_on: tuple[type[BaseException], ...] = (OSError,)) -> float:
+def wait_until(
+    ready: Callable[[], bool],
+    what: str,
+    timeout_s: float = 300.0,
+    interval_s: float = 0.3,
+    proc: subprocess.Popen | None = None,
+    retry_on: tuple[type[BaseException], ...] = (OSError,),
+) -> float:
     """Calls ``ready`` every ``interval_s`` until it returns True; the seconds that took.
     An exception of ``retry_on`` counts as not ready yet. RuntimeError when ``proc`` exits
     first; TimeoutError after ``timeout_s``."""

@@ -25,12 +25,15 @@ def median(xs: Iterable[float]) -> float:
     return percentile(xs, 50)
 
 
-def summary(xs: Iterable[float], scale: float = 1.0,
-            qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
+def summary(
+    xs: Iterable[float], scale: float = 1.0, qs: Sequence[int] = (50, 90, 99)
+) -> dict[str, float | None]:
     """``{"p50": ..., "p90": ..., "p99": ..., "mean": ...}`` of the samples times ``scale``
     (e.g. 1000 for seconds -> ms); every value None for no samples."""
     v = np.asarray(_finite(xs)) * scale
     if not v.size:
         return {**{f"p{q}": None for q in qs}, "mean": None}
-    return {**{f"p{q}": float(p) for q, p in zip(qs, np.percentile(v, list(qs)), strict=True)},
-            "mean": float(v.mean())}
+    return {
+        **{f"p{q}": float(p) for q, p in zip(qs, np.percentile(v, list(qs)), strict=True)},
+        "mean": float(v.mean()),
+    }

@@ -16,6 +16,7 @@ def cell(x: float | None, spec: str = ".1f", scale: float = 1.0, missing: str = 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A header line, its separator and one line a row; a row shorter than the header is
     padded with empty cells (e.g. one FAILED cell for a configuration that did not run)."""
+
     def line(cells: Sequence[object]) -> str:
         padded = [str(c) for c in cells] + [""] * (len(header) - len(cells))
         return "| " + " | ".join(padded) + " |"

@@ -76,21 +76,33 @@ def _published(service: Service, container_port: int) -> str:
 def context(stack: Stack, say: Say, nonce: str) -> Context:
     services = stack.project.services.values()
     gateway = next(s for s in services if s.command[:1] == ("launch",))
-    urls = gateway.command[gateway.command.index("--worker-urls") + 1:]
-    urls = urls[:next((i for i, u in enumerate(urls) if u.startswith("--")), len(urls))]
+    urls = gateway.command[gateway.command.index("--worker-urls") + 1 :]
+    urls = urls[: next((i for i, u in enumerate(urls) if u.startswith("--")), len(urls))]
     daemons = []
     for url in urls:
         host, port = url.removeprefix("grpc://").split(":")
         s = stack.project.services[host]
         assert flag(s.command, "--port") == port, (url, s.command)
-        daemons.append(Daemon(host, url, _published(s, int(port)),
-                              _published(s, int(flag(s.command, "--http-port"))),
-                              _published(s, int(flag(s.command, "--metrics-port")))))
+        daemons.append(
+            Daemon(
+                host,
+                url,
+                _published(s, int(port)),
+                _published(s, int(flag(s.command, "--http-port"))),
+                _published(s, int(flag(s.command, "--metrics-port"))),
+            )
+        )
     alias, model = flag(gateway.command, "--model-alias").split("=")
-    return Context(stack, say, nonce, daemons,
-                   f"http://{_published(gateway, int(flag(gateway.command, '--port')))}",
-                   f"http://{_published(gateway, int(flag(gateway.command, '--prometheus-port')))}"
-                   "/metrics", model, alias)
+    return Context(
+        stack,
+        say,
+        nonce,
+        daemons,
+        f"http://{_published(gateway, int(flag(gateway.command, '--port')))}",
+        f"http://{_published(gateway, int(flag(gateway.command, '--prometheus-port')))}/metrics",
+        model,
+        alias,
+    )
 
 
 def http_get(url: str) -> str:
@@ -122,8 +134,7 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 120.0) -> flo
 def cli(ctx: Context, *argv: str) -> subprocess.CompletedProcess[str]:
     """The `hicache` client, as a user runs it from the host; its command line and output go to
     the transcript."""
-    out = subprocess.run([HICACHE, *argv], capture_output=True, text=True, timeout=300,
-                         check=False)
+    out = subprocess.run([HICACHE, *argv], capture_output=True, text=True, timeout=300, check=False)
     shown = " ".join(a if len(a) < 40 else f'"{a[:24]}..."' for a in argv)
     ctx.say(f"$ hicache {shown}\n{(out.stdout + out.stderr).strip()}")
     if out.returncode != 0:
@@ -133,8 +144,9 @@ def cli(ctx: Context, *argv: str) -> subprocess.CompletedProcess[str]:
 
 def _requests_total(d: Daemon) -> float:
     text = http_get(f"http://{d.metrics}/metrics")
-    return sum(float(v) for v in re.findall(r"^hicache_requests_total\{[^}]*\} (\S+)$", text,
-                                            re.MULTILINE))
+    return sum(
+        float(v) for v in re.findall(r"^hicache_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    )
 
 
 def _landed(ctx: Context, msgs: list[dict[str, str]]) -> str:
@@ -153,26 +165,37 @@ def answers(base: str, model: str) -> dict[str, Any]:
     kw: dict[str, Any] = {"model": model, "max_tokens": 16, "temperature": 0.0}
     with _client(base) as c:
         chat = c.chat.completions.create(messages=MSGS, **kw)
-        chat_parts = [x.choices[0] for x in c.chat.completions.create(messages=MSGS, stream=True,
-                                                                       **kw) if x.choices]
+        chat_parts = [
+            x.choices[0]
+            for x in c.chat.completions.create(messages=MSGS, stream=True, **kw)
+            if x.choices
+        ]
         comp = c.completions.create(prompt=PROMPT, **kw)
-        comp_parts = [x.choices[0] for x in c.completions.create(prompt=PROMPT, stream=True,
-                                                                  **kw) if x.choices]
+        comp_parts = [
+            x.choices[0]
+            for x in c.completions.create(prompt=PROMPT, stream=True, **kw)
+            if x.choices
+        ]
     trim = lambda t: (t or "").rstrip("\ufffd")
     return {
         "chat": (trim(chat.choices[0].message.content), chat.choices[0].finish_reason),
-        "chat_stream": (trim("".join(p.delta.content or "" for p in chat_parts)),
-                        chat_parts[-1].finish_reason),
+        "chat_stream": (
+            trim("".join(p.delta.content or "" for p in chat_parts)),
+            chat_parts[-1].finish_reason,
+        ),
         "completion": (trim(comp.choices[0].text), comp.choices[0].finish_reason),
-        "completion_stream": (trim("".join(p.text for p in comp_parts)),
-                              comp_parts[-1].finish_reason),
+        "completion_stream": (
+            trim("".join(p.text for p in comp_parts)),
+            comp_parts[-1].finish_reason,
+        ),
     }
 
 
 def wait_gateway(ctx: Context) -> None:
     """Until the gateway lists the daemons' model (it has registered a worker)."""
-    took = wait_for(lambda: ctx.model in http_get(f"{ctx.gateway}/v1/models"),
-                    "the gateway to list the model")
+    took = wait_for(
+        lambda: ctx.model in http_get(f"{ctx.gateway}/v1/models"), "the gateway to list the model"
+    )
     ctx.say(f"gateway: lists {ctx.model!r} after {took:.0f} s")
 
 
@@ -190,23 +213,29 @@ def check_serving(ctx: Context) -> None:
         assert got == want, (model, got, want)
     assert sum(_requests_total(d) for d in ctx.daemons) == before + 8
     ctx.reference = want
-    ctx.say(f"gateway {ctx.gateway}: chat {want['chat']!r}, completion {want['completion']!r} "
-            f"(whole = streamed = {ctx.daemons[0].name}'s own answer; models {ctx.model!r} "
-            f"and {ctx.alias!r})")
+    ctx.say(
+        f"gateway {ctx.gateway}: chat {want['chat']!r}, completion {want['completion']!r} "
+        f"(whole = streamed = {ctx.daemons[0].name}'s own answer; models {ctx.model!r} "
+        f"and {ctx.alias!r})"
+    )
 
 
 def _conversation(ctx: Context, i: int) -> list[dict[str, str]]:
     system = f"Conversation {i} of run {ctx.nonce}. " + " ".join(
-        TOPICS[(i + k) % 4] for k in range(6))
-    return [{"role": "system", "content": system},
-            {"role": "user", "content": f"Tell me about number {i}."}]
+        TOPICS[(i + k) % 4] for k in range(6)
+    )
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Tell me about number {i}."},
+    ]
 
 
 def _event_sequence(d: Daemon) -> int:
     """The sequence number of a fresh snapshot of the daemon's KV events."""
     with grpc.insecure_channel(d.grpc) as ch:
         stream = sg_grpc.SglangSchedulerStub(ch).SubscribeKvEvents(
-            smg_common.SubscribeKvEventsRequest(start_sequence_number=0), timeout=30)
+            smg_common.SubscribeKvEventsRequest(start_sequence_number=0), timeout=30
+        )
         first = next(iter(stream))
         stream.cancel()
     return int(first.sequence_number)
@@ -226,23 +255,35 @@ def check_next_turn(ctx: Context) -> None:
     for i in range(4):
         d = ctx.daemons[i % len(ctx.daemons)]
         with _client(f"http://{d.http}") as c:
-            r = c.chat.completions.create(model=ctx.model, messages=_conversation(ctx, i),
-                                          max_tokens=3, temperature=0.0)
+            r = c.chat.completions.create(
+                model=ctx.model, messages=_conversation(ctx, i), max_tokens=3, temperature=0.0
+            )
         homes[i] = (d.name, r.choices[0].message.content or "")
     for d in ctx.daemons:
         seq = _event_sequence(d)
-        wait_for(lambda d=d, seq=seq: 1 + _gateway_metric(  # type: ignore[misc]
-            ctx, "smg_kv_event_batches_total", d.worker, "applied") >= seq,
-            f"the gateway to apply {d.name}'s KV events up to {seq}")
+        wait_for(
+            lambda d=d, seq=seq: (
+                1
+                + _gateway_metric(  # type: ignore[misc]
+                    ctx, "smg_kv_event_batches_total", d.worker, "applied"
+                )
+                >= seq
+            ),
+            f"the gateway to apply {d.name}'s KV events up to {seq}",
+        )
     landed = []
     for i, (_, reply) in homes.items():
-        msgs = [*_conversation(ctx, i), {"role": "assistant", "content": reply},
-                {"role": "user", "content": "And then?"}]
+        msgs = [
+            *_conversation(ctx, i),
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And then?"},
+        ]
         landed.append(_landed(ctx, msgs))
     want = [home for home, _ in homes.values()]
     assert landed == want, (landed, want)
-    ctx.say(f"4 conversations seeded on {want}; their next turns through the gateway ran on "
-            f"{landed}")
+    ctx.say(
+        f"4 conversations seeded on {want}; their next turns through the gateway ran on {landed}"
+    )
 
 
 def _usage(stderr: str) -> dict[str, int]:
@@ -270,8 +311,13 @@ def check_shared_l3(ctx: Context) -> None:
     assert _usage(first.stderr)["cached"] == 0, first.stderr
 
     def stored() -> bool:
-        out = subprocess.run([HICACHE, "--addr", b.grpc, "match", prompt, "--json"],
-                             capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run(
+            [HICACHE, "--addr", b.grpc, "match", prompt, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         return int(json.loads(out.stdout)["matched_per_tier"].get("l3", 0)) > 0
 
     took = wait_for(stored, f"{a.name}'s L3 objects to show on {b.name}", timeout=60)
@@ -306,8 +352,9 @@ def check_stop_daemon(ctx: Context) -> None:
             while not done.is_set():
                 t = time.monotonic()
                 try:
-                    c.chat.completions.create(model=ctx.alias, messages=MSGS, max_tokens=8,
-                                              temperature=0.0)
+                    c.chat.completions.create(
+                        model=ctx.alias, messages=MSGS, max_tokens=8, temperature=0.0
+                    )
                     results.append((t, ""))
                 except openai.APIError as e:
                     results.append((t, f"{type(e).__name__}: {str(e)[:160]}"))
@@ -323,9 +370,11 @@ def check_stop_daemon(ctx: Context) -> None:
     finally:
         done.set()
         thread.join()
-    ctx.say(f"{victim.name}: SIGTERM, exited in {secs:.1f} s with status {status}; "
-            f"{len(results)} requests through the gateway meanwhile, "
-            f"{sum(t > sigterm for t, _ in results)} of them after the SIGTERM")
+    ctx.say(
+        f"{victim.name}: SIGTERM, exited in {secs:.1f} s with status {status}; "
+        f"{len(results)} requests through the gateway meanwhile, "
+        f"{sum(t > sigterm for t, _ in results)} of them after the SIGTERM"
+    )
     failed = [(round(t - sigterm, 1), e) for t, e in results if e]
     assert not failed, f"requests failed (seconds after SIGTERM, error): {failed}"
     assert status == 0, status
@@ -339,8 +388,7 @@ def check_stop_daemon(ctx: Context) -> None:
 def check_stop_valkey(ctx: Context) -> None:
     """`docker compose stop valkey`: the daemon left serves on from L1 / L2 (a repeated prompt
     from L1, the gateway's greedy answers unchanged) and counts the L3 failures."""
-    valkey = next(n for n, s in ctx.stack.project.services.items()
-                  if s.image.startswith("valkey/"))
+    valkey = next(n for n, s in ctx.stack.project.services.items() if s.image.startswith("valkey/"))
     secs, status = ctx.stack.stop(valkey)
     ctx.say(f"{valkey}: SIGTERM, exited in {secs:.1f} s with status {status}")
     a = ctx.daemons[0]
@@ -352,8 +400,13 @@ def check_stop_valkey(ctx: Context) -> None:
     assert answers(ctx.gateway, ctx.alias) == ctx.reference
 
     def counted() -> bool:
-        out = subprocess.run([HICACHE, "--addr", a.grpc, "stats", "--json"], capture_output=True,
-                             text=True, timeout=60, check=True)
+        out = subprocess.run(
+            [HICACHE, "--addr", a.grpc, "stats", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         l3 = next(t for t in json.loads(out.stdout)["tiers"] if t["tier"] == "TIER_L3")
         return int(l3.get("errors", 0)) > 0
 

@@ -31,22 +31,36 @@ class Image:
 
 
 def inspect_image(name: str) -> Image | None:
-    out = subprocess.run([*BUILDAH, "inspect", "--type", "image", name], capture_output=True,
-                         text=True, check=False)
+    out = subprocess.run(
+        [*BUILDAH, "inspect", "--type", "image", name], capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
         return None
     info = json.loads(out.stdout)
     entrypoint = info["Docker"]["config"].get("Entrypoint") or []
-    size = subprocess.run([*BUILDAH, "images", "--json", name], capture_output=True, text=True,
-                          check=True)
+    size = subprocess.run(
+        [*BUILDAH, "images", "--json", name], capture_output=True, text=True, check=True
+    )
     return Image(name, tuple(entrypoint), str(json.loads(size.stdout)[0]["size"]))
 
 
 def build(service: Service, flags: Sequence[str], log: Path) -> float:
     """`docker compose build` for one service; returns the seconds it took."""
     assert service.build is not None
-    argv = [*BUILDAH, "bud", "--isolation", "chroot", "--format", "docker", *flags,
-            "-t", service.image, "-f", str(service.build.dockerfile), str(service.build.context)]
+    argv = [
+        *BUILDAH,
+        "bud",
+        "--isolation",
+        "chroot",
+        "--format",
+        "docker",
+        *flags,
+        "-t",
+        service.image,
+        "-f",
+        str(service.build.dockerfile),
+        str(service.build.context),
+    ]
     start = time.monotonic()
     with open(log, "w") as out:
         subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=True)
@@ -97,8 +111,9 @@ class Running(ABC):
 
     def start(self) -> None:
         with open(self.log, "w") as out:
-            self.popen = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True)
+            self.popen = subprocess.Popen(
+                self.argv(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
 
     def exited(self) -> int | None:
         assert self.popen is not None
@@ -108,8 +123,9 @@ class Running(ABC):
         """One run of the service's healthcheck test, bounded by its timeout."""
         hc = self.service.healthcheck
         assert hc is not None
-        with subprocess.Popen(self.healthcheck_argv(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) as check:
+        with subprocess.Popen(
+            self.healthcheck_argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as check:
             try:
                 output, _ = check.communicate(timeout=hc.timeout_s)
             except subprocess.TimeoutExpired:
@@ -157,16 +173,32 @@ class ContainerService(Running):
         super().__init__(service, net, log)
         self.image = image
         add_hosts = [f"--add-host={h}" for h in net.hosts()]
-        self.container = subprocess.run(
-            [*BUILDAH, "from", "--pull-never", *add_hosts, image.name], capture_output=True,
-            text=True, check=True).stdout.strip().splitlines()[-1]
+        self.container = (
+            subprocess.run(
+                [*BUILDAH, "from", "--pull-never", *add_hosts, image.name],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
 
     def _run(self, command: Sequence[str]) -> list[str]:
         opts = [f"--env={k}={v}" for k, v in self.service.environment]
         for m in self.service.mounts:
             opts.append(f"--volume={m.source}:{m.target}:{'ro' if m.read_only else 'rw'}")
-        return [*self.net.exec_prefix(self.service.name), *BUILDAH, "run", "--isolation",
-                "chroot", *opts, self.container, "--", *command]
+        return [
+            *self.net.exec_prefix(self.service.name),
+            *BUILDAH,
+            "run",
+            "--isolation",
+            "chroot",
+            *opts,
+            self.container,
+            "--",
+            *command,
+        ]
 
     def argv(self) -> list[str]:
         return self._run([*self.image.entrypoint, *self.service.command])
@@ -201,14 +233,25 @@ class StandInService(Running):
     `binary` replaces the command's argv[0], `extra` follows the command (the image's built-in
     defaults), `healthcheck_stand_in` replaces the healthcheck test's."""
 
-    def __init__(self, service: Service, net: Network, log: Path, binary: str,
-                 extra: Sequence[str], healthcheck_stand_in: Sequence[str]) -> None:
+    def __init__(
+        self,
+        service: Service,
+        net: Network,
+        log: Path,
+        binary: str,
+        extra: Sequence[str],
+        healthcheck_stand_in: Sequence[str],
+    ) -> None:
         super().__init__(service, net, log)
         self.binary, self.extra, self.check = binary, list(extra), list(healthcheck_stand_in)
 
     def argv(self) -> list[str]:
-        return [*self.net.exec_prefix(self.service.name), self.binary,
-                *self.service.command[1:], *self.extra]
+        return [
+            *self.net.exec_prefix(self.service.name),
+            self.binary,
+            *self.service.command[1:],
+            *self.extra,
+        ]
 
     def healthcheck_argv(self) -> list[str]:
         return [*self.net.exec_prefix(self.service.name), *self.check]

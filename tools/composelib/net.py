@@ -51,15 +51,17 @@ class Network:
 
 def existing() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True)
-    return [line.split()[0] for line in out.stdout.splitlines()
-            if line.split() and line.split()[0].startswith(PREFIX + "-")]
+    return [
+        line.split()[0]
+        for line in out.stdout.splitlines()
+        if line.split() and line.split()[0].startswith(PREFIX + "-")
+    ]
 
 
 def kill_inside(ns: str) -> list[int]:
     """SIGKILLs whatever still runs in a namespace of ours (what a service left behind when its
     wrapper died); returns the pids."""
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
     pids = [int(p) for p in out.stdout.split()]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -124,8 +126,13 @@ class Forwarders:
         servers = []
         try:
             for port, target in self._published:
-                servers.append(self._loop.run_until_complete(asyncio.start_server(
-                    self._handler(target, port.container_port), port.host_ip, port.host_port)))
+                servers.append(
+                    self._loop.run_until_complete(
+                        asyncio.start_server(
+                            self._handler(target, port.container_port), port.host_ip, port.host_port
+                        )
+                    )
+                )
         except OSError as e:
             self._error = e
         self._ready.set()
@@ -136,8 +143,9 @@ class Forwarders:
         self._loop.close()
 
     @staticmethod
-    def _handler(address: str, port: int) -> Callable[[asyncio.StreamReader,
-                                                        asyncio.StreamWriter], Awaitable[None]]:
+    def _handler(
+        address: str, port: int
+    ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
         async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError):
                 while data := await reader.read(65536):

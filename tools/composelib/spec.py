@@ -17,8 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
 
 # NOTE: `restart` and `build` are read for what they say about the service, not acted on here
-_KEYS = {"image", "build", "command", "environment", "volumes", "secrets", "ports",
-         "healthcheck", "depends_on", "restart", "stop_grace_period"}
+_KEYS = {
+    "image",
+    "build",
+    "command",
+    "environment",
+    "volumes",
+    "secrets",
+    "ports",
+    "healthcheck",
+    "depends_on",
+    "restart",
+    "stop_grace_period",
+}
 _DURATION = re.compile(r"^(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
 
@@ -80,11 +91,15 @@ class Project:
         waves: list[list[str]] = []
         done: set[str] = set()
         while len(done) < len(self.services):
-            wave = sorted(n for n, s in self.services.items() if n not in done
-                          and all(d in done for d, _ in s.depends_on))
+            wave = sorted(
+                n
+                for n, s in self.services.items()
+                if n not in done and all(d in done for d, _ in s.depends_on)
+            )
             if not wave:
-                raise ValueError(f"{self.path}: a depends_on cycle among "
-                                 f"{sorted(set(self.services) - done)}")
+                raise ValueError(
+                    f"{self.path}: a depends_on cycle among {sorted(set(self.services) - done)}"
+                )
             waves.append(wave)
             done.update(wave)
         return waves
@@ -119,9 +134,13 @@ def _healthcheck(raw: Mapping[str, Any]) -> Healthcheck:
     if test[0] != "CMD":
         raise ValueError(f"healthcheck: only the CMD form is supported, not {test[0]!r}")
     # compose's defaults where a key is absent
-    return Healthcheck(tuple(test[1:]), seconds(raw.get("interval", "30s")),
-                       seconds(raw.get("timeout", "30s")),
-                       seconds(raw.get("start_period", "0s")), int(raw.get("retries", 3)))
+    return Healthcheck(
+        tuple(test[1:]),
+        seconds(raw.get("interval", "30s")),
+        seconds(raw.get("timeout", "30s")),
+        seconds(raw.get("start_period", "0s")),
+        int(raw.get("retries", 3)),
+    )
 
 
 def _environment(raw: Mapping[str, Any] | list[str] | None) -> tuple[tuple[str, str], ...]:
@@ -132,8 +151,7 @@ def _environment(raw: Mapping[str, Any] | list[str] | None) -> tuple[tuple[str, 
     return tuple((k, "" if v is None else str(v)) for k, v in raw.items())
 
 
-def _service(name: str, raw: Mapping[str, Any], base: Path,
-             secrets: Mapping[str, Path]) -> Service:
+def _service(name: str, raw: Mapping[str, Any], base: Path, secrets: Mapping[str, Path]) -> Service:
     unknown = set(raw) - _KEYS
     if unknown:
         raise ValueError(f"service {name}: keys this reader does not know: {sorted(unknown)}")
@@ -147,14 +165,19 @@ def _service(name: str, raw: Mapping[str, Any], base: Path,
     if isinstance(depends, list):
         depends = {d: {"condition": "service_started"} for d in depends}
     return Service(
-        name=name, image=raw["image"], build=build,
+        name=name,
+        image=raw["image"],
+        build=build,
         command=tuple(str(a) for a in raw.get("command", [])),
-        environment=_environment(raw.get("environment")), mounts=tuple(mounts),
+        environment=_environment(raw.get("environment")),
+        mounts=tuple(mounts),
         ports=tuple(_port(p) for p in raw.get("ports", [])),
         healthcheck=_healthcheck(raw["healthcheck"]) if "healthcheck" in raw else None,
-        depends_on=tuple(sorted((d, c.get("condition", "service_started"))
-                                for d, c in depends.items())),
-        stop_grace_s=seconds(raw.get("stop_grace_period", "10s")))
+        depends_on=tuple(
+            sorted((d, c.get("condition", "service_started")) for d, c in depends.items())
+        ),
+        stop_grace_s=seconds(raw.get("stop_grace_period", "10s")),
+    )
 
 
 def load(path: Path = COMPOSE_FILE) -> Project:

@@ -36,8 +36,14 @@ class Stack:
     """The services of one `up`, by name; `make` turns a Service into a Running (a container,
     or a stand-in for an image that cannot be pulled)."""
 
-    def __init__(self, project: Project, net: Network, workdir: Path,
-                 make: Callable[[Service, Path], Running], say: Say) -> None:
+    def __init__(
+        self,
+        project: Project,
+        net: Network,
+        workdir: Path,
+        make: Callable[[Service, Path], Running],
+        say: Say,
+    ) -> None:
         self.project, self.net, self.workdir, self.say = project, net, workdir, say
         self._make = make
         self.running: dict[str, Running] = {}
@@ -57,18 +63,28 @@ class Stack:
                         raise AssertionError(f"{name} waits on {dep}, which was not awaited")
             for name in wave:
                 self._start(name)
-            awaited = sorted({d for n, s in self.project.services.items()
-                              for d, c in s.depends_on if c == "service_healthy"} & set(wave))
+            awaited = sorted(
+                {
+                    d
+                    for n, s in self.project.services.items()
+                    for d, c in s.depends_on
+                    if c == "service_healthy"
+                }
+                & set(wave)
+            )
             with ThreadPoolExecutor(max(1, len(awaited))) as pool:
-                for name, health in zip(awaited, pool.map(self.wait_healthy, awaited),
-                                        strict=True):
+                for name, health in zip(awaited, pool.map(self.wait_healthy, awaited), strict=True):
                     self.health[name] = health
-                    self.say(f"{name}: {'healthy' if health.healthy else 'UNHEALTHY'} "
-                             f"{health.seconds:.0f} s after its start ({health.checks} "
-                             f"healthcheck runs; last: {health.output!r})")
+                    self.say(
+                        f"{name}: {'healthy' if health.healthy else 'UNHEALTHY'} "
+                        f"{health.seconds:.0f} s after its start ({health.checks} "
+                        f"healthcheck runs; last: {health.output!r})"
+                    )
                     if not health.healthy:
-                        raise Unhealthy(f"dependency failed to start: {name} is unhealthy\n"
-                                        f"{self.running[name].output()}")
+                        raise Unhealthy(
+                            f"dependency failed to start: {name} is unhealthy\n"
+                            f"{self.running[name].output()}"
+                        )
 
     def _start(self, name: str) -> None:
         service = self.project.services[name]
@@ -86,8 +102,9 @@ class Stack:
         while True:
             time.sleep(max(0.0, start + (checks + 1) * hc.interval_s - time.monotonic()))
             if run.exited() is not None:
-                return Health(False, time.monotonic() - start, checks,
-                              f"exited with status {run.exited()}")
+                return Health(
+                    False, time.monotonic() - start, checks, f"exited with status {run.exited()}"
+                )
             ok, output = run.healthcheck()
             checks += 1
             if ok:

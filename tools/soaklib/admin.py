@@ -22,12 +22,29 @@ class AdminActions:
     """One admin RPC per step; keeps the pins it made for Unpin. ``rid`` names new request ids
     (shared with the clients)."""
 
-    ACTIONS = (("stats", 14), ("match", 12), ("tree", 8), ("evict", 8), ("pin", 8),
-               ("unpin", 8), ("prefetch", 10), ("flush", 6), ("storage", 4),
-               ("server_info", 4), ("events", 4), ("abort_unknown", 4))
+    ACTIONS = (
+        ("stats", 14),
+        ("match", 12),
+        ("tree", 8),
+        ("evict", 8),
+        ("pin", 8),
+        ("unpin", 8),
+        ("prefetch", 10),
+        ("flush", 6),
+        ("storage", 4),
+        ("server_info", 4),
+        ("events", 4),
+        ("abort_unknown", 4),
+    )
 
-    def __init__(self, cfg: SoakConfig, wl: Workload, rec: Recorder, rid: Callable[[str], str],
-                 skip: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        cfg: SoakConfig,
+        wl: Workload,
+        rec: Recorder,
+        rid: Callable[[str], str],
+        skip: tuple[str, ...] = (),
+    ) -> None:
         self.cfg, self.wl, self.rec, self._rid = cfg, wl, rec, rid
         self.actions = tuple(a for a in self.ACTIONS if a[0] not in skip)
         self.pins: list[str] = []
@@ -50,8 +67,11 @@ class AdminActions:
     def _tree(self, c: HicacheClient, rng: random.Random) -> None:
         token = ""
         for _ in range(rng.randint(1, 3)):
-            page = unary(self.rec, "InspectTree", lambda t=token: c.inspect_tree(
-                rng.randint(1, 50), t, rng.randint(1, 32)))
+            page = unary(
+                self.rec,
+                "InspectTree",
+                lambda t=token: c.inspect_tree(rng.randint(1, 50), t, rng.randint(1, 32)),
+            )
             if page is None or not page.next_page_token:
                 return
             token = page.next_page_token
@@ -72,8 +92,9 @@ class AdminActions:
     def _pin(self, c: HicacheClient, rng: random.Random) -> None:
         p, ns = self._some_prefix(rng), rng.choice(Workload.NAMESPACES)
         ttl = rng.choice((0.0, 0.5, 3.0))
-        r = unary(self.rec, "Pin", lambda: c.pin(p, ttl_s=ttl, namespace=ns),
-                  {"FAILED_PRECONDITION"})
+        r = unary(
+            self.rec, "Pin", lambda: c.pin(p, ttl_s=ttl, namespace=ns), {"FAILED_PRECONDITION"}
+        )
         if r is not None and r.pin_id:
             self.pins.append(r.pin_id)
 
@@ -91,14 +112,18 @@ class AdminActions:
         t0 = time.monotonic()
         stages, code, detail, pin_id = [], "OK", "", ""
         try:
-            for r in c.prefetch(p, namespace=ns, pin=pin, pin_ttl_s=rng.choice((0.0, 2.0)),
-                                timeout=STREAM_TIMEOUT_S):
+            for r in c.prefetch(
+                p, namespace=ns, pin=pin, pin_ttl_s=rng.choice((0.0, 2.0)), timeout=STREAM_TIMEOUT_S
+            ):
                 stages.append(r.stage)
                 pin_id = r.pin_id or pin_id
         except grpc.RpcError as e:
             code, detail = rpc_code(e), rpc_details(e)
-        self.rec.record(Call("Prefetch", "Prefetch", code, t0, time.monotonic()),
-                        {"OK", "RESOURCE_EXHAUSTED"}, detail)
+        self.rec.record(
+            Call("Prefetch", "Prefetch", code, t0, time.monotonic()),
+            {"OK", "RESOURCE_EXHAUSTED"},
+            detail,
+        )
         if code == "OK" and (not stages or stages[-1] != 3):  # PREFETCH_STAGE_DONE
             self.rec.violate("stream shape", f"Prefetch stages {stages}")
         if pin_id:
@@ -124,8 +149,11 @@ class AdminActions:
                     break
         except grpc.RpcError as e:
             code, detail = rpc_code(e), rpc_details(e)
-        self.rec.record(Call("WatchCacheEvents", "WatchCacheEvents", code, t0, time.monotonic()),
-                        {"OK", "DEADLINE_EXCEEDED", "CANCELLED"}, detail)
+        self.rec.record(
+            Call("WatchCacheEvents", "WatchCacheEvents", code, t0, time.monotonic()),
+            {"OK", "DEADLINE_EXCEEDED", "CANCELLED"},
+            detail,
+        )
 
     def _abort_unknown(self, c: HicacheClient, rng: random.Random) -> None:
         r = unary(self.rec, "Abort", lambda: c.abort(self._rid("nobody")), (), "Abort/unknown")

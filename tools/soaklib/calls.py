@@ -30,11 +30,21 @@ class StreamResult:
 FINISH = {0: "UNSPECIFIED", 1: "STOP", 2: "LENGTH", 3: "ABORT"}
 
 
-def stream_generate(rec: Recorder, c: HicacheClient, ids: list[int], variant: str,
-                    allowed: set[str], finishes: set[str], *, rid: str = "", ns: str = "",
-                    timeout: float = STREAM_TIMEOUT_S, cancel_after: int | None = None,
-                    on_first: Callable[[], bool] | None = None,
-                    **sampling: Any) -> StreamResult:
+def stream_generate(
+    rec: Recorder,
+    c: HicacheClient,
+    ids: list[int],
+    variant: str,
+    allowed: set[str],
+    finishes: set[str],
+    *,
+    rid: str = "",
+    ns: str = "",
+    timeout: float = STREAM_TIMEOUT_S,
+    cancel_after: int | None = None,
+    on_first: Callable[[], bool] | None = None,
+    **sampling: Any,
+) -> StreamResult:
     """One Generate stream, recorded; checks it ends with exactly one ``complete`` whose
     finish reason is in ``finishes`` and whose usage agrees with the tokens streamed.
     ``on_first`` runs at the first response; the stream is cancelled when it returns True."""
@@ -64,22 +74,48 @@ def stream_generate(rec: Recorder, c: HicacheClient, ids: list[int], variant: st
         res.abort_message = rpc_details(e)
     res.end = time.monotonic()
     first_token = res.first if res.ids else None
-    rec.record(Call("Generate", variant, res.code, t0, res.end,
-                    ttft=(first_token - t0) if first_token and variant == "plain" else None,
-                    first=res.first), allowed | {"OK"}, res.abort_message)
-    rec.answer(variant, ids, sampling, res.ids, code=res.code, finish=res.finish, rid=rid,
-               namespace=ns, cached=usage_tiers(usage), t0=t0, t1=res.end)
+    rec.record(
+        Call(
+            "Generate",
+            variant,
+            res.code,
+            t0,
+            res.end,
+            ttft=(first_token - t0) if first_token and variant == "plain" else None,
+            first=res.first,
+        ),
+        allowed | {"OK"},
+        res.abort_message,
+    )
+    rec.answer(
+        variant,
+        ids,
+        sampling,
+        res.ids,
+        code=res.code,
+        finish=res.finish,
+        rid=rid,
+        namespace=ns,
+        cached=usage_tiers(usage),
+        t0=t0,
+        t1=res.end,
+    )
     if res.code == "OK":
         if res.completes != 1:
             rec.violate("stream shape", f"{variant}: {res.completes} complete messages")
         elif res.finish not in finishes:
             rec.violate("unexpected finish", f"{variant}: {res.finish} {res.abort_message!r}")
         elif usage is not None and usage.completion_tokens != len(res.ids):
-            rec.violate("usage", f"{variant}: completion_tokens {usage.completion_tokens} "
-                        f"!= {len(res.ids)} streamed")
+            rec.violate(
+                "usage",
+                f"{variant}: completion_tokens {usage.completion_tokens} "
+                f"!= {len(res.ids)} streamed",
+            )
         mx = sampling.get("max_new_tokens")
-        if mx is not None and (len(res.ids) > mx or (
-                res.finish == "LENGTH" and sampling.get("ignore_eos") and len(res.ids) != mx)):
+        if mx is not None and (
+            len(res.ids) > mx
+            or (res.finish == "LENGTH" and sampling.get("ignore_eos") and len(res.ids) != mx)
+        ):
             rec.violate("length", f"{variant}: {len(res.ids)} tokens for max_new_tokens {mx}")
     return res
 
@@ -92,8 +128,9 @@ def usage_tiers(usage: Any) -> tuple[int, int, int, int] | None:
     return (t.l1, t.l2, t.l3, usage.prompt_tokens)
 
 
-def unary(rec: Recorder, rpc: str, fn: Callable[[], Any], allowed: Iterable[str] = (),
-          variant: str = "") -> Any:
+def unary(
+    rec: Recorder, rpc: str, fn: Callable[[], Any], allowed: Iterable[str] = (), variant: str = ""
+) -> Any:
     """One unary admin call, recorded; its response or None."""
     t0 = time.monotonic()
     try:

@@ -27,11 +27,14 @@ def wait_idle(c: HicacheClient, timeout: float = 60.0) -> Any:
         l1, l2, l3 = s.tiers
         if l1.extra.get("held_by_requests_tokens", 0) or l1.pinned_tokens:
             busy.append("l1 held / locked")
-        if l2.enabled and (l2.extra.get("ongoing_writes", 0) or
-                           l2.extra.get("pending_free_tokens", 0)):
+        if l2.enabled and (
+            l2.extra.get("ongoing_writes", 0) or l2.extra.get("pending_free_tokens", 0)
+        ):
             busy.append("l2 writes")
-        if l3.enabled and any(l3.extra.get(k, 0) for k in
-                              ("pending_backups", "pending_prefetches", "deferred_backups")):
+        if l3.enabled and any(
+            l3.extra.get(k, 0)
+            for k in ("pending_backups", "pending_prefetches", "deferred_backups")
+        ):
             busy.append("l3 pending")
         if not busy:
             return s
@@ -40,8 +43,9 @@ def wait_idle(c: HicacheClient, timeout: float = 60.0) -> Any:
         time.sleep(0.1)
 
 
-def kv_accounting(c: HicacheClient, l3: L3Dir | None, timeout: float = 15.0
-                  ) -> tuple[dict[str, int], list[str]]:
+def kv_accounting(
+    c: HicacheClient, l3: L3Dir | None, timeout: float = 15.0
+) -> tuple[dict[str, int], list[str]]:
     """Leaked slots per tier and the problems found, on an idle daemon with no pins. L3's
     index converges to the disk at its next idle rescan (about a second): polled."""
     deadline = time.monotonic() + timeout
@@ -52,8 +56,7 @@ def kv_accounting(c: HicacheClient, l3: L3Dir | None, timeout: float = 15.0
         time.sleep(0.5)
 
 
-def _accounting_once(c: HicacheClient, l3: L3Dir | None
-                     ) -> tuple[dict[str, int], list[str]]:
+def _accounting_once(c: HicacheClient, l3: L3Dir | None) -> tuple[dict[str, int], list[str]]:
     s = c.cache_stats()
     nodes = list(c.iter_tree(page_size=1000, preview_tokens=1))
     problems: list[str] = []
@@ -76,11 +79,15 @@ def _accounting_once(c: HicacheClient, l3: L3Dir | None
             problems.append(f"{tier}: tree nodes hold {in_tree} tokens, stats say {cached}")
     l1 = s.tiers[0]
     if l1.pinned_tokens or l1.extra.get("held_by_requests_tokens", 0):
-        problems.append(f"l1: {l1.pinned_tokens} protected, "
-                        f"{int(l1.extra.get('held_by_requests_tokens', 0))} held by requests")
+        problems.append(
+            f"l1: {l1.pinned_tokens} protected, "
+            f"{int(l1.extra.get('held_by_requests_tokens', 0))} held by requests"
+        )
     if l1.evictable_tokens != int(l1.extra.get("cached_tokens", 0)):
-        problems.append(f"l1: evictable {l1.evictable_tokens} != cached "
-                        f"{int(l1.extra.get('cached_tokens', 0))} with nothing locked")
+        problems.append(
+            f"l1: evictable {l1.evictable_tokens} != cached "
+            f"{int(l1.extra.get('cached_tokens', 0))} with nothing locked"
+        )
     t3 = s.tiers[2]
     if t3.enabled and l3 is not None:
         files, size = l3.usage()
@@ -89,14 +96,20 @@ def _accounting_once(c: HicacheClient, l3: L3Dir | None
         objects, nbytes = t3.used_tokens // per_object, int(t3.extra.get("bytes", 0))
         leaks["l3"] = objects - files
         if (objects, nbytes) != (files, size):
-            problems.append(f"l3: index {objects} objects / {nbytes} bytes, disk {files} files "
-                            f"/ {size} bytes")
+            problems.append(
+                f"l3: index {objects} objects / {nbytes} bytes, disk {files} files / {size} bytes"
+            )
     return leaks, problems
 
 
-def greedy_outputs(c: HicacheClient, prompts: list[list[int]], n: int,
-                   sources: list[str] | None = None, rec: Recorder | None = None,
-                   variant: str = "check") -> list[list[int]]:
+def greedy_outputs(
+    c: HicacheClient,
+    prompts: list[list[int]],
+    n: int,
+    sources: list[str] | None = None,
+    rec: Recorder | None = None,
+    variant: str = "check",
+) -> list[list[int]]:
     """Each prompt's greedy continuation; ``sources`` (when given) gets, per prompt, where its
     cached prefix came from ("l1=.. l2=.. l3=.. of N"); ``rec`` (when given) keeps the answers
     for the reference check."""
@@ -107,17 +120,26 @@ def greedy_outputs(c: HicacheClient, prompts: list[list[int]], n: int,
         _, ids, done = c.generate_text(p, timeout=STREAM_TIMEOUT_S, **sampling)
         out.append(ids)
         if rec is not None:
-            rec.answer(variant, p, sampling, ids, code="OK", finish=FINISH.get(
-                done.finish_reason, "?"), cached=usage_tiers(done.usage), t0=t0,
-                t1=time.monotonic())
+            rec.answer(
+                variant,
+                p,
+                sampling,
+                ids,
+                code="OK",
+                finish=FINISH.get(done.finish_reason, "?"),
+                cached=usage_tiers(done.usage),
+                t0=t0,
+                t1=time.monotonic(),
+            )
         if sources is not None:
             t = done.usage.cached_tokens_per_tier
             sources.append(f"l1={t.l1} l2={t.l2} l3={t.l3} of {len(p)}")
     return out
 
 
-def _forensics(c: HicacheClient, prompt: list[int], reference: list[int], n: int,
-               rec: Recorder) -> str:
+def _forensics(
+    c: HicacheClient, prompt: list[int], reference: list[int], n: int, rec: Recorder
+) -> str:
     """After a greedy mismatch: the prompt again as the cache now holds it, then from L2 only
     (L1 evicted), then from L3 only (L2 evicted too): which tier holds the wrong KV."""
     out = []
@@ -126,13 +148,18 @@ def _forensics(c: HicacheClient, prompt: list[int], reference: list[int], n: int
             c.evict(tier, all=True)
         sources: list[str] = []
         ids = greedy_outputs(c, [prompt], n, sources, rec, "forensics")[0]
-        out.append(f"{step}: {'same as fresh' if ids == reference else ids} "
-                   f"(cached {sources[0]})")
+        out.append(f"{step}: {'same as fresh' if ids == reference else ids} (cached {sources[0]})")
     return "; ".join(out)
 
 
-def check_round(c: HicacheClient, rec: Recorder, wl: Workload, reference: list[list[int]],
-                l3: L3Dir | None, label: str = "") -> dict[str, Any]:
+def check_round(
+    c: HicacheClient,
+    rec: Recorder,
+    wl: Workload,
+    reference: list[list[int]],
+    l3: L3Dir | None,
+    label: str = "",
+) -> dict[str, Any]:
     """The end-of-round checks on a paused workload; violations go to ``rec`` (their text
     starts with ``label``: the round and its faults)."""
     out: dict[str, Any] = {}
@@ -147,10 +174,12 @@ def check_round(c: HicacheClient, rec: Recorder, wl: Workload, reference: list[l
         bad = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
         out["greedy_mismatches"] = len(bad)
         for i in bad:
-            rec.violate("greedy output", f"{label}check prompt {i} (cached {sources[i]}): "
-                        f"{got[i]} != fresh {reference[i]}; "
-                        + _forensics(c, wl.check_prompts[i], reference[i],
-                                     wl.cfg.check_new_tokens, rec))
+            rec.violate(
+                "greedy output",
+                f"{label}check prompt {i} (cached {sources[i]}): "
+                f"{got[i]} != fresh {reference[i]}; "
+                + _forensics(c, wl.check_prompts[i], reference[i], wl.cfg.check_new_tokens, rec),
+            )
         wait_idle(c)
     except TimeoutError as e:
         rec.violate("not idle", f"still busy after 60 s: {e}")
@@ -169,7 +198,8 @@ def rss_verdict(cfg: SoakConfig, rounds: list[dict[str, Any]]) -> dict[str, Any]
         "last_kb": rounds[-1]["rss_kb"] if rounds else 0,
         "per_round_kb": [r["rss_kb"] for r in rounds],
         "max_round_growth_kb": max((b["rss_kb"] - a["rss_kb"] for a, b in same), default=0),
-        "tolerance": f"max({cfg.rss_tolerance_mb:g} MiB, {cfg.rss_tolerance_frac:.0%})"}
+        "tolerance": f"max({cfg.rss_tolerance_mb:g} MiB, {cfg.rss_tolerance_frac:.0%})",
+    }
     if len(rounds) >= 2 and rounds[-1]["pid"] == rounds[-2]["pid"]:
         a, b = rounds[-2]["rss_kb"], rounds[-1]["rss_kb"]
         tol = max(cfg.rss_tolerance_mb * 1024, cfg.rss_tolerance_frac * a)

@@ -41,4 +41,3 @@ class SoakConfig:
     rss_tolerance_frac: float = 0.05
     startup_timeout_s: float = 600.0
     work_dir: str | None = None  # None: a fresh temp dir, removed at the end
-

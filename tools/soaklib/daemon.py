@@ -19,8 +19,7 @@ from tools.soaklib.config import SoakConfig
 class DaemonProcess:
     """`hicache serve` as a subprocess on a fixed port and L3 dir; restartable."""
 
-    def __init__(self, cfg: SoakConfig, work_dir: Path, l3_dir: Path,
-                 name: str = "daemon") -> None:
+    def __init__(self, cfg: SoakConfig, work_dir: Path, l3_dir: Path, name: str = "daemon") -> None:
         self.cfg, self.work_dir, self.l3_dir, self.name = cfg, work_dir, l3_dir, name
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
@@ -29,15 +28,37 @@ class DaemonProcess:
 
     def argv(self) -> list[str]:
         c = self.cfg
-        args = [sys.executable, "-m", "engine.client.cli", "serve", "--host", "127.0.0.1",
-                "--port", str(self.port), "--metrics-port", "0",
-                "--hicache-storage-dir", str(self.l3_dir),
-                "--hicache-storage-size-gb", f"{c.l3_cap_mb / 1024:.6f}",
-                "--hicache-storage-page-size", str(c.storage_object_tokens),
-                "--hicache-prefetch-threshold", "0", "--hicache-ratio", str(c.hicache_ratio),
-                "--max-total-tokens", str(c.max_total_tokens), "--page-size", str(c.page_size),
-                "--max-queued-requests", str(c.max_queued_requests),
-                "--grace-period-s", str(c.grace_period_s), "--debug-check-invariants"]
+        args = [
+            sys.executable,
+            "-m",
+            "engine.client.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            "0",
+            "--hicache-storage-dir",
+            str(self.l3_dir),
+            "--hicache-storage-size-gb",
+            f"{c.l3_cap_mb / 1024:.6f}",
+            "--hicache-storage-page-size",
+            str(c.storage_object_tokens),
+            "--hicache-prefetch-threshold",
+            "0",
+            "--hicache-ratio",
+            str(c.hicache_ratio),
+            "--max-total-tokens",
+            str(c.max_total_tokens),
+            "--page-size",
+            str(c.page_size),
+            "--max-queued-requests",
+            str(c.max_queued_requests),
+            "--grace-period-s",
+            str(c.grace_period_s),
+            "--debug-check-invariants",
+        ]
         if c.model:
             args += ["--model", c.model]
         return args + list(c.extra_args)
@@ -47,8 +68,9 @@ class DaemonProcess:
         log = self.work_dir / f"{self.name}-{len(self.logs)}.log"
         self.logs.append(log)
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(self.argv(), cwd=self.work_dir, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.argv(), cwd=self.work_dir, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
 
     def wait_serving(self) -> float:
         """Seconds until health is SERVING; RuntimeError (with the log's tail) if it exits."""

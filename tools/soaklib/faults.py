@@ -23,8 +23,14 @@ class FaultInjector:
     """Injects faults by name; counts those injected, those skipped (with the reason) and what
     they did."""
 
-    def __init__(self, cfg: SoakConfig, daemon: DaemonProcess | None, l3: L3Dir,
-                 rec: Recorder, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: SoakConfig,
+        daemon: DaemonProcess | None,
+        l3: L3Dir,
+        rec: Recorder,
+        log: Callable[[str], None],
+    ) -> None:
         self.cfg, self.daemon, self.l3, self.rec, self.log = cfg, daemon, l3, rec, log
         self.rng = random.Random(cfg.seed + 7)
         self.injected: collections.Counter = collections.Counter()
@@ -111,13 +117,17 @@ class FaultInjector:
         """Every Generate stream that had its first response before a SIGTERM ended OK (the
         ones this tool cancels or gives a short deadline aside)."""
         for t_sig in self.sigterms:
-            running = [x for x in self.rec.calls_since(t_sig) if x.rpc == "Generate"
-                       and x.first is not None and x.first < t_sig]
+            running = [
+                x
+                for x in self.rec.calls_since(t_sig)
+                if x.rpc == "Generate" and x.first is not None and x.first < t_sig
+            ]
             self.details["streams_running_at_sigterm"] += len(running)
             for x in running:
                 if x.code != "OK" and x.variant not in ("cancel", "deadline", "dup_first"):
-                    self.rec.violate("drain", f"{x.variant} stream running at SIGTERM ended "
-                                     f"{x.code}")
+                    self.rec.violate(
+                        "drain", f"{x.variant} stream running at SIGTERM ended {x.code}"
+                    )
         self.sigterms.clear()
 
     def _restart(self, window: int) -> None:

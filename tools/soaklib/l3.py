@@ -21,9 +21,12 @@ class L3Dir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.mounted = False
         if mount and fs_mb and os.geteuid() == 0 and shutil.which("mount"):
-            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={fs_mb}m,mode=0700",
-                                "tmpfs", str(self.path)], capture_output=True, text=True,
-                               check=False)
+            r = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={fs_mb}m,mode=0700", "tmpfs", str(self.path)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             self.mounted = r.returncode == 0
             if self.mounted:
                 atexit.register(self.cleanup)
@@ -98,8 +101,12 @@ class L3Dir:
         if self.mounted:
             opt = "remount,ro" if on else "remount,rw"
             for _ in range(100):  # EBUSY while a file is open for writing
-                r = subprocess.run(["mount", "-o", opt, str(self.path)], capture_output=True,
-                                   text=True, check=False)
+                r = subprocess.run(
+                    ["mount", "-o", opt, str(self.path)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 if r.returncode == 0:
                     return
                 time.sleep(0.05)
@@ -126,4 +133,3 @@ class L3Dir:
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.path)], capture_output=True, check=False)
             self.mounted = False
-

@@ -14,17 +14,25 @@ from typing import Any
 
 from tools.benchlib import save_figure, subplots
 
-CODE_COLORS = {"OK": "tab:green", "RESOURCE_EXHAUSTED": "tab:orange", "CANCELLED": "tab:gray",
-               "DEADLINE_EXCEEDED": "tab:purple", "ALREADY_EXISTS": "tab:blue",
-               "UNAVAILABLE": "tab:red", "FAILED_PRECONDITION": "tab:olive",
-               "NOT_FOUND": "tab:cyan"}
+CODE_COLORS = {
+    "OK": "tab:green",
+    "RESOURCE_EXHAUSTED": "tab:orange",
+    "CANCELLED": "tab:gray",
+    "DEADLINE_EXCEEDED": "tab:purple",
+    "ALREADY_EXISTS": "tab:blue",
+    "UNAVAILABLE": "tab:red",
+    "FAILED_PRECONDITION": "tab:olive",
+    "NOT_FOUND": "tab:cyan",
+}
 
 
 def round_labels(res: dict[str, Any]) -> list[str]:
     """Per round: its fault group ("clean" without one); skipped faults marked with '*'."""
     skipped = res.get("faults_skipped", {})
-    return ["+".join(f + ("*" if f in skipped else "") for f in r["faults"]) or "clean"
-            for r in res["rounds"]]
+    return [
+        "+".join(f + ("*" if f in skipped else "") for f in r["faults"]) or "clean"
+        for r in res["rounds"]
+    ]
 
 
 def plot_rounds(res: dict[str, Any], path: str) -> None:
@@ -34,16 +42,20 @@ def plot_rounds(res: dict[str, Any], path: str) -> None:
     _codes(ax[1], rounds)
     _rss(ax[2], rounds, res.get("config", {}))
     xs = list(range(len(rounds)))
-    ax[2].set_xticks(xs, [f"{i}: {lab}" for i, lab in enumerate(round_labels(res))],
-                     rotation=40, ha="right")
-    ax[2].set_xlabel("round: fault injected" + (" (* skipped)" if res.get("faults_skipped")
-                                                  else ""))
+    ax[2].set_xticks(
+        xs, [f"{i}: {lab}" for i, lab in enumerate(round_labels(res))], rotation=40, ha="right"
+    )
+    ax[2].set_xlabel(
+        "round: fault injected" + (" (* skipped)" if res.get("faults_skipped") else "")
+    )
     for a in ax:
         a.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     verdict = "PASSED" if res.get("passed") else "FAILED"
     model = os.path.basename((res.get("config", {}).get("model") or "").rstrip("/"))
-    fig.suptitle(f"hicache soak: {res['requests']} calls in {res['seconds']:.0f}s, "
-                 f"{len(rounds)} rounds, {model or 'SmolLM2-135M-Instruct'}: {verdict}")
+    fig.suptitle(
+        f"hicache soak: {res['requests']} calls in {res['seconds']:.0f}s, "
+        f"{len(rounds)} rounds, {model or 'SmolLM2-135M-Instruct'}: {verdict}"
+    )
     save_figure(fig, path)
 
 
@@ -70,8 +82,7 @@ def _codes(ax: Any, rounds: list[dict[str, Any]]) -> None:
     bottom = [0] * len(rounds)
     for code in sorted(totals, key=lambda k: (k != "OK", -totals[k])):
         ns = [r["codes"].get(code, 0) for r in rounds]
-        ax.bar(xs, ns, bottom=bottom, color=CODE_COLORS.get(code),
-               label=f"{code} ({totals[code]})")
+        ax.bar(xs, ns, bottom=bottom, color=CODE_COLORS.get(code), label=f"{code} ({totals[code]})")
         bottom = [b + n for b, n in zip(bottom, ns)]
     ax.set_ylabel("calls")
     ax.set_title("calls by status code (all RPCs)")
@@ -84,12 +95,23 @@ def _rss(ax: Any, rounds: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
         # NOTE: the rule of checks.rss_verdict: the last round within this of the one before
         a = rounds[-2]["rss_kb"]
         tol = max(cfg["rss_tolerance_mb"] * 1024, cfg["rss_tolerance_frac"] * a)
-        ax.fill_between([xs[-2], xs[-1]], a / 1024, (a + tol) / 1024, color="tab:green",
-                        alpha=0.15, label=f"allowed growth, last round ({tol / 1024:.0f} MiB)")
+        ax.fill_between(
+            [xs[-2], xs[-1]],
+            a / 1024,
+            (a + tol) / 1024,
+            color="tab:green",
+            alpha=0.15,
+            label=f"allowed growth, last round ({tol / 1024:.0f} MiB)",
+        )
     restarts = [i - 0.5 for i in xs[1:] if rounds[i]["pid"] != rounds[i - 1]["pid"]]
     for k, x in enumerate(restarts):
-        ax.axvline(x, color="gray", linestyle=":", linewidth=1,
-                   label="daemon restarted" if k == 0 else None)
+        ax.axvline(
+            x,
+            color="gray",
+            linestyle=":",
+            linewidth=1,
+            label="daemon restarted" if k == 0 else None,
+        )
     ax.set_ylabel("daemon RSS (MiB)")
     ax.set_title("daemon RSS after the round")
 

@@ -16,9 +16,20 @@ import grpc
 from tools.benchlib import summary
 
 # docs/daemon.md "Status codes" and "Security"; OK
-DOCUMENTED = frozenset({
-    "OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "FAILED_PRECONDITION",
-    "ALREADY_EXISTS", "NOT_FOUND", "UNIMPLEMENTED", "UNAUTHENTICATED", "PERMISSION_DENIED"})
+DOCUMENTED = frozenset(
+    {
+        "OK",
+        "INVALID_ARGUMENT",
+        "RESOURCE_EXHAUSTED",
+        "UNAVAILABLE",
+        "FAILED_PRECONDITION",
+        "ALREADY_EXISTS",
+        "NOT_FOUND",
+        "UNIMPLEMENTED",
+        "UNAUTHENTICATED",
+        "PERMISSION_DENIED",
+    }
+)
 CLIENT_SIDE = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})  # only when the caller asked
 OUTAGE_MARGIN_S = 2.0  # UNAVAILABLE still allowed this long after SERVING again
 
@@ -109,18 +120,42 @@ class Recorder:
         kind = "undocumented status" if call.code not in DOCUMENTED else "unexpected status"
         self.violate(kind, f"{call.rpc}/{call.variant}: {call.code} {detail}"[:300])
 
-    def answer(self, variant: str, prompt: Iterable[int], sampling: dict[str, Any],
-               ids: Iterable[int], *, code: str, finish: str, rid: str = "",
-               namespace: str = "", cached: tuple[int, int, int, int] | None = None,
-               t0: float, t1: float) -> Answer:
+    def answer(
+        self,
+        variant: str,
+        prompt: Iterable[int],
+        sampling: dict[str, Any],
+        ids: Iterable[int],
+        *,
+        code: str,
+        finish: str,
+        rid: str = "",
+        namespace: str = "",
+        cached: tuple[int, int, int, int] | None = None,
+        t0: float,
+        t1: float,
+    ) -> Answer:
         """Keeps what one Generate call was served (``finish``: STOP / LENGTH / ABORT, or ""
         when no ``complete`` arrived)."""
         key = tuple(prompt)
         whole = code == "OK" and finish in ("STOP", "LENGTH")
         with self._lock:
-            a = Answer(len(self.answers), variant, rid, namespace,
-                       self._prompts.setdefault(key, key), tuple(sorted(sampling.items())),
-                       tuple(ids), whole, code, finish, cached, t0, t1, self.phase)
+            a = Answer(
+                len(self.answers),
+                variant,
+                rid,
+                namespace,
+                self._prompts.setdefault(key, key),
+                tuple(sorted(sampling.items())),
+                tuple(ids),
+                whole,
+                code,
+                finish,
+                cached,
+                t0,
+                t1,
+                self.phase,
+            )
             self.answers.append(a)
         return a
 

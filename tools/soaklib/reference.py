@@ -47,8 +47,10 @@ def reference_key(a: Answer) -> Key | None:
     """What determines the answer's tokens; None for a sampled answer without a seed."""
     sp = dict(a.sampling)
     if "max_new_tokens" not in sp:
-        raise ValueError(f"answer #{a.seq} ({a.variant}) has no max_new_tokens: the reference "
-                         "check needs it to know where a whole answer ends")
+        raise ValueError(
+            f"answer #{a.seq} ({a.variant}) has no max_new_tokens: the reference "
+            "check needs it to know where a whole answer ends"
+        )
     temperature = sp.get("temperature")  # unset: the engine's default, 1.0 (sampled)
     if (temperature is None or temperature > 0) and sp.get("seed") is None:
         return None
@@ -86,32 +88,50 @@ class Mismatch:
         sp = dict(self.answer.sampling)
         if not sp.get("temperature"):
             return "greedy"
-        return "sampled " + " ".join(f"{k}={sp[k]}" for k in ("temperature", "top_p", "top_k",
-                                                               "min_p", "seed") if k in sp)
+        return "sampled " + " ".join(
+            f"{k}={sp[k]}" for k in ("temperature", "top_p", "top_k", "min_p", "seed") if k in sp
+        )
 
     def describe(self) -> str:
         a, i = self.answer, self.position
         how = "whole" if a.whole else f"partial: {a.code} {a.finish or 'no complete'}"
-        cached = ("no usage" if a.cached is None else
-                  f"l1={a.cached[0]} l2={a.cached[1]} l3={a.cached[2]} of {a.cached[3]}")
-        return (f"{a.phase or 'soak'}: prompt {self.prompt_id} ({len(a.prompt)} tokens, "
-                f"namespace {a.namespace or 'default'}), answer #{a.seq} {a.variant}"
-                f"{' ' + a.rid if a.rid else ''} ({how}, {self.mode()}, "
-                f"{dict(a.sampling)['max_new_tokens']} new tokens asked): first difference at "
-                f"token {i}: served {list(a.ids[max(0, i - 2):i + 3])} vs alone "
-                f"{list(self.expected[max(0, i - 2):i + 3])} (from token {max(0, i - 2)}; "
-                f"{len(a.ids)} served, {len(self.expected)} expected); served cached {cached}; "
-                f"faults around it: {', '.join(self.faults) or 'none'}")
+        cached = (
+            "no usage"
+            if a.cached is None
+            else f"l1={a.cached[0]} l2={a.cached[1]} l3={a.cached[2]} of {a.cached[3]}"
+        )
+        return (
+            f"{a.phase or 'soak'}: prompt {self.prompt_id} ({len(a.prompt)} tokens, "
+            f"namespace {a.namespace or 'default'}), answer #{a.seq} {a.variant}"
+            f"{' ' + a.rid if a.rid else ''} ({how}, {self.mode()}, "
+            f"{dict(a.sampling)['max_new_tokens']} new tokens asked): first difference at "
+            f"token {i}: served {list(a.ids[max(0, i - 2) : i + 3])} vs alone "
+            f"{list(self.expected[max(0, i - 2) : i + 3])} (from token {max(0, i - 2)}; "
+            f"{len(a.ids)} served, {len(self.expected)} expected); served cached {cached}; "
+            f"faults around it: {', '.join(self.faults) or 'none'}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         a = self.answer
-        return {"prompt_id": self.prompt_id, "answer": a.seq, "variant": a.variant,
-                "rid": a.rid, "namespace": a.namespace, "phase": a.phase, "whole": a.whole,
-                "code": a.code, "finish": a.finish, "sampling": dict(a.sampling),
-                "cached_l1_l2_l3_of": a.cached, "position": self.position,
-                "faults": list(self.faults), "served": list(a.ids),
-                "expected": list(self.expected), "prompt": list(a.prompt),
-                "describe": self.describe()}
+        return {
+            "prompt_id": self.prompt_id,
+            "answer": a.seq,
+            "variant": a.variant,
+            "rid": a.rid,
+            "namespace": a.namespace,
+            "phase": a.phase,
+            "whole": a.whole,
+            "code": a.code,
+            "finish": a.finish,
+            "sampling": dict(a.sampling),
+            "cached_l1_l2_l3_of": a.cached,
+            "position": self.position,
+            "faults": list(self.faults),
+            "served": list(a.ids),
+            "expected": list(self.expected),
+            "prompt": list(a.prompt),
+            "describe": self.describe(),
+        }
 
 
 @dataclass
@@ -133,20 +153,37 @@ class ReferenceReport:
     def to_dict(self, max_mismatches: int = 200) -> dict[str, Any]:
         """The counts, the mismatches counted by "variant mode tiers" (e.g. "plain greedy
         l1+l3"), and the first ``max_mismatches`` in full."""
-        out = {k: getattr(self, k) for k in ("answers", "checked", "whole", "partial", "greedy",
-                                             "seeded", "unseeded", "empty", "references")}
+        out = {
+            k: getattr(self, k)
+            for k in (
+                "answers",
+                "checked",
+                "whole",
+                "partial",
+                "greedy",
+                "seeded",
+                "unseeded",
+                "empty",
+                "references",
+            )
+        }
         kinds = collections.Counter(
             f"{m.answer.variant} {m.mode().split()[0]} {'+'.join(served_from(m.answer))}"
-            for m in self.mismatches)
-        out.update(served_from=dict(self.served_from), seconds=round(self.seconds, 1),
-                   mismatch_count=len(self.mismatches),
-                   mismatch_kinds=dict(kinds.most_common()),
-                   mismatches=[m.to_dict() for m in self.mismatches[:max_mismatches]])
+            for m in self.mismatches
+        )
+        out.update(
+            served_from=dict(self.served_from),
+            seconds=round(self.seconds, 1),
+            mismatch_count=len(self.mismatches),
+            mismatch_kinds=dict(kinds.most_common()),
+            mismatches=[m.to_dict() for m in self.mismatches[:max_mismatches]],
+        )
         return out
 
 
-def faults_around(a: Answer, faults: Sequence[FaultEvent], around_s: float = AROUND_S
-                  ) -> tuple[str, ...]:
+def faults_around(
+    a: Answer, faults: Sequence[FaultEvent], around_s: float = AROUND_S
+) -> tuple[str, ...]:
     """The faults injected from ``around_s`` before the answer started until it ended."""
     out = []
     for f in faults:
@@ -161,9 +198,12 @@ def faults_around(a: Answer, faults: Sequence[FaultEvent], around_s: float = ARO
     return tuple(out)
 
 
-def check_answers(answers: Sequence[Answer], compute: Compute,
-                  faults: Sequence[FaultEvent] = (),
-                  progress: Callable[[int, int], None] | None = None) -> ReferenceReport:
+def check_answers(
+    answers: Sequence[Answer],
+    compute: Compute,
+    faults: Sequence[FaultEvent] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> ReferenceReport:
     """Compares every checkable answer with its reference, ``compute(prompt, sampling)``,
     called once per distinct (prompt, sampling params but max_new_tokens) in the order the
     answers arrived. ``progress(done, total)`` after each reference."""
@@ -180,8 +220,9 @@ def check_answers(answers: Sequence[Answer], compute: Compute,
             groups.setdefault(key, []).append(a)
     prompt_ids: dict[tuple[int, ...], str] = {}
     for n, ((prompt, params), group) in enumerate(groups.items()):
-        pid = prompt_ids.setdefault(prompt, f"p{len(prompt_ids)} crc32 "
-                                    f"{zlib.crc32(repr(prompt).encode()):08x}")
+        pid = prompt_ids.setdefault(
+            prompt, f"p{len(prompt_ids)} crc32 {zlib.crc32(repr(prompt).encode()):08x}"
+        )
         longest = max(dict(a.sampling)["max_new_tokens"] for a in group)
         ref = list(compute(list(prompt), {**dict(params), "max_new_tokens": longest}))
         rep.references += 1
@@ -193,11 +234,17 @@ def check_answers(answers: Sequence[Answer], compute: Compute,
             rep.greedy += not sampled
             rep.seeded += sampled
             rep.served_from.update(served_from(a))
-            expected = ref[:dict(a.sampling)["max_new_tokens"]] if a.whole else ref[:len(a.ids)]
+            expected = ref[: dict(a.sampling)["max_new_tokens"]] if a.whole else ref[: len(a.ids)]
             if list(a.ids) != expected:
-                rep.mismatches.append(Mismatch(pid, a, tuple(expected),
-                                               first_difference(a.ids, expected),
-                                               faults_around(a, faults)))
+                rep.mismatches.append(
+                    Mismatch(
+                        pid,
+                        a,
+                        tuple(expected),
+                        first_difference(a.ids, expected),
+                        faults_around(a, faults),
+                    )
+                )
         if progress is not None:
             progress(n + 1, len(groups))
     rep.seconds = time.monotonic() - t_start
@@ -212,8 +259,11 @@ def flag_mismatches(rec: Recorder, report: ReferenceReport) -> None:
 
 def engine_config(info: Any) -> dict[str, str]:
     """A GetServerInfo response's ServerArgs (JSON-encoded values), but the L3 dir."""
-    return {k: v for k, v in info.config.items()
-            if not k.startswith(("daemon.", "process.")) and k != "hicache_storage_dir"}
+    return {
+        k: v
+        for k, v in info.config.items()
+        if not k.startswith(("daemon.", "process.")) and k != "hicache_storage_dir"
+    }
 
 
 class ReferenceDaemon:
@@ -245,13 +295,16 @@ class ReferenceDaemon:
         the answer did not finish)."""
         assert self._client is not None
         self._n += 1
-        _, ids, done = self._client.generate_text(prompt, namespace=f"reference-{self._n}",
-                                                  timeout=STREAM_TIMEOUT_S, **sampling)
+        _, ids, done = self._client.generate_text(
+            prompt, namespace=f"reference-{self._n}", timeout=STREAM_TIMEOUT_S, **sampling
+        )
         finish = FINISH.get(done.finish_reason, "?")
         if done.usage.cached_tokens or finish not in ("STOP", "LENGTH"):
-            raise RuntimeError(f"reference {self._n} not computed alone and whole: cached "
-                               f"{done.usage.cached_tokens} tokens, finish {finish} "
-                               f"{done.abort_message!r}")
+            raise RuntimeError(
+                f"reference {self._n} not computed alone and whole: cached "
+                f"{done.usage.cached_tokens} tokens, finish {finish} "
+                f"{done.abort_message!r}"
+            )
         return ids
 
     def stop(self) -> int | None:

@@ -61,16 +61,30 @@ class Pauser:
 class Traffic:
     """--clients conversation threads and one admin thread against ``addr``."""
 
-    CLIENT_ACTIONS = (("plain", 60), ("cancel", 10), ("deadline", 8), ("abort", 6),
-                      ("dup_running", 3), ("dup_simultaneous", 3))
+    CLIENT_ACTIONS = (
+        ("plain", 60),
+        ("cancel", 10),
+        ("deadline", 8),
+        ("abort", 6),
+        ("dup_running", 3),
+        ("dup_simultaneous", 3),
+    )
 
-    def __init__(self, addr: str, cfg: SoakConfig, wl: Workload, rec: Recorder,
-                 skip_admin: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        addr: str,
+        cfg: SoakConfig,
+        wl: Workload,
+        rec: Recorder,
+        skip_admin: tuple[str, ...] = (),
+    ) -> None:
         self.addr, self.cfg, self.wl, self.rec = addr, cfg, wl, rec
         self.admin = AdminActions(cfg, wl, rec, self._rid, skip_admin)
         self.pauser = Pauser(cfg.clients + 1)
-        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True,
-                                         name=f"soak-client-{i}") for i in range(cfg.clients)]
+        self.threads = [
+            threading.Thread(target=self._client, args=(i,), daemon=True, name=f"soak-client-{i}")
+            for i in range(cfg.clients)
+        ]
         self.threads.append(threading.Thread(target=self._admin, daemon=True, name="soak-admin"))
         self._seq = 0
         self._lock = threading.Lock()
@@ -135,18 +149,43 @@ class Traffic:
         self._loop(self.cfg.seed * 1000 + i, step)
 
     def _gen_plain(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> StreamResult:
-        return stream_generate(self.rec, c, cv.ids, "plain", {"RESOURCE_EXHAUSTED"},
-                               {"STOP", "LENGTH"}, ns=cv.ns, **self.wl.sampling(rng))
+        return stream_generate(
+            self.rec,
+            c,
+            cv.ids,
+            "plain",
+            {"RESOURCE_EXHAUSTED"},
+            {"STOP", "LENGTH"},
+            ns=cv.ns,
+            **self.wl.sampling(rng),
+        )
 
     def _gen_cancel(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
         sp = self.wl.sampling(rng) | {"max_new_tokens": self.cfg.max_new_tokens}
-        stream_generate(self.rec, c, cv.ids, "cancel", {"CANCELLED", "RESOURCE_EXHAUSTED"},
-                        {"STOP", "LENGTH"}, ns=cv.ns, cancel_after=rng.randint(1, 4), **sp)
+        stream_generate(
+            self.rec,
+            c,
+            cv.ids,
+            "cancel",
+            {"CANCELLED", "RESOURCE_EXHAUSTED"},
+            {"STOP", "LENGTH"},
+            ns=cv.ns,
+            cancel_after=rng.randint(1, 4),
+            **sp,
+        )
 
     def _gen_deadline(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
-        stream_generate(self.rec, c, cv.ids, "deadline", {"DEADLINE_EXCEEDED",
-                        "RESOURCE_EXHAUSTED"}, {"STOP", "LENGTH"}, ns=cv.ns,
-                        timeout=rng.uniform(0.01, 1.0), **self.wl.sampling(rng))
+        stream_generate(
+            self.rec,
+            c,
+            cv.ids,
+            "deadline",
+            {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
+            {"STOP", "LENGTH"},
+            ns=cv.ns,
+            timeout=rng.uniform(0.01, 1.0),
+            **self.wl.sampling(rng),
+        )
 
     def _gen_abort(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
         rid = self._rid("abort")
@@ -156,9 +195,20 @@ class Traffic:
             found.append(unary(self.rec, "Abort", lambda: c.abort(rid)))
             return False
 
-        stream_generate(self.rec, c, cv.ids, "abort", {"RESOURCE_EXHAUSTED"},
-                        {"STOP", "LENGTH", "ABORT"}, rid=rid, ns=cv.ns, on_first=abort,
-                        max_new_tokens=64, ignore_eos=True, temperature=0.0)
+        stream_generate(
+            self.rec,
+            c,
+            cv.ids,
+            "abort",
+            {"RESOURCE_EXHAUSTED"},
+            {"STOP", "LENGTH", "ABORT"},
+            rid=rid,
+            ns=cv.ns,
+            on_first=abort,
+            max_new_tokens=64,
+            ignore_eos=True,
+            temperature=0.0,
+        )
 
     def _gen_dup_running(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
         """The same id while the first request runs (64 tokens to go): ALREADY_EXISTS, and the
@@ -170,24 +220,50 @@ class Traffic:
         second: list[StreamResult] = []
 
         def again() -> bool:
-            second.append(stream_generate(
-                self.rec, c, cv.ids, "dup_second", {"ALREADY_EXISTS", "RESOURCE_EXHAUSTED"},
-                {"STOP", "LENGTH"}, rid=rid, ns=cv.ns, max_new_tokens=2, ignore_eos=True,
-                temperature=0.0))
+            second.append(
+                stream_generate(
+                    self.rec,
+                    c,
+                    cv.ids,
+                    "dup_second",
+                    {"ALREADY_EXISTS", "RESOURCE_EXHAUSTED"},
+                    {"STOP", "LENGTH"},
+                    rid=rid,
+                    ns=cv.ns,
+                    max_new_tokens=2,
+                    ignore_eos=True,
+                    temperature=0.0,
+                )
+            )
             return second[0].code != "OK"
 
-        first = stream_generate(self.rec, c, cv.ids, "dup_first",
-                                {"CANCELLED", "RESOURCE_EXHAUSTED"}, {"STOP", "LENGTH"},
-                                rid=rid, ns=cv.ns, on_first=again, max_new_tokens=64,
-                                ignore_eos=True, temperature=0.0)
-        if second and second[0].code == "OK" and (
-                first.code != "OK" or len(first.ids) != 64 or second[0].ids != first.ids[:2]):
-            self.rec.violate("duplicate request_id", f"{rid}: a second call ran beside the "
-                             f"first ({first.code}, {len(first.ids)} of 64 tokens, first two "
-                             f"{first.ids[:2]} vs the second's {second[0].ids})")
+        first = stream_generate(
+            self.rec,
+            c,
+            cv.ids,
+            "dup_first",
+            {"CANCELLED", "RESOURCE_EXHAUSTED"},
+            {"STOP", "LENGTH"},
+            rid=rid,
+            ns=cv.ns,
+            on_first=again,
+            max_new_tokens=64,
+            ignore_eos=True,
+            temperature=0.0,
+        )
+        if (
+            second
+            and second[0].code == "OK"
+            and (first.code != "OK" or len(first.ids) != 64 or second[0].ids != first.ids[:2])
+        ):
+            self.rec.violate(
+                "duplicate request_id",
+                f"{rid}: a second call ran beside the "
+                f"first ({first.code}, {len(first.ids)} of 64 tokens, first two "
+                f"{first.ids[:2]} vs the second's {second[0].ids})",
+            )
 
-    def _gen_dup_simultaneous(self, c: HicacheClient, rng: random.Random,
-                              cv: Conversation) -> None:
+    def _gen_dup_simultaneous(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
         """Two calls with one new id at once: one runs, the other gets ALREADY_EXISTS."""
         rid = self._rid("dup2")
         barrier = threading.Barrier(2)
@@ -200,9 +276,18 @@ class Traffic:
                 except threading.BrokenBarrierError:
                     pass
                 out[k] = stream_generate(
-                    self.rec, c2, cv.ids, "dup_pair", {"ALREADY_EXISTS", "RESOURCE_EXHAUSTED"},
-                    {"STOP", "LENGTH"}, rid=rid, ns=cv.ns, max_new_tokens=24, ignore_eos=True,
-                    temperature=0.0)
+                    self.rec,
+                    c2,
+                    cv.ids,
+                    "dup_pair",
+                    {"ALREADY_EXISTS", "RESOURCE_EXHAUSTED"},
+                    {"STOP", "LENGTH"},
+                    rid=rid,
+                    ns=cv.ns,
+                    max_new_tokens=24,
+                    ignore_eos=True,
+                    temperature=0.0,
+                )
 
         t = threading.Thread(target=run, args=(1,), daemon=True)
         t.start()
@@ -211,8 +296,7 @@ class Traffic:
         a, b = out
         if a is None or b is None:
             return
-        if a.code == b.code == "OK" and a.first and b.first and a.first < b.end \
-                and b.first < a.end:
+        if a.code == b.code == "OK" and a.first and b.first and a.first < b.end and b.first < a.end:
             self.rec.violate("duplicate request_id", f"{rid}: both simultaneous calls ran")
         if a.code == b.code == "ALREADY_EXISTS":
             self.rec.violate("duplicate request_id", f"{rid}: both calls refused")

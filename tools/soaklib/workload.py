@@ -28,8 +28,10 @@ class Workload:
         return [rng.randrange(self.lo, self.hi) for _ in range(n)]
 
     def sampling(self, rng: random.Random) -> dict[str, Any]:
-        sp: dict[str, Any] = {"max_new_tokens": rng.randint(1, self.cfg.max_new_tokens),
-                              "ignore_eos": rng.random() < 0.7}
+        sp: dict[str, Any] = {
+            "max_new_tokens": rng.randint(1, self.cfg.max_new_tokens),
+            "ignore_eos": rng.random() < 0.7,
+        }
         if rng.random() < 0.6:
             sp["temperature"] = 0.0
         else:
@@ -52,7 +54,6 @@ class Conversation:
         self.ids += answer + self.wl.ids(rng, rng.randint(*self.wl.cfg.question_tokens))
         limit = self.wl.cfg.max_prompt_tokens - self.wl.cfg.max_new_tokens - 64
         return self.turns < 6 and len(self.ids) < limit
-
 
 
 def choose(rng: random.Random, table: tuple[tuple[str, int], ...]) -> str:

@@ -168,8 +168,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` whose rows are invariant to the row count.
     x [..., K]; weight [N, K] (HF layout); bias [N] -> [..., N] in x's dtype."""
     if x.dtype != weight.dtype or x.dtype not in LINEAR_CONFIGS:
-        raise ValueError(f"linear: x {x.dtype} and weight {weight.dtype} must be one of "
-                         f"{list(LINEAR_CONFIGS)}")
+        raise ValueError(
+            f"linear: x {x.dtype} and weight {weight.dtype} must be one of {list(LINEAR_CONFIGS)}"
+        )
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()  # [M, K]
     w = weight.contiguous()
@@ -179,12 +180,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         bm, bn, bk, warps, stages = LINEAR_CONFIGS[x.dtype]
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _linear_kernel[grid](
-            x2, w, bias if bias is not None else w, y, m, n, k,
-            x2.stride(0), w.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            x2,
+            w,
+            bias if bias is not None else w,
+            y,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            w.stride(0),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+            num_warps=warps,
+            num_stages=stages,
+        )
     return y.view(*x.shape[:-1], n)
 
 
@@ -202,11 +215,22 @@ def rms_norm(
     if rows > 0:
         block = triton.next_power_of_2(h)
         _rms_norm_kernel[(rows,)](
-            x2, r2, weight, out, summed, h, eps,
-            x2.stride(0), r2.stride(0), out.stride(0), summed.stride(0),
-            HAS_RESIDUAL=residual is not None, ROUND_BEFORE_WEIGHT=x.dtype != torch.float32,
-            BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
-        )  # fmt: skip
+            x2,
+            r2,
+            weight,
+            out,
+            summed,
+            h,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            summed.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            ROUND_BEFORE_WEIGHT=x.dtype != torch.float32,
+            BLOCK=block,
+            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        )
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), summed.view(x.shape)

@@ -44,11 +44,28 @@ class PackedLinearC(ctypes.Structure):
 class AttnBatchC(ctypes.Structure):
     """``AttnBatch`` of csrc/attention.h."""
 
-    _fields_ = [("q", _P), ("q_stride", _I64), ("out", _P), ("k", _P), ("v", _P), ("hk", _P),
-                ("hv", _P), ("h_stride", _I64), ("host_row", _P), ("req_to_token", _P),
-                ("r2t_stride", _I64), ("rows", _P), ("q_first", _P), ("q_len", _P),
-                ("kv_len", _P), ("bs", _I64), ("heads", _I64), ("kv_heads", _I64), ("hd", _I64),
-                ("scale", _F32)]
+    _fields_ = [
+        ("q", _P),
+        ("q_stride", _I64),
+        ("out", _P),
+        ("k", _P),
+        ("v", _P),
+        ("hk", _P),
+        ("hv", _P),
+        ("h_stride", _I64),
+        ("host_row", _P),
+        ("req_to_token", _P),
+        ("r2t_stride", _I64),
+        ("rows", _P),
+        ("q_first", _P),
+        ("q_len", _P),
+        ("kv_len", _P),
+        ("bs", _I64),
+        ("heads", _I64),
+        ("kv_heads", _I64),
+        ("hd", _I64),
+        ("scale", _F32),
+    ]
 
 
 _SIGNATURES: dict[str, tuple[list, type | None]] = {
@@ -115,10 +132,17 @@ def isa() -> str:
 
 
 # NOTE: 256-bit vectors as with AVX2 (the kernels are written for them; no zmm frequency drop)
-_ISA_FLAGS = {"avx-vnni": ["-mavxvnni"],
-              "avx512-vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni",
-                              "-mprefer-vector-width=256"],
-              "avx2": []}
+_ISA_FLAGS = {
+    "avx-vnni": ["-mavxvnni"],
+    "avx512-vnni": [
+        "-mavx512f",
+        "-mavx512vl",
+        "-mavx512bw",
+        "-mavx512vnni",
+        "-mprefer-vector-width=256",
+    ],
+    "avx2": [],
+}
 
 
 def _cflags() -> list[str]:
@@ -153,8 +177,13 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, "-o", tmp, str(_SOURCE)],
-                              capture_output=True, text=True, timeout=120, check=False)
+        proc = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, target)

@@ -67,8 +67,9 @@ class Linear(nn.Module):
         if backend == "cpu":
             self.panels = PackedWeight.dense(self.weight.detach(), self.bias)
         else:
-            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                  PACK_ROWS_HINT)
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(
+                self.weight.detach(), PACK_ROWS_HINT
+            )
         if free_dense:
             # NOTE: keep a 0-element placeholder so the parameter still names dtype/device
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

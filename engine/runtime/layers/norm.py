@@ -63,12 +63,29 @@ class RMSNorm(nn.Module):
         rows = x.numel() // self.hidden_size
         out = torch.empty_like(x)
         if residual is None:
-            self.kernel.rms_norm_residual(x.data_ptr(), None, self.weight.data_ptr(), self.eps,
-                                          rows, self.hidden_size, out.data_ptr(), None, threads())
+            self.kernel.rms_norm_residual(
+                x.data_ptr(),
+                None,
+                self.weight.data_ptr(),
+                self.eps,
+                rows,
+                self.hidden_size,
+                out.data_ptr(),
+                None,
+                threads(),
+            )
             return out
         residual = residual.contiguous()
         summed = torch.empty_like(x)
-        self.kernel.rms_norm_residual(x.data_ptr(), residual.data_ptr(), self.weight.data_ptr(),
-                                      self.eps, rows, self.hidden_size, out.data_ptr(),
-                                      summed.data_ptr(), threads())
+        self.kernel.rms_norm_residual(
+            x.data_ptr(),
+            residual.data_ptr(),
+            self.weight.data_ptr(),
+            self.eps,
+            rows,
+            self.hidden_size,
+            out.data_ptr(),
+            summed.data_ptr(),
+            threads(),
+        )
         return out, summed

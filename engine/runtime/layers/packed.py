@@ -110,8 +110,9 @@ def unpack_f32(w: torch.Tensor, n: int) -> torch.Tensor:
 class PackedWeight:
     """``x [rows, in_features] -> x @ W^T + bias`` on the C products (float32, CPU)."""
 
-    def __init__(self, kind: str, panels: torch.Tensor, n: int, k: int,
-                 bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, kind: str, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None
+    ) -> None:
         lib = KERNELS.get()
         if lib is None:
             raise RuntimeError(f"packed weights need the CPU kernels: {KERNELS.error}")
@@ -119,8 +120,13 @@ class PackedWeight:
         self.data = panels  # [panels, ...] uint8 or float32, products.h's layout
         self.bias = None if bias is None else _pad_rows(bias.detach().float(), -(-n // NP) * NP)
         # NOTE: the descriptor holds raw pointers into data / bias, which this object keeps
-        self.desc = PackedLinearC(KINDS[kind], panels.data_ptr(),
-                                  None if self.bias is None else self.bias.data_ptr(), n, k)
+        self.desc = PackedLinearC(
+            KINDS[kind],
+            panels.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            n,
+            k,
+        )
 
     @classmethod
     def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
@@ -133,8 +139,9 @@ class PackedWeight:
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         y = torch.empty(rows.shape[0], self.n)
-        if self.lib.linear_packed(ctypes.byref(self.desc), rows.data_ptr(), rows.shape[0],
-                                  y.data_ptr(), threads()):
+        if self.lib.linear_packed(
+            ctypes.byref(self.desc), rows.data_ptr(), rows.shape[0], y.data_ptr(), threads()
+        ):
             raise MemoryError("packed linear: no memory for its scratch")
         return y.view(*lead, self.n)
 

@@ -187,8 +187,12 @@ def quantize_linears(model: nn.Module, quantization: str) -> int:
             if not isinstance(child, Linear) or child.panels is not None:
                 continue
             if child.in_features % QK:
-                log.warning("%s: in_features %d not a multiple of %d; kept dense",
-                            child_name, child.in_features, QK)
+                log.warning(
+                    "%s: in_features %d not a multiple of %d; kept dense",
+                    child_name,
+                    child.in_features,
+                    QK,
+                )
                 continue
             is_head = isinstance(child, LMHead)
             scheme = "q4_1" if quantization == "int4" and not is_head else "q8_0"

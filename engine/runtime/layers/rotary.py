@@ -89,13 +89,25 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions [num_tokens]; x [num_tokens, heads, head_dim] = x1 | x2 (halves)
-        if (self.kernel is not None and x.dtype == torch.float32 and x.stride(2) == 1
-                and x.stride(1) == self.head_dim and positions.dtype == torch.int64):
+        if (
+            self.kernel is not None
+            and x.dtype == torch.float32
+            and x.stride(2) == 1
+            and x.stride(1) == self.head_dim
+            and positions.dtype == torch.int64
+        ):
             # NOTE: in place (x is a view of the fresh qkv projection)
             positions = positions.contiguous()
-            self.kernel.rope_neox_inplace(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
-                                          self.head_dim, positions.data_ptr(),
-                                          self.cos_sin_cache.data_ptr(), threads())
+            self.kernel.rope_neox_inplace(
+                x.data_ptr(),
+                x.shape[0],
+                x.stride(0),
+                x.shape[1],
+                self.head_dim,
+                positions.data_ptr(),
+                self.cos_sin_cache.data_ptr(),
+                threads(),
+            )
             return x
         # out = (x1 * cos - x2 * sin) | (x2 * cos + x1 * sin) = x * (cos|cos) + (x2|x1) * (-sin|sin)
         cos2, sin2 = self.cos_sin(positions)

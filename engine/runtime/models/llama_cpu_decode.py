@@ -35,17 +35,29 @@ log = logging.getLogger(__name__)
 
 
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("qkv", ctypes.POINTER(PackedLinearC)), ("o", ctypes.POINTER(PackedLinearC)),
-                ("gate_up", ctypes.POINTER(PackedLinearC)),
-                ("down", ctypes.POINTER(PackedLinearC)),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", ctypes.POINTER(PackedLinearC)),
+        ("o", ctypes.POINTER(PackedLinearC)),
+        ("gate_up", ctypes.POINTER(PackedLinearC)),
+        ("down", ctypes.POINTER(PackedLinearC)),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
 
 
 class _DecodeShape(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
-                ("kv_heads", ctypes.c_int64), ("hd", ctypes.c_int64), ("inter", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos_sin", ctypes.c_void_p)]
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("hd", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos_sin", ctypes.c_void_p),
+    ]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -68,19 +80,32 @@ class FusedDecode:
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_buf, v_buf = kv_pool.get_kv_buffer(i)
-            linears = [_panels(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                            mlp.down_proj)]
+            linears = [
+                _panels(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
             descs = [ctypes.pointer(w.desc) for w in linears if w is not None]
             assert len(descs) == len(linears), "install() checked every weight is on panels"
-            entries.append(_DecodeLayer(
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                *descs, _ptr(k_buf), _ptr(v_buf)))
+            entries.append(
+                _DecodeLayer(
+                    _ptr(layer.input_layernorm.weight),
+                    _ptr(layer.post_attention_layernorm.weight),
+                    *descs,
+                    _ptr(k_buf),
+                    _ptr(v_buf),
+                )
+            )
         self.layers = (_DecodeLayer * len(entries))(*entries)
         rope = attn0.rotary_emb
         self.shape = _DecodeShape(
-            layers[0].input_layernorm.hidden_size, attn0.num_heads, attn0.num_kv_heads,
-            attn0.head_dim, layers[0].mlp.down_proj.in_features, layers[0].input_layernorm.eps,
-            attn0.attn.scaling, _ptr(rope.cos_sin_cache))
+            layers[0].input_layernorm.hidden_size,
+            attn0.num_heads,
+            attn0.num_kv_heads,
+            attn0.head_dim,
+            layers[0].mlp.down_proj.in_features,
+            layers[0].input_layernorm.eps,
+            attn0.attn.scaling,
+            _ptr(rope.cos_sin_cache),
+        )
         # NOTE: the C side holds raw pointers into the model's weights and the pool's buffers
         self.kv_pool = kv_pool
 
@@ -98,9 +123,19 @@ class FusedDecode:
         out_loc = fb.out_cache_loc.to(torch.int64).contiguous()
         r2t = fb.req_to_token_pool.req_to_token
         rc = self.lib.decode_layers(
-            self.layers, self.num_layers, ctypes.byref(self.shape), hidden.data_ptr(),
-            residual.data_ptr(), hidden.shape[0], positions.data_ptr(), out_loc.data_ptr(),
-            r2t.data_ptr(), r2t.stride(0), rows.data_ptr(), threads())
+            self.layers,
+            self.num_layers,
+            ctypes.byref(self.shape),
+            hidden.data_ptr(),
+            residual.data_ptr(),
+            hidden.shape[0],
+            positions.data_ptr(),
+            out_loc.data_ptr(),
+            r2t.data_ptr(),
+            r2t.stride(0),
+            rows.data_ptr(),
+            threads(),
+        )
         if rc == -1:
             raise MemoryError("fused decode: no memory for its scratch buffers")
         if rc != 0:

@@ -125,6 +125,7 @@ def _gguf_tensor_infos(path: str) -> list[tuple[str, int, int]]:
     import struct
 
     with open(path, "rb") as f:
+
         def u32() -> int:
             return struct.unpack("<I", f.read(4))[0]
 

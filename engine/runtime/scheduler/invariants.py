@@ -17,8 +17,9 @@ from hicache.allocator import TokenToKVPoolAllocator
 from hicache.base_prefix_cache import BasePrefixCache
 
 
-def held_slots(req_to_token: torch.Tensor, active: Iterable[Req],
-               tree: BasePrefixCache) -> torch.Tensor:
+def held_slots(
+    req_to_token: torch.Tensor, active: Iterable[Req], tree: BasePrefixCache
+) -> torch.Tensor:
     """Slots the ``active`` requests hold that the tree does not ([n] int64 on CPU).
     ``req_to_token``: [rows, max_context_len] slots; a request may appear more than once."""
     parts = [torch.empty(0, dtype=torch.int64)]
@@ -30,8 +31,9 @@ def held_slots(req_to_token: torch.Tensor, active: Iterable[Req],
     return held[~torch.isin(held, in_tree)]
 
 
-def check_kv_invariant(allocator: TokenToKVPoolAllocator, tree: BasePrefixCache,
-                       held: torch.Tensor, page_size: int) -> None:
+def check_kv_invariant(
+    allocator: TokenToKVPoolAllocator, tree: BasePrefixCache, held: torch.Tensor, page_size: int
+) -> None:
     """Raise AssertionError unless every page is free, in the tree or in ``held`` exactly once
     and the tree passes its own integrity check."""
     tree.check_integrity()

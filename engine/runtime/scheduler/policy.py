@@ -50,15 +50,26 @@ class SchedulePolicy:
         if policy == "lpm":
             # cached = device + host part, or what L3 holds (loads are far cheaper than a
             # recompute: a request whose prefix was evicted while it waited keeps its place)
-            waiting.sort(key=lambda r: (0, r.admission.created, 0) if aged(r) else (
-                1, r.rid in deprioritized,
-                -max(len(r.kv.prefix_indices) + r.kv.host_hit_length,
-                     self.tree_cache.l3_hit(r))))
+            waiting.sort(
+                key=lambda r: (
+                    (0, r.admission.created, 0)
+                    if aged(r)
+                    else (
+                        1,
+                        r.rid in deprioritized,
+                        -max(
+                            len(r.kv.prefix_indices) + r.kv.host_hit_length,
+                            self.tree_cache.l3_hit(r),
+                        ),
+                    )
+                )
+            )
         elif policy == "dfs-weight":
             self._sort_dfs_weight(waiting)
             # stable: keeps DFS order among the young
-            waiting.sort(key=lambda r: (0, r.admission.created) if aged(r)
-                         else (1, r.rid in deprioritized))
+            waiting.sort(
+                key=lambda r: (0, r.admission.created) if aged(r) else (1, r.rid in deprioritized)
+            )
         elif policy == "lof":
             waiting.sort(key=lambda r: (r.rid in deprioritized, -r.max_new_tokens))
         elif policy == "random":

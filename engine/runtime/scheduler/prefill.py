@@ -85,8 +85,9 @@ class PrefillAdder:
             self.rem_chunk_tokens = fits
         return self._take(req, remaining, 0)
 
-    def add_one_req(self, req: Req, num_running: int = 0,
-                    load_back: Callable[[Req], None] | None = None) -> AddResult:
+    def add_one_req(
+        self, req: Req, num_running: int = 0, load_back: Callable[[Req], None] | None = None
+    ) -> AddResult:
         """Admit ``req`` if its KV fits the budget, locking its matched prefix.
 
         NOTE: the budget is checked *with* the prefix locked (a locked prefix is no longer

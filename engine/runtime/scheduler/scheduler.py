@@ -76,8 +76,14 @@ class SchedulerCall:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: Any, tree_cache: BasePrefixCache,
-                 max_context_len: int, step_hooks: Sequence[StepHook] = ()):
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner: Any,
+        tree_cache: BasePrefixCache,
+        max_context_len: int,
+        step_hooks: Sequence[StepHook] = (),
+    ):
         self.args = args
         self.runner = runner
         self.tree_cache = tree_cache
@@ -92,8 +98,9 @@ class Scheduler:
             args.page_size,
             runner.device,
         )
-        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, args.random_seed,
-                                     max_bypass=args.schedule_max_bypass)
+        self.policy = SchedulePolicy(
+            args.schedule_policy, tree_cache, args.random_seed, max_bypass=args.schedule_max_bypass
+        )
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -117,14 +124,14 @@ class Scheduler:
         # their last launched batch is handled
         self.deferred: list[Req] = []
         self.worker = (
-            ForwardWorker(runner, args.max_running_requests + 8) if args.overlap_enabled()
-            else None
+            ForwardWorker(runner, args.max_running_requests + 8) if args.overlap_enabled() else None
         )
         # CPU: a prefill reads the KV of its L2 hit from host memory in place while the copy
         # to the device pool waits until after it (``_launch``): on a CPU the copy would only
         # take cores and memory bandwidth from that forward
         self.reads_host_kv = (
-            self.worker is None and runner.device.type == "cpu"
+            self.worker is None
+            and runner.device.type == "cpu"
             and getattr(runner.attn_backend, "reads_host_kv", False)
         )
         self.oom = OomRecovery()
@@ -150,7 +157,8 @@ class Scheduler:
             self._quota_hook = None
         self.quota_enforcer = enforcer
         self.tree_cache.set_backup_gate(
-            None if enforcer is None else enforcer.backup_gate(self.tree_cache))
+            None if enforcer is None else enforcer.backup_gate(self.tree_cache)
+        )
         if enforcer is not None:
             self._quota_hook = self.add_step_hook(enforcer)
 
@@ -171,8 +179,13 @@ class Scheduler:
         self.inbox.put_request(req)
 
     def is_idle(self) -> bool:
-        return (not self.waiting and not self.running and self.chunked_req is None
-                and not self.launched and not self.deferred)
+        return (
+            not self.waiting
+            and not self.running
+            and self.chunked_req is None
+            and not self.launched
+            and not self.deferred
+        )
 
     def wake(self) -> None:
         """Any thread: make a sleeping loop run a step (coalesced)."""
@@ -248,8 +261,9 @@ class Scheduler:
         return True
 
     # --- launched forwards -------------------------------------------------------------------
-    def _launch(self, fb: Any, reqs: list[Req], lens: list[int], is_extend: bool,
-                chunked: Req | None = None) -> Launched:
+    def _launch(
+        self, fb: Any, reqs: list[Req], lens: list[int], is_extend: bool, chunked: Req | None = None
+    ) -> Launched:
         """Run (or hand to the worker) the forward + sampling of ``fb``."""
         fb.wait_layer = self._pending_layer_wait()
         if fb.wait_layer is not None and self.reads_host_kv:
@@ -322,8 +336,10 @@ class Scheduler:
         """Its launched tokens end it by length: another decode step would be wasted."""
         if not req.kv.num_pending:
             return False
-        return (len(req.output_ids) + req.kv.num_pending >= req.max_new_tokens
-                or req.seqlen + req.kv.num_pending >= self.max_context_len)
+        return (
+            len(req.output_ids) + req.kv.num_pending >= req.max_new_tokens
+            or req.seqlen + req.kv.num_pending >= self.max_context_len
+        )
 
     def _on_arrival(self, req: Req) -> None:
         """A new request: its match, its L3 prefetch."""
@@ -377,11 +393,12 @@ class Scheduler:
                     continue
                 if self.oom.prefill_cap is not None and len(adder.can_run) >= self.oom.prefill_cap:
                     break
-                if not self.tree_cache.l3_ready(req, self.waiting[i + 1:], self._match):
+                if not self.tree_cache.l3_ready(req, self.waiting[i + 1 :], self._match):
                     continue  # its L3 prefetch policy says wait; later requests may go
                 self._match(req)  # an earlier admission or the prefetch may have changed it
-                res = adder.add_one_req(req, num_running=len(self.running),
-                                        load_back=self._load_back)
+                res = adder.add_one_req(
+                    req, num_running=len(self.running), load_back=self._load_back
+                )
                 if res != AddResult.CONTINUE:
                     break
         if not adder.can_run:
@@ -403,8 +420,9 @@ class Scheduler:
         if not kv.host_hit_length:
             return
         self._wait_forwards()  # the load writes device slots a running forward may use
-        indices, node = self.tree_cache.init_load_back(locked_node(req), kv.match_result,
-                                                       wait=False, hold=self.reads_host_kv)
+        indices, node = self.tree_cache.init_load_back(
+            locked_node(req), kv.match_result, wait=False, hold=self.reads_host_kv
+        )
         kv.prefix_indices, kv.last_node = indices, node
 
     def _pending_layer_wait(self) -> Callable[[int], None] | None:
@@ -433,8 +451,7 @@ class Scheduler:
             fb = self.builder.prepare_extend(reqs)
         except OutOfKVError as e:
             # The budget was too optimistic: nothing was allocated, so requeue and decode.
-            log.warning("prefill batch of %d did not fit the KV pool (%s); requeued",
-                        len(reqs), e)
+            log.warning("prefill batch of %d did not fit the KV pool (%s); requeued", len(reqs), e)
             self._sync()  # launched steps may finish requests and free their KV
             self._wait_pending_loads()  # no forward will wait: land the loads (acked later)
             self._requeue(reqs)
@@ -463,7 +480,8 @@ class Scheduler:
             self.waiting.remove(req)
             self.tree_cache.l3_forget(req)
             req.finished_reason = FinishReason(
-                "abort", message=f"the KV pool cannot hold this request even when empty ({why})")
+                "abort", message=f"the KV pool cannot hold this request even when empty ({why})"
+            )
             req.emit()
         return None
 
@@ -507,7 +525,7 @@ class Scheduler:
         start = -(-kv.kv_len // ps) * ps
         if kv.kv_alloc > start:
             r2t = self.runner.req_to_token_pool.req_to_token
-            self.runner.allocator.free(r2t[kv.req_pool_idx, start:kv.kv_alloc].long())
+            self.runner.allocator.free(r2t[kv.req_pool_idx, start : kv.kv_alloc].long())
         kv.kv_alloc = kv.kv_len
 
     def release(self, req: Req) -> None:
@@ -633,10 +651,12 @@ class Scheduler:
         """Slots active requests hold that the tree does not ([n] int64 on CPU)."""
         active = self.running + ([self.chunked_req] if self.chunked_req else []) + self.deferred
         active += [r for j in self.launched for r in j.reqs]
-        return invariants.held_slots(self.runner.req_to_token_pool.req_to_token, active,
-                                     self.tree_cache)
+        return invariants.held_slots(
+            self.runner.req_to_token_pool.req_to_token, active, self.tree_cache
+        )
 
     def check_kv_invariant(self) -> None:
         """Every KV page is free, in the tree or held by a request, exactly once."""
-        invariants.check_kv_invariant(self.runner.allocator, self.tree_cache, self.held_slots(),
-                                      self.page_size)
+        invariants.check_kv_invariant(
+            self.runner.allocator, self.tree_cache, self.held_slots(), self.page_size
+        )

@@ -35,8 +35,12 @@ MAX_GROUP, MAX_HEAD_DIM = 16, 256  # AMAXG / AMAXHD in csrc/attention.h
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the C kernel takes these heads (else it would return -2)."""
     group = num_heads // num_kv_heads
-    return (num_heads % num_kv_heads == 0 and group <= MAX_GROUP
-            and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0)
+    return (
+        num_heads % num_kv_heads == 0
+        and group <= MAX_GROUP
+        and head_dim <= MAX_HEAD_DIM
+        and head_dim % 8 == 0
+    )
 
 
 @dataclass
@@ -89,8 +93,9 @@ class CpuAttnBackend:
             num_slots = fb.token_to_kv_pool.k_buffer[0].shape[0]
             host_row = torch.full((num_slots,), -1, dtype=torch.int64)
             host_row[fb.host_reads.device_indices] = fb.host_reads.host_indices
-        self.meta = _Batch(fb.forward_mode.is_decode(), rows, q_first, q_len, kv_len, host_row,
-                           fb.host_reads)
+        self.meta = _Batch(
+            fb.forward_mode.is_decode(), rows, q_first, q_len, kv_len, host_row, fb.host_reads
+        )
 
     @property
     def decode_rows(self) -> torch.Tensor | None:
@@ -124,16 +129,33 @@ class CpuAttnBackend:
             h_stride = hk.stride(0)
         r2t = fb.req_to_token_pool.req_to_token  # [rows, max_context] int32
         batch = AttnBatchC(
-            q.data_ptr(), q.shape[1], out.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
-            None if hk is None else hk.data_ptr(), None if hv is None else hv.data_ptr(),
-            h_stride, None if meta.host_row is None else meta.host_row.data_ptr(),
-            r2t.data_ptr(), r2t.stride(0), meta.rows.data_ptr(), meta.q_first.data_ptr(),
-            meta.q_len.data_ptr(), meta.kv_len.data_ptr(), meta.rows.shape[0], layer.num_heads,
-            layer.num_kv_heads, layer.head_dim, layer.scaling)
+            q.data_ptr(),
+            q.shape[1],
+            out.data_ptr(),
+            k_buf.data_ptr(),
+            v_buf.data_ptr(),
+            None if hk is None else hk.data_ptr(),
+            None if hv is None else hv.data_ptr(),
+            h_stride,
+            None if meta.host_row is None else meta.host_row.data_ptr(),
+            r2t.data_ptr(),
+            r2t.stride(0),
+            meta.rows.data_ptr(),
+            meta.q_first.data_ptr(),
+            meta.q_len.data_ptr(),
+            meta.kv_len.data_ptr(),
+            meta.rows.shape[0],
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            layer.scaling,
+        )
         rc = self.lib.attention(ctypes.byref(batch), threads())
         if rc == -2:
-            raise ValueError(f"attention backend 'cpu' does not take {layer.num_heads} heads / "
-                             f"{layer.num_kv_heads} kv heads of dim {layer.head_dim}")
+            raise ValueError(
+                f"attention backend 'cpu' does not take {layer.num_heads} heads / "
+                f"{layer.num_kv_heads} kv heads of dim {layer.head_dim}"
+            )
         if rc != 0:
             raise MemoryError("attention: out of memory for its task buffers")
         return out

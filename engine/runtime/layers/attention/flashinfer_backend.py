@@ -149,8 +149,9 @@ def check_fixed_split(fi: ModuleType) -> None:
     """Refuses a flashinfer whose plan() lacks the fixed-split options deterministic inference
     needs (added in 0.4.0)."""
     wrappers = (fi.BatchPrefillWithPagedKVCacheWrapper, fi.BatchDecodeWithPagedKVCacheWrapper)
-    if all(set(FIXED_SPLIT_OPTIONS) <= inspect.signature(w.plan).parameters.keys()
-           for w in wrappers):  # fmt: skip
+    if all(
+        set(FIXED_SPLIT_OPTIONS) <= inspect.signature(w.plan).parameters.keys() for w in wrappers
+    ):
         return
     raise RuntimeError(
         f"enable_deterministic_inference with the flashinfer attention backend needs "
@@ -236,14 +237,26 @@ class FlashInferAttnBackend:
         if not meta.graph:
             meta.wrapper = self._eager_wrapper(meta.is_decode, geom, device)
         g = geom
-        args = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                g.num_qo_heads, g.num_kv_heads, g.head_dim, 1)  # page_size 1
+        args = (
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.kv_last_page_len,
+            g.num_qo_heads,
+            g.num_kv_heads,
+            g.head_dim,
+            1,
+        )  # page_size 1
         kw: dict[str, Any] = {
-            "sm_scale": g.sm_scale, "q_data_type": g.q_dtype, "kv_data_type": g.kv_dtype
+            "sm_scale": g.sm_scale,
+            "q_data_type": g.q_dtype,
+            "kv_data_type": g.kv_dtype,
         }
         if self.deterministic:  # the same in eager and CUDA-graph plans
-            kw.update({"disable_split_kv": True} if meta.is_decode
-                      else {"fixed_split_size": PREFILL_SPLIT_SIZE})  # fmt: skip
+            kw.update(
+                {"disable_split_kv": True}
+                if meta.is_decode
+                else {"fixed_split_size": PREFILL_SPLIT_SIZE}
+            )
         if meta.is_decode:
             # NOTE: data_type too: in some 0.2 releases its "float16" default overrode q/kv
             meta.wrapper.plan(*args, data_type=g.kv_dtype, **kw)

@@ -60,12 +60,15 @@ class _HostGather:
             return _HostGather(reads.layer_kv, None, pos, host_rows[pos])
         bounds = [0, *cuts, kv_indices.numel()]
         flags = from_host[bounds[:-1]].tolist()
-        runs = [(a, b, (host_rows if h else kv_indices)[a:b], h)
-                for a, b, h in zip(bounds, bounds[1:], flags)]  # fmt: skip
+        runs = [
+            (a, b, (host_rows if h else kv_indices)[a:b], h)
+            for a, b, h in zip(bounds, bounds[1:], flags)
+        ]
         return _HostGather(reads.layer_kv, runs, host_rows[:0], host_rows[:0])
 
-    def gather(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
-               kv_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, kv_heads, head_dim]`` of every flat position, as ``index_select``
         from the device pool would give once the load landed."""
         out = []
@@ -79,6 +82,7 @@ class _HostGather:
                     torch.index_select(host if from_host else buf, 0, idx, out=rows[a:b])
             out.append(rows)
         return out[0], out[1]
+
 
 @dataclass
 class _Metadata:
@@ -169,8 +173,10 @@ class TorchNativeAttnBackend:
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         group = heads // kv_heads
         if meta.host is None:
-            k_all, v_all = k_buf.index_select(0, meta.kv_indices), v_buf.index_select(
-                0, meta.kv_indices)  # fmt: skip
+            k_all, v_all = (
+                k_buf.index_select(0, meta.kv_indices),
+                v_buf.index_select(0, meta.kv_indices),
+            )
         else:
             k_all, v_all = meta.host.gather(layer.layer_id, k_buf, v_buf, meta.kv_indices)
         # [bs, kv_heads, max_seq_len, head_dim]

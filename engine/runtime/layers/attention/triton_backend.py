@@ -95,7 +95,13 @@ class TritonAttnBackend:
         kernels = triton_fixed_split if self.deterministic else triton_kernels
         if meta.is_decode:
             out = kernels.decode_attention(
-                q3, k_buf, v_buf, req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
+                q3,
+                k_buf,
+                v_buf,
+                req_to_token,
+                fb.req_pool_indices,
+                fb.seq_lens,
+                layer.scaling,
                 **split,
             )  # [bs, heads, head_dim]
         else:

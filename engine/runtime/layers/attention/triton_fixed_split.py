@@ -76,27 +76,67 @@ def _merge(m_run, l_run, acc_run, m_c, l_c, acc_c):
 
 
 @triton.jit
-def _load_kv(K_Buf, V_Buf, Req_to_token, row, pos, in_range, kvh, stride_kn, stride_kh,
-             stride_vn, stride_vh, stride_rt, offs_d, mask_d):  # fmt: skip
+def _load_kv(
+    K_Buf,
+    V_Buf,
+    Req_to_token,
+    row,
+    pos,
+    in_range,
+    kvh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_rt,
+    offs_d,
+    mask_d,
+):
     """The keys / values at positions ``pos`` [BLOCK_N] of request row ``row``."""
     slots = tl.load(Req_to_token + row * stride_rt + pos, mask=in_range, other=0).to(tl.int64)
     kv_mask = in_range[:, None] & mask_d[None, :]
-    k = tl.load(K_Buf + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
-                mask=kv_mask, other=0.0)  # fmt: skip
-    v = tl.load(V_Buf + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
-                mask=kv_mask, other=0.0)  # fmt: skip
+    k = tl.load(
+        K_Buf + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V_Buf + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
     return k, v  # [BLOCK_N, BLOCK_D] each, in the pool's dtype
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K_Buf, V_Buf, Out, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens,
-    Extend_starts, sm_scale,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    Q,
+    K_Buf,
+    V_Buf,
+    Out,
+    Req_to_token,
+    Req_pool_indices,
+    Prefix_lens,
+    Extend_lens,
+    Extend_starts,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_rt,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -111,8 +151,11 @@ def _extend_kernel(
     q_pos = prefix_len + offs_m  # [BLOCK_M] absolute positions
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + (t0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        Q + (t0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     offs_n = tl.arange(0, BLOCK_N)
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_run = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -126,27 +169,68 @@ def _extend_kernel(
         for start in range(c_start, c_end, BLOCK_N):
             pos = start + offs_n  # [BLOCK_N]
             in_range = pos < c_end
-            k, v = _load_kv(K_Buf, V_Buf, Req_to_token, row, pos, in_range, h // GROUP,
-                            stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, offs_d,
-                            mask_d)  # fmt: skip
+            k, v = _load_kv(
+                K_Buf,
+                V_Buf,
+                Req_to_token,
+                row,
+                pos,
+                in_range,
+                h // GROUP,
+                stride_kn,
+                stride_kh,
+                stride_vn,
+                stride_vh,
+                stride_rt,
+                offs_d,
+                mask_d,
+            )
             visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
-            m_c, l_c, acc_c = _block_step(q, k.to(q.dtype), v.to(q.dtype), visible, m_c, l_c,
-                                          acc_c, sm_scale, DOT_PRECISION)  # fmt: skip
+            m_c, l_c, acc_c = _block_step(
+                q, k.to(q.dtype), v.to(q.dtype), visible, m_c, l_c, acc_c, sm_scale, DOT_PRECISION
+            )
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_c, l_c, acc_c)
     out = acc_run / l_run[:, None]
-    tl.store(Out + (t0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])  # fmt: skip
+    tl.store(
+        Out + (t0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_Buf, V_Buf, Mid_O, Mid_M, Mid_L, Req_to_token, Req_pool_indices, Seq_lens, sm_scale,
-    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
-    stride_mob, stride_moh, stride_moc, stride_mb, stride_mh,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    Q,
+    K_Buf,
+    V_Buf,
+    Mid_O,
+    Mid_M,
+    Mid_L,
+    Req_to_token,
+    Req_pool_indices,
+    Seq_lens,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_rt,
+    stride_mob,
+    stride_moh,
+    stride_moc,
+    stride_mb,
+    stride_mh,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -161,8 +245,11 @@ def _decode_split_kernel(
     heads = kvh * GROUP + g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     offs_n = tl.arange(0, BLOCK_N)
     m_c = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_c = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -171,11 +258,26 @@ def _decode_split_kernel(
     for start in range(c_start, c_end, BLOCK_N):
         pos = start + offs_n
         in_range = pos < c_end
-        k, v = _load_kv(K_Buf, V_Buf, Req_to_token, row, pos, in_range, kvh, stride_kn,
-                        stride_kh, stride_vn, stride_vh, stride_rt, offs_d, mask_d)  # fmt: skip
+        k, v = _load_kv(
+            K_Buf,
+            V_Buf,
+            Req_to_token,
+            row,
+            pos,
+            in_range,
+            kvh,
+            stride_kn,
+            stride_kh,
+            stride_vn,
+            stride_vh,
+            stride_rt,
+            offs_d,
+            mask_d,
+        )
         visible = in_range[None, :]  # [1, BLOCK_N]: the one query sees every key < seq_len
-        m_c, l_c, acc_c = _block_step(q, k.to(q.dtype), v.to(q.dtype), visible, m_c, l_c, acc_c,
-                                      sm_scale, DOT_PRECISION)  # fmt: skip
+        m_c, l_c, acc_c = _block_step(
+            q, k.to(q.dtype), v.to(q.dtype), visible, m_c, l_c, acc_c, sm_scale, DOT_PRECISION
+        )
     mid = b * stride_mob + heads * stride_moh + c * stride_moc  # [BLOCK_M]
     tl.store(Mid_O + mid[:, None] + offs_d[None, :], acc_c, mask=mask_m[:, None] & mask_d[None, :])
     ml = b * stride_mb + heads * stride_mh + c
@@ -185,10 +287,22 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    Mid_O, Mid_M, Mid_L, Out, Seq_lens,
-    stride_mob, stride_moh, stride_moc, stride_mb, stride_mh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
+    Mid_O,
+    Mid_M,
+    Mid_L,
+    Out,
+    Seq_lens,
+    stride_mob,
+    stride_moh,
+    stride_moc,
+    stride_mb,
+    stride_mh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(Seq_lens + b)
@@ -206,8 +320,11 @@ def _decode_merge_kernel(
         acc_c = tl.load(Mid_O + mid[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_c, l_c, acc_c)
     out = acc_run / l_run[:, None]  # [1, BLOCK_D]
-    tl.store(Out + b * stride_ob + h * stride_oh + one[:, None] + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=mask_d[None, :])  # fmt: skip
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + one[:, None] + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask_d[None, :],
+    )
 
 
 def _block_d(head_dim: int) -> int:
@@ -247,13 +364,33 @@ def extend_attention(
         return out
     grid = (req_pool_indices.shape[0], heads, triton.cdiv(max_extend_len, BLOCK_M))
     _extend_kernel[grid](
-        q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_starts, sm_scale,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-        v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
-        HEAD_DIM=head_dim, GROUP=heads // k_buf.shape[1], BLOCK_D=_block_d(head_dim),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split, DOT_PRECISION=_precision(q.dtype),
-    )  # fmt: skip
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_starts,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        HEAD_DIM=head_dim,
+        GROUP=heads // k_buf.shape[1],
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        SPLIT=split,
+        DOT_PRECISION=_precision(q.dtype),
+    )
     return out
 
 
@@ -283,17 +420,52 @@ def decode_attention(
     mid_l = torch.empty_like(mid_m)
     head_blocks = triton.cdiv(group, BLOCK_M)
     _decode_split_kernel[(bs, kv_heads * head_blocks, max_splits)](
-        q, k_buf, v_buf, mid_o, mid_m, mid_l, req_to_token, req_pool_indices, seq_lens, sm_scale,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_m.stride(0), mid_m.stride(1),
-        HEAD_DIM=head_dim, GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_D=_block_d(head_dim),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split, DOT_PRECISION=_precision(q.dtype),
-    )  # fmt: skip
+        q,
+        k_buf,
+        v_buf,
+        mid_o,
+        mid_m,
+        mid_l,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_m.stride(0),
+        mid_m.stride(1),
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        HEAD_BLOCKS=head_blocks,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        SPLIT=split,
+        DOT_PRECISION=_precision(q.dtype),
+    )
     _decode_merge_kernel[(bs, heads)](
-        mid_o, mid_m, mid_l, out, seq_lens,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_m.stride(0), mid_m.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), SPLIT=split,
-    )  # fmt: skip
+        mid_o,
+        mid_m,
+        mid_l,
+        out,
+        seq_lens,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_m.stride(0),
+        mid_m.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        SPLIT=split,
+    )
     return out

@@ -96,7 +96,9 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.reduce(p, 0, _sum_fn)
         m_i = m_new
     out = acc / l_i
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d
+    )
 
 
 @triton.jit
@@ -211,11 +213,28 @@ def decode_attention(
     if bs == 0:
         return out
     _decode_kernel[(bs, heads)](
-        q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, sm_scale,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-        v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
-        HEAD_DIM=head_dim, GROUP=heads // kv_heads, BLOCK_D=_block_d(head_dim), BLOCK_N=block_n,
-    )  # fmt: skip
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        HEAD_DIM=head_dim,
+        GROUP=heads // kv_heads,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_N=block_n,
+    )
     return out
 
 
@@ -246,11 +265,30 @@ def extend_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (bs, heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
-        q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_starts, sm_scale,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-        v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
-        HEAD_DIM=head_dim, GROUP=heads // kv_heads, BLOCK_D=_block_d(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
-    )  # fmt: skip
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_starts,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        HEAD_DIM=head_dim,
+        GROUP=heads // kv_heads,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=precision,
+    )
     return out
