@@ -37,6 +37,7 @@ class CacheEventLog:
         self._events: collections.deque[CacheEvent] = collections.deque(maxlen=capacity)
         self._cond = threading.Condition()
         self._last_seq = 0
+        self._closed = False  # its cache has stopped: no wait blocks any more
 
     @property
     def last_seq(self) -> int:
@@ -87,9 +88,17 @@ class CacheEventLog:
             return max(0, first - seq - 1)
 
     def wait_for(self, seq: int, timeout: float | None = None) -> bool:
-        """Blocks until an event with a sequence number > seq exists; False on timeout."""
+        """Blocks until an event with a sequence number > seq exists; False on timeout, and
+        at once once the log is closed (when there is none)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._last_seq > seq, timeout)
+            self._cond.wait_for(lambda: self._last_seq > seq or self._closed, timeout)
+            return self._last_seq > seq
+
+    def close(self) -> None:
+        """Its cache has stopped: the waits end, now and later (the events stay readable)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def clear(self) -> None:
         """Drops the retained events (sequence numbers keep increasing)."""

@@ -26,7 +26,8 @@ daemon instead.
 After each round the traffic pauses and the tool checks: every call ended with OK or a
 documented status (docs/daemon.md "Status codes", plus CANCELLED / DEADLINE_EXCEEDED for the
 calls this tool cancelled or gave a short deadline; UNAVAILABLE only while the daemon was
-down or draining); the daemon is SERVING; after Unpin-all and idle, the KV accounting of
+down or draining, and so grpc's CANCELLED of a call that reached the daemon as its gRPC server
+stopped, before any handler took it); the daemon is SERVING; after Unpin-all and idle, the KV accounting of
 every tier is exact (L1 / L2: used == cached, nothing locked, pinned or held by requests; the
 tree's node residency sums to the same; L3: the index equals the files on disk, nothing
 pending); greedy check prompts give the token ids the fresh daemon gave before any traffic;

@@ -5,6 +5,8 @@ server, sends token ids to the detokenizer and call results back to the API serv
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -179,3 +181,11 @@ def scheduler_main(
     log.info("scheduler ready")
     server.serve()
     ctx.destroy(linger=2000)
+    # NOTE: its work is done (L3 backups landed, the Shutdown answered, sockets closed). The
+    # interpreter's teardown after this (torch, the model, every module: CPU-bound, several
+    # seconds on a loaded two-core machine) does nothing the next start needs, and the API
+    # server waits only so long before it kills the process: end here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

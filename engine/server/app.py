@@ -49,6 +49,29 @@ from hicache.tier import TIERS
 
 log = logging.getLogger(__name__)
 SERVICES = ("", GENERATION_SERVICE, CACHE_ADMIN_SERVICE, SGLANG_SERVICE)
+GRPC_AIO_LOGGER = "grpc._cython.cygrpc"  # where grpc aio's server logs its handlers' failures
+PEER_GONE = "ExecuteBatchError raised in core by servicer method"
+
+
+class PeerGoneFilter(logging.Filter):
+    """grpc aio logs PEER_GONE as an ERROR with a traceback when a handler's send fails on a
+    call its client has left (a cancel, a deadline, a closed connection) before grpc's own
+    completion for that cancel has run (its _handle_exceptions tests rpc_state.client_closed,
+    which that completion sets; a loaded event loop may run it second). Nothing of the daemon's
+    failed: the handler's `finally` has released the request. Logged at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.getMessage().startswith(PEER_GONE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_peer_gone() -> None:
+    """Installs PeerGoneFilter once on grpc aio's logger."""
+    grpc_log = logging.getLogger(GRPC_AIO_LOGGER)
+    if not any(isinstance(f, PeerGoneFilter) for f in grpc_log.filters):
+        grpc_log.addFilter(PeerGoneFilter())
 FAILURE_LINGER_S = 2.0  # NOT_SERVING before exiting when a child process died
 
 
@@ -125,6 +148,7 @@ class Daemon:
         """Binds and starts serving (health NOT_SERVING); the model loads in the background."""
         self._loop = asyncio.get_running_loop()
         s = self.settings
+        quiet_peer_gone()
         mb = s.max_message_mb * 2**20
         options = [
             ("grpc.max_send_message_length", mb),

@@ -216,3 +216,14 @@ def test_a_killed_api_server_leaves_no_children(serve):
     proc.kill()
     proc.wait()
     assert _wait_gone(list(pids.values())) == []
+
+
+def test_sigterm_lets_every_child_exit_by_itself(serve):
+    """SIGTERM: the scheduler lands its work, answers the Shutdown and exits, then the
+    detokenizer; the API server kills none of them (it would log "did not exit")."""
+    proc, _, pids, _ = serve
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "did not exit" not in out, out[-3000:]
+    assert _wait_gone(list(pids.values())) == []

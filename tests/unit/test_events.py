@@ -71,3 +71,16 @@ def test_clear_keeps_sequence_numbers_increasing():
     log.clear()
     assert log.since(0) == []
     assert log.emit("stored", "l1", 1).seq == 2
+
+
+def test_close_ends_the_waits_now_and_later():
+    log = CacheEventLog()
+    waited: list[bool] = []
+    t = threading.Thread(target=lambda: waited.append(log.wait_for(0)))  # no timeout
+    t.start()
+    log.close()
+    t.join(30)
+    assert waited == [False]
+    assert log.wait_for(0) is False  # never blocks once closed
+    log.emit("cleared", "l1", 0)
+    assert log.wait_for(0) is True and [e.seq for e in log.since(0)] == [1]

@@ -1,10 +1,15 @@
-"""The scheduler's inbox: typed messages in arrival order, coalesced wake-ups, and the count of
-arrivals (less aborts) not taken yet."""
+"""The scheduler's inbox: typed messages in arrival order, coalesced wake-ups, the count of
+arrivals (less aborts) not taken yet, and the close at the loop's end (no call waits on a loop
+that is gone)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from types import SimpleNamespace
+from typing import Any
 
+from engine.errors import EngineShutdownError
+from engine.front import CALL_TIMEOUT_S
 from engine.runtime.scheduler.inbox import Abort, Arrival, Call, Inbox, Wake
 
 
@@ -28,3 +33,38 @@ def test_messages_come_out_in_order_and_are_counted():
 def test_take_on_an_empty_inbox_yields_nothing():
     assert list(Inbox().take(block=False, timeout=0.0)) == []
     assert list(Inbox().take(block=True, timeout=0.0)) == []
+
+
+def test_close_fails_the_queued_calls_and_every_later_one():
+    box = Inbox()
+    box.put_request(SimpleNamespace(rid="a"))
+    queued = box.put_call(len)
+    box.close()  # the scheduler loop has ended
+    assert isinstance(queued.exception(timeout=0), EngineShutdownError)
+    later = box.put_call(len)
+    assert isinstance(later.exception(timeout=0), EngineShutdownError)
+    assert list(box.take(block=False, timeout=0.0)) == []  # nothing is left queued
+
+
+def test_a_call_queued_when_the_scheduler_loop_stops_fails_at_once(tiny_llama_dir):
+    """A call still in the inbox when the loop ends, and one made after, get
+    EngineShutdownError; without the close they would wait out their timeout."""
+    from engine.runtime.engine import Engine
+
+    queued: list[Future] = []
+    eng = Engine(tiny_llama_dir, max_total_tokens=256)
+    try:
+
+        def stop_with_a_call_queued(s: Any) -> None:
+            if not queued:  # the call is put after this pass took the inbox: it stays queued
+                queued.append(s.call(len))
+                eng._stop.set()  # the loop ends after this step
+
+        eng.call_in_scheduler(lambda s: s.add_step_hook(stop_with_a_call_queued))
+        eng._thread.join(CALL_TIMEOUT_S)
+        assert not eng._thread.is_alive()
+        assert isinstance(queued[0].exception(timeout=CALL_TIMEOUT_S), EngineShutdownError)
+        later = eng.scheduler.call(len)
+        assert isinstance(later.exception(timeout=CALL_TIMEOUT_S), EngineShutdownError)
+    finally:
+        eng.shutdown()

@@ -13,10 +13,12 @@ from collections.abc import Callable
 import grpc
 
 from engine.client import HicacheClient
-from tools.soaklib.config import SoakConfig
+from tools.soaklib.config import RPC_TIMEOUT_S, SoakConfig
 from tools.soaklib.daemon import DaemonProcess
 from tools.soaklib.l3 import L3Dir
 from tools.soaklib.recorder import Recorder
+
+FILES_WAIT_S = RPC_TIMEOUT_S  # for L3 object files to corrupt / delete: only a hang takes longer
 
 
 class FaultInjector:
@@ -54,21 +56,28 @@ class FaultInjector:
         self.rec.fault(fault, t0, time.monotonic())
         self.injected[fault] += 1
 
-    def _wait_for_files(self, timeout: float = 10.0) -> None:
-        """A flush may just have emptied L3: give the traffic time to store objects again."""
-        deadline = time.monotonic() + timeout
-        while not self.l3.files() and time.monotonic() < deadline:
+    def _on_files(self, fault: str, act: Callable[[], int]) -> int:
+        """``act()`` (the number of L3 object files it hit) until it hit one: a flush may just
+        have emptied L3, and files listed may be gone (evicted, flushed) before they are
+        touched. The traffic stores objects all the time: none for FILES_WAIT_S is a hang."""
+        deadline = time.monotonic() + FILES_WAIT_S
+        while True:
+            n = act()
+            if n or time.monotonic() >= deadline:
+                break
             time.sleep(0.2)
+        if not n:
+            self.rec.violate("hang", f"{fault}: no L3 object file within {FILES_WAIT_S:.0f}s "
+                             "of traffic")
+        return n
 
     def _corrupt(self) -> None:
-        self._wait_for_files()
-        n = self.l3.corrupt(self.rng, self.rng.randint(1, 8))
+        n = self._on_files("corrupt", lambda: self.l3.corrupt(self.rng, self.rng.randint(1, 8)))
         self.details["files_corrupted"] += n
         self.log(f"  corrupted {n} L3 files")
 
     def _delete(self) -> None:
-        self._wait_for_files()
-        n = self.l3.delete(self.rng, self.rng.randint(1, 8))
+        n = self._on_files("delete", lambda: self.l3.delete(self.rng, self.rng.randint(1, 8)))
         self.details["files_deleted"] += n
         self.log(f"  deleted {n} L3 files")
 

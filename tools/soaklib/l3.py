@@ -85,7 +85,7 @@ class L3Dir:
         files = self.files()
         if files and rng.random() < 1 / 3:
             victim = rng.choice(files).parent
-            count = len(list(victim.glob("*.kv")))
+            count = len(list(victim.glob("*.kv")))  # NOTE: 0 when the daemon emptied it first
             shutil.rmtree(victim, ignore_errors=True)
             return count
         done = 0

@@ -32,6 +32,10 @@ DOCUMENTED = frozenset(
 )
 CLIENT_SIDE = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})  # only when the caller asked
 OUTAGE_MARGIN_S = 2.0  # UNAVAILABLE still allowed this long after SERVING again
+# grpc core's details when its server stops while a call has reached it that no handler took
+# yet: it cancels the call (grpc/grpc#41785), so that call never met the daemon. A client's own
+# cancel says "Locally cancelled by application!".
+SHUTDOWN_CANCEL = "CANCELLED"
 
 
 @dataclass
@@ -111,11 +115,17 @@ class Recorder:
         """``allowed``: the codes this call may end with (OK and what it provoked)."""
         with self._lock:
             self.calls.append(call)
-        if call.code == "UNAVAILABLE":
+        cut_at_stop = (call.code == "CANCELLED" and detail == SHUTDOWN_CANCEL
+                       and call.first is None)
+        if call.code == "UNAVAILABLE" or cut_at_stop:
             self._local.unavailable = True
         if call.code in allowed:
             return
-        if call.code == "UNAVAILABLE" and self.in_outage(call.t1):
+        # NOTE: a call sent while the daemon's gRPC server stops (the drain over, its GOAWAY
+        # not yet seen by the client) is cancelled by grpc before any handler of the daemon
+        # sees it: an outage answer like UNAVAILABLE. A stream that got a response was taken
+        # by a handler: its CANCELLED stays a violation.
+        if (call.code == "UNAVAILABLE" or cut_at_stop) and self.in_outage(call.t1):
             return
         kind = "undocumented status" if call.code not in DOCUMENTED else "unexpected status"
         self.violate(kind, f"{call.rpc}/{call.variant}: {call.code} {detail}"[:300])

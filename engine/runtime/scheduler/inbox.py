@@ -3,7 +3,9 @@
 Any thread puts: a new request (``Arrival``), an abort (``Abort``), a function to run between
 steps (``Call``), a wake-up (``Wake``; coalesced: at most one is queued). Only the scheduler
 thread takes (``take``). The inbox also counts the arrivals and aborts not taken yet, for the
-queue-length limit (``Scheduler.num_queued``).
+queue-length limit (``Scheduler.num_queued``). When the scheduler loop ends it closes the inbox
+(``close``): every call queued then, and every call put later, fails with EngineShutdownError at
+once; nothing is left waiting on a loop that is gone.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from engine.errors import EngineShutdownError
 
 if TYPE_CHECKING:
     from engine.runtime.request import Req
@@ -51,6 +55,7 @@ class Inbox:
         self._arrivals = 0  # Arrival messages not taken yet
         self._aborts = 0  # Abort messages not taken yet
         self._wake_pending = threading.Event()
+        self._closed = False  # the scheduler loop has ended: calls fail at once
 
     # ---- any thread ----------------------------------------------------------------------------
     def put_request(self, req: Req) -> None:
@@ -64,8 +69,15 @@ class Inbox:
         self._queue.put(Abort(rid))
 
     def put_call(self, fn: Callable[[Scheduler], Any]) -> Future:
+        """The call's future; failed at once (EngineShutdownError) once the inbox is closed."""
         fut: Future = Future()
-        self._queue.put(Call(fn, fut))
+        # NOTE: checked and queued under the lock close() takes: a call either is queued before
+        # the close (and failed by it) or sees the close; none can slip in between
+        with self._lock:
+            if not self._closed:
+                self._queue.put(Call(fn, fut))
+                return fut
+        fut.set_exception(_stopped())
         return fut
 
     def wake(self) -> None:
@@ -79,6 +91,21 @@ class Inbox:
         return self._arrivals - self._aborts
 
     # ---- the scheduler thread ------------------------------------------------------------------
+    def close(self) -> None:
+        """The loop has ended: fail every queued call, and every later one, with
+        EngineShutdownError (their callers would otherwise wait out their timeouts on threads
+        that keep the process from exiting). Arrivals and aborts left are dropped: the
+        requests' streams end when their engine shuts down."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                msg = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, Call) and msg.future.set_running_or_notify_cancel():
+                msg.future.set_exception(_stopped())
+
     def take(self, block: bool, timeout: float) -> Iterator[Message]:
         """Every queued message (waiting at most ``timeout`` s for the first when ``block``)."""
         try:
@@ -99,3 +126,7 @@ class Inbox:
                 msg = self._queue.get_nowait()
             except queue.Empty:
                 return
+
+
+def _stopped() -> EngineShutdownError:
+    return EngineShutdownError("the scheduler has stopped")

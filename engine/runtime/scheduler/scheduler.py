@@ -230,6 +230,11 @@ class Scheduler:
             self._wait_forwards()  # no forward may outlive the loop (the pools go next)
             if self.worker is not None:
                 self.worker.close()
+            # no caller may wait on a loop that is gone: queued and later calls fail now, and
+            # event waits end
+            self.inbox.close()
+            if self.event_log is not None:
+                self.event_log.close()
 
     def _sleep_time(self) -> float:
         deadline = self.tree_cache.prefetch_deadline()
