@@ -72,6 +72,8 @@ def quiet_peer_gone() -> None:
     grpc_log = logging.getLogger(GRPC_AIO_LOGGER)
     if not any(isinstance(f, PeerGoneFilter) for f in grpc_log.filters):
         grpc_log.addFilter(PeerGoneFilter())
+
+
 FAILURE_LINGER_S = 2.0  # NOT_SERVING before exiting when a child process died
 
 

@@ -25,11 +25,14 @@ def test_a_send_to_a_gone_client_is_debug_and_other_errors_stay(caplog: pytest.L
     assert sum(isinstance(f, PeerGoneFilter) for f in grpc_log.filters) == 1
     e = _failed_send()
     with caplog.at_level(logging.INFO, logger=GRPC_AIO_LOGGER):
-        grpc_log.error(f"{PEER_GONE} [/hicache.v1.GenerationService/Generate]",
-                       exc_info=(type(e), e, e.__traceback__))
+        grpc_log.error(
+            f"{PEER_GONE} [/hicache.v1.GenerationService/Generate]",
+            exc_info=(type(e), e, e.__traceback__),
+        )
         grpc_log.error("Unexpected [ValueError] raised by servicer method [/x]")
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("ERROR", "Unexpected [ValueError] raised by servicer method [/x]")]
+        ("ERROR", "Unexpected [ValueError] raised by servicer method [/x]")
+    ]
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger=GRPC_AIO_LOGGER):
         grpc_log.error(f"{PEER_GONE} [/hicache.v1.GenerationService/Generate]")

@@ -67,8 +67,9 @@ class FaultInjector:
                 break
             time.sleep(0.2)
         if not n:
-            self.rec.violate("hang", f"{fault}: no L3 object file within {FILES_WAIT_S:.0f}s "
-                             "of traffic")
+            self.rec.violate(
+                "hang", f"{fault}: no L3 object file within {FILES_WAIT_S:.0f}s of traffic"
+            )
         return n
 
     def _corrupt(self) -> None:

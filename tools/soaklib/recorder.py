@@ -115,8 +115,7 @@ class Recorder:
         """``allowed``: the codes this call may end with (OK and what it provoked)."""
         with self._lock:
             self.calls.append(call)
-        cut_at_stop = (call.code == "CANCELLED" and detail == SHUTDOWN_CANCEL
-                       and call.first is None)
+        cut_at_stop = call.code == "CANCELLED" and detail == SHUTDOWN_CANCEL and call.first is None
         if call.code == "UNAVAILABLE" or cut_at_stop:
             self._local.unavailable = True
         if call.code in allowed:
