@@ -427,6 +427,7 @@ def _real_scheduler(page_size: int = 1, step_hooks=()):
     import torch
 
     from engine.config import ServerArgs
+    from engine.runtime.layers.attention import create_backend
     from engine.runtime.scheduler import Scheduler
 
     alloc = TokenToKVPoolAllocator(256, page_size, "cpu")
@@ -435,7 +436,7 @@ def _real_scheduler(page_size: int = 1, step_hooks=()):
         req_to_token_pool=None,
         allocator=alloc,
         kv_pool=None,
-        attn_backend=None,
+        attn_backend=create_backend("torch_native", None),
         device=torch.device("cpu"),
     )
     s = Scheduler(ServerArgs(page_size=page_size), runner, tree, 256, step_hooks=step_hooks)

@@ -132,7 +132,7 @@ class Scheduler:
         self.reads_host_kv = (
             self.worker is None
             and runner.device.type == "cpu"
-            and getattr(runner.attn_backend, "reads_host_kv", False)
+            and runner.attn_backend.reads_host_kv
         )
         self.oom = OomRecovery()
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)

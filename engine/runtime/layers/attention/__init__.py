@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 class AttentionBackend(Protocol):
     """Owns the per-batch attention metadata and runs every layer's attention."""
 
+    # EXTEND reads the KV of slots still loading from host memory (``fb.host_reads``) in place,
+    # so the scheduler may hold an L2 hit's load until after the forward (the CPU backends)
+    reads_host_kv: bool
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Called once per batch, before the layers run."""
         ...

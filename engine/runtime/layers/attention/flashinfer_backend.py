@@ -169,6 +169,8 @@ def _check_cuda(device: torch.device) -> None:
 class FlashInferAttnBackend:
     """FlashInfer decode / prefill over the pool as pages of one slot; CUDA-graph capable."""
 
+    reads_host_kv = False  # loads land on the device before the forward reads them
+
     supports_cuda_graph = True
 
     def __init__(self, model_runner_or_config: Any = None) -> None:

@@ -44,6 +44,8 @@ class _Metadata:
 class TritonAttnBackend:
     """Triton decode / extend attention over KV read through ``req_to_token``."""
 
+    reads_host_kv = False  # loads land on the device before the forward reads them
+
     supports_cuda_graph = True
 
     def __init__(self, model_runner_or_config: Any = None) -> None:
