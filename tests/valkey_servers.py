@@ -388,22 +388,27 @@ class TlsFront:
                 raw, _ = self.listener.accept()
             except OSError:
                 return  # closed
-            try:
-                raw.settimeout(5.0)
-                conn = self.context.wrap_socket(raw, server_side=True)
-                conn.settimeout(None)
-            except (ssl.SSLError, OSError):
-                raw.close()
-                with self._counted:
-                    self.handshake_failures += 1
-                    self._counted.notify_all()
-                continue
+            # NOTE: each handshake on its own thread: done here in turn, one slow handshake on a
+            # loaded machine held every later connect past the client's connect timeout
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        try:
+            raw.settimeout(30.0)  # a liveness bound: a client that never finishes its handshake
+            conn = self.context.wrap_socket(raw, server_side=True)
+            conn.settimeout(None)
+        except (ssl.SSLError, OSError):
+            raw.close()
             with self._counted:
-                self.sessions += 1
+                self.handshake_failures += 1
                 self._counted.notify_all()
-            up = socket.create_connection(("127.0.0.1", self.upstream_port))
-            for src, dst in ((conn, up), (up, conn)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            return
+        with self._counted:
+            self.sessions += 1
+            self._counted.notify_all()
+        up = socket.create_connection(("127.0.0.1", self.upstream_port))
+        threading.Thread(target=self._pump, args=(up, conn), daemon=True).start()
+        self._pump(conn, up)
 
     def wait_handshake_failures(self, n: int, timeout: float = 60.0) -> bool:
         """Until ``n`` handshakes failed here: the client gives up on a bad certificate before

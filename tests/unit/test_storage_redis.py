@@ -59,11 +59,13 @@ def scope() -> str:
     return uuid.uuid4().hex[:16]
 
 
-# NOTE: the backend's socket timeout (redis_mod.SOCKET_TIMEOUT_S, 2 s) is its outage detector: a
-# server that answers nothing for that long is down. A busy test machine can stall a server
-# process that long (0.75 s and over 2 s measured); the backend then rightly declares an outage,
-# which a test would read as wrong counts or failed writes. So every call waits this long,
-# except the ones under test in the tests that hang a server on purpose (``hang_timeout``).
+# NOTE: the backend's socket and connect timeouts (redis_mod.SOCKET_TIMEOUT_S, 2 s, and
+# CONNECT_TIMEOUT_S, 1 s) are its outage detector: a server that answers nothing, or does not
+# finish a connect (a TLS handshake included) for that long is down. A busy test machine can
+# stall a server process that long (0.75 s and over 2 s measured; a TLS front's handshake over
+# 1 s at load ~10); the backend then rightly declares an outage, which a test would read as wrong
+# counts, failed writes or a failed handshake. So every call and connect waits this long, except
+# the ones under test in the tests that hang a server on purpose (``hang_timeout``).
 PATIENT_TIMEOUT_S = 60.0
 HANG_TIMEOUT_S = 0.5  # what those calls wait for a hung server
 
@@ -73,7 +75,11 @@ def patient(
 ) -> RedisStorageBackend:
     """A backend for a test that is not about outages (see ``PATIENT_TIMEOUT_S``)."""
     return RedisStorageBackend(
-        url, scope_ or scope(), key_prefix=key_prefix, socket_timeout_s=PATIENT_TIMEOUT_S
+        url,
+        scope_ or scope(),
+        key_prefix=key_prefix,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
     )
 
 
