@@ -666,12 +666,12 @@ class RedisStorageBackend(StorageBackend):
             "client_name": "hicache",
         }
         if self.target.cluster:
-            # one retry after a topology refresh (failover); the outage logic does the rest
+            # one retry after a topology refresh (failover); the outage logic does the rest.
+            # The URL's own options (?socket_timeout=...) win, as redis-py's from_url does below.
             return RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in self.target.nodes],
                 retry=Retry(NoBackoff(), 1),
-                **common,
-                **self.target.options,
+                **{**common, **self.target.options},
             )
         # one immediate retry on a broken pooled connection (the server restarted while we were
         # idle); a timeout is not retried: a hung server costs one socket timeout

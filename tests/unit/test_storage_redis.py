@@ -245,6 +245,30 @@ def test_describe_and_key_layout(shared_server: ValkeyServer) -> None:
     b.clear()
 
 
+def test_url_options_set_the_timeouts(
+    shared_server: ValkeyServer, valkey_cluster: ValkeyCluster
+) -> None:
+    """redis-py's query options in the URL (``?socket_timeout=...``) reach the connections and
+    win over the defaults, on one server and on a cluster alike, and the data round-trips."""
+    query = "socket_timeout=45&socket_connect_timeout=35"
+    for url in (f"{shared_server.url}?{query}", f"{valkey_cluster.url}?{query}"):
+        b = RedisStorageBackend(url, scope())
+        keys, parents = chain(4)
+        values = [tensor(i) for i in range(4)]
+        assert b.batch_set(keys, values, parents) == [True] * 4, b.stats()
+        assert all(same(v, g) for v, g in zip(values, b.batch_get(keys)))
+        client = b._connect()
+        pools = (
+            [n.redis_connection.connection_pool for n in client.get_primaries()]
+            if b.target.cluster
+            else [client.connection_pool]
+        )
+        for pool in pools:
+            kw = pool.connection_kwargs
+            assert (kw["socket_timeout"], kw["socket_connect_timeout"]) == (45.0, 35.0), url
+        b.clear()
+
+
 def test_cluster_spreads_objects_and_keeps_pairs_together(valkey_cluster: ValkeyCluster) -> None:
     b = patient(valkey_cluster.url)
     assert b.describe()["backend"] == "redis-cluster"
