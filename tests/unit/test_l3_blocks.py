@@ -312,7 +312,11 @@ def test_tree_hooks_follow_a_shared_valkey(valkey_server):
             device_size=64,
             host_size=128,
             object_size=8,
-            storage=RedisStorageBackend(valkey_server.url, "l3blocks"),
+            # not about outages: a server a busy machine stalls past the 1 s / 2 s defaults
+            # must not read as one (see test_storage_redis.PATIENT_TIMEOUT_S)
+            storage=RedisStorageBackend(
+                valkey_server.url, "l3blocks", socket_timeout_s=60.0, connect_timeout_s=60.0
+            ),
         )
 
     a, b = rig(), rig()
