@@ -524,11 +524,6 @@ class RadixCache(BasePrefixCache):
         if node.value is not None:
             self._evictable_size -= len(node.key)
 
-    def _set_host(self, node: TreeNode, host_value: torch.Tensor | None) -> None:
-        """HiRadixCache: the node's L2 copy (None: none)."""
-        self._bump()
-        node.host_value = host_value
-
     def _path(self, node: TreeNode) -> list[TreeNode]:
         """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree."""
         path: list[TreeNode] = []
