@@ -44,7 +44,7 @@ from hicache.eviction_plan import EvictionPlan
 from hicache.host_copies import HostCopies
 from hicache.l3_blocks import L3Index
 from hicache.l3_tier import STORAGE_SETTLE_S, L3Tier
-from hicache.radix_cache import RadixCache, TreeNode
+from hicache.radix_cache import RadixCache, TreeNode, device_value
 from hicache.stats import L2Stats, Moves, TierSet
 from hicache.storage.base import StorageBackend
 from hicache.tier import TIERS, Tier
@@ -89,9 +89,10 @@ class HiRadixCache(RadixCache):
             prefetch_timeout_per_ki_token,
             page_size if prefetch_threshold is None else prefetch_threshold,
         )
+        alloc = token_to_kv_pool_allocator
         self.copies = HostCopies(
             self,
-            token_to_kv_pool_allocator,
+            alloc,
             host_pool,
             controller,
             self.l3,
@@ -100,14 +101,7 @@ class HiRadixCache(RadixCache):
             load_back_threshold,
         )
         self.eviction = TierEviction(
-            self,
-            token_to_kv_pool_allocator,
-            host_pool,
-            controller,
-            self.copies,
-            self.l3,
-            self.counters,
-            write_policy,
+            self, alloc, host_pool, controller, self.copies, self.l3, self.counters, write_policy
         )
         super().__init__(
             req_to_token_pool,
@@ -211,7 +205,7 @@ class HiRadixCache(RadixCache):
             self.copies.backup_hot(device)
         host_len = sum(len(n.key) for n in path[len(device) :])
         tiers["l1"], tiers["l2"] = matched - host_len, host_len
-        values = [self._device_value(n) for n in device]
+        values = [device_value(n) for n in device]
         device_indices = torch.cat(values) if values else self._empty()
         last_device = device[-1] if device else self.root_node
         return MatchResult(device_indices, last_device, last_node, host_len, tiers)
@@ -288,6 +282,7 @@ class HiRadixCache(RadixCache):
         return self.eviction.evict_host(num_tokens)
 
     def _collect_leaves(self) -> list[TreeNode]:
+        """Unlocked device leaves (a device leaf may have host-only children)."""
         return self.eviction.device_leaves()
 
     # ---- tree operations: L2 (see BasePrefixCache.walk / plan_eviction / evict_plan) -----------
@@ -475,7 +470,7 @@ class HiRadixCache(RadixCache):
         self._emit(kind, tier, num_tokens, node)
 
     def device_prefix(self, device: list[TreeNode]) -> tuple[torch.Tensor, TreeNode]:
-        values = [self._device_value(n) for n in device]
+        values = [device_value(n) for n in device]
         return (
             torch.cat(values) if values else self._empty(),
             device[-1] if device else self.root_node,

@@ -24,7 +24,7 @@ from hicache.base_prefix_cache import HostReads, MatchResult
 from hicache.controller import HiCacheController
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.l3_tier import L3Tier
-from hicache.radix_cache import TreeNode
+from hicache.radix_cache import TreeNode, host_value
 from hicache.tier_tree import TierTree
 
 
@@ -173,7 +173,7 @@ class HostCopies:
             return self.tree.device_prefix(device)
         last = host_nodes[-1]
         self.tree.inc_lock_ref(last)
-        host_indices = torch.cat([_host_value(n) for n in host_nodes])
+        host_indices = torch.cat([host_value(n) for n in host_nodes])
         device_indices = self.controller.load(host_indices, last.id)
         if device_indices is None:
             self.tree.evict(host_len - self.allocator.available_size())
@@ -232,10 +232,3 @@ class HostCopies:
             torch.cat([o.host_indices for o in ops]),
             self.host_pool.layer_kv,
         )
-
-
-def _host_value(node: TreeNode) -> torch.Tensor:
-    """The host slots of a node known to have an L2 copy."""
-    if node.host_value is None:
-        raise AssertionError(f"{node!r} has no host copy")
-    return node.host_value

@@ -24,7 +24,7 @@ from hicache.eviction_plan import EvictionPlan
 from hicache.host_copies import HostCopies
 from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.l3_tier import L3Tier
-from hicache.radix_cache import TreeNode
+from hicache.radix_cache import TreeNode, device_value, host_value
 from hicache.tier import TIERS
 from hicache.tier_tree import TierTree
 
@@ -113,9 +113,7 @@ class TierEviction:
 
     def _demote(self, node: TreeNode) -> int:
         num = len(node.key)
-        if node.value is None:
-            raise AssertionError(f"{node!r} is not on device")
-        self.allocator.free(node.value)
+        self.allocator.free(device_value(node))
         self.tree.drop_value(node)
         self.tree.evicted_tokens += num
         self.counters["demotions"] += num
@@ -158,9 +156,7 @@ class TierEviction:
 
     def evict_host_leaf(self, node: TreeNode) -> int:
         """Free a host-only leaf's host slots and drop it; returns the tokens freed."""
-        if node.host_value is None:
-            raise AssertionError(f"{node!r} has no host copy")
-        self.host_pool.free(node.host_value)
+        self.host_pool.free(host_value(node))
         self.tree.set_host(node, None)
         self.tree.delete_leaf(node)
         self.tree.emit("removed", "l2", len(node.key), node)
