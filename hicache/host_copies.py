@@ -4,8 +4,9 @@ workers and acknowledges; the acks are taken here, on the scheduler thread.
 
     write  (l1 -> l2)  ``write_backup``: host slots taken now, the node locked and its
                        ``host_pending`` set until the ack; then its L3 backup is queued
-                       (``write_through``: every insert; ``write_through_selective``: a node's
-                       second hit; ``write_back``: at eviction only)
+                       (``write_through``: a node as it is inserted, or matched with no host
+                       copy; ``write_through_selective``: a node matched a second time;
+                       ``write_back``: a node about to be evicted)
     load   (l2 -> l1)  ``init_load_back``: device slots taken now for the host part of a
                        path, the path locked until the ack; a failed load drops them again
 

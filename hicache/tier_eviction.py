@@ -2,15 +2,15 @@
 
     l1  ``evict``       unlocked device leaves (no device child), smallest
                         ``eviction_priority`` first: a node with a host copy is demoted (only
-                        ``value`` dropped); one without is deleted with its host-only
-                        descendants, or first written to host (``write_back``, or a node with
-                        host children, whose path must stay whole)
+                        ``value`` dropped); one without is first written to host and demoted
+                        under ``write_back`` or when it has host-only children (deleting it
+                        would drop them too), else deleted with its host-only descendants
     l2  ``evict_host``  unlocked host-only leaves: host slots freed, the node dropped
 
 ``evict_plan`` frees a plan's nodes (``hicache.eviction_plan``) through the same per-node code,
 with the same events and counters; ``flush_tier`` empties a tier.
-NOTE: a pending prefetch anchors on a node (``host_ref``): its path is never deleted, so the
-host-only node the read will hang from stays in the tree.
+NOTE: a pending prefetch anchors on a node (``host_ref``): neither that node nor an ancestor
+is deleted, so the path the read will hang from stays in the tree.
 """
 
 from __future__ import annotations
