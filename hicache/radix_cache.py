@@ -64,7 +64,21 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-__all__ = ["MatchResult", "RadixCache", "TreeNode", "finished_kv_len"]
+def device_value(node: TreeNode) -> torch.Tensor:
+    """The device slots of a node known to be on device."""
+    if node.value is None:
+        raise AssertionError(f"{node!r} is not on device")
+    return node.value
+
+
+def host_value(node: TreeNode) -> torch.Tensor:
+    """The host slots of a node known to have an L2 copy (HiRadixCache)."""
+    if node.host_value is None:
+        raise AssertionError(f"{node!r} has no host copy")
+    return node.host_value
+
+
+__all__ = ["MatchResult", "RadixCache", "TreeNode", "device_value", "finished_kv_len", "host_value"]
 
 
 class RadixCache(BasePrefixCache):
@@ -404,20 +418,6 @@ class RadixCache(BasePrefixCache):
             raise AssertionError(f"{node!r} has no parent")
         return node.parent
 
-    @staticmethod
-    def _device_value(node: TreeNode) -> torch.Tensor:
-        """The device slots of a node known to be on device."""
-        if node.value is None:
-            raise AssertionError(f"{node!r} is not on device")
-        return node.value
-
-    @staticmethod
-    def _host_value(node: TreeNode) -> torch.Tensor:
-        """The host slots of a node known to have an L2 copy (HiRadixCache)."""
-        if node.host_value is None:
-            raise AssertionError(f"{node!r} has no host copy")
-        return node.host_value
-
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
@@ -510,7 +510,7 @@ class RadixCache(BasePrefixCache):
 
     def _evict_leaf(self, node: TreeNode) -> int:
         """Free a leaf's slots and drop it; returns the tokens freed."""
-        value = self._device_value(node)
+        value = device_value(node)
         self.token_to_kv_pool_allocator.free(value)
         num_tokens = len(value)
         self._delete_leaf(node)
@@ -523,11 +523,6 @@ class RadixCache(BasePrefixCache):
         del self._parent(node).children[self._page_key(node.key)]
         if node.value is not None:
             self._evictable_size -= len(node.key)
-
-    def _set_host(self, node: TreeNode, host_value: torch.Tensor | None) -> None:
-        """HiRadixCache: the node's L2 copy (None: none)."""
-        self._bump()
-        node.host_value = host_value
 
     def _path(self, node: TreeNode) -> list[TreeNode]:
         """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree."""
