@@ -44,7 +44,8 @@ class Proc:
 
     @classmethod
     def spawn(cls, argv: list[str], log: Path, **kw: object) -> Proc:
-        with open(log, "w") as out:
+        """Starts ``argv``; its output is appended to ``log`` (a restarted process's too)."""
+        with open(log, "a") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, **kw)
         return cls(popen, log)
 
@@ -120,9 +121,9 @@ def wait_http_ready(proc: Proc, path: str = "/health", timeout: float = 180.0) -
         time.sleep(0.2)
 
 
-def start_smg(worker_urls: list[str], log: Path, *extra: str) -> Proc:
-    """`smg launch` in front of the workers on a free port."""
-    binary = smg_binary()
+def start_smg(worker_urls: list[str], log: Path, *extra: str, binary: str | None = None) -> Proc:
+    """`smg launch` in front of the workers on a free port (``binary``: smg_binary())."""
+    binary = binary or smg_binary()
     assert binary is not None, "smg is not installed"
     port, prom = free_port(), free_port()
     proc = Proc.spawn(

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx2
 
 from engine.client.grpc_client import HicacheClient
-from tests.gateway_process import gateway_ready
+from tests.gateway_process import gateway_ready, start_smg
 from tools.benchlib import daemon_env, free_port, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,40 +86,20 @@ def start_daemons(
 
 
 def start_gateway(smg: str, urls: list[str], policy: str, log: Path) -> Gateway:
-    """`smg launch` in front of ``urls``, once its /readiness counts every worker healthy
-    (tests.gateway_process.gateway_ready: a gRPC gateway lists the model before it can serve)."""
-    port, prom = free_port(), free_port()
-    log_file = open(log, "a")  # noqa: SIM115 - the process owns it
-    proc = subprocess.Popen(
-        [
-            smg,
-            "launch",
-            "--worker-urls",
-            *urls,
-            "--policy",
-            policy,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(prom),
-            "--log-level",
-            "warn",
-        ],
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prom}/metrics")
+    """`smg launch` in front of ``urls`` (tests.gateway_process.start_smg: the e2e tests' argv),
+    once its /readiness counts every worker healthy (gateway_ready: a gRPC gateway lists the
+    model before it can serve). Its output is appended to ``log`` (a restarted gateway's too)."""
+    proc = start_smg(urls, log, "--policy", policy, binary=smg)
+    gw = Gateway(proc.popen, proc.url, proc.metrics_url)
     try:
         wait_until(
             lambda: gateway_ready(gw.url, "bench", len(urls)),
             f"gateway {log}",
-            proc=proc,
+            proc=gw.proc,
             retry_on=RETRY,
         )
     except BaseException:
-        stop_process(proc)
+        stop_process(gw.proc)
         raise
     return gw
 
