@@ -87,7 +87,7 @@ class RedisStorageBackend(StorageBackend):
         self._client: Any = None if self.target.cluster else self._make_client()
         self._client_lock = threading.Lock()
         self._reconcile_lock = threading.Lock()
-        self._lock = threading.Lock()  # _stats
+        self._lock = threading.Lock()  # _stats (hits, misses, bytes moved; errors: _health)
         self._stats = StorageStats()
         address = self.target.address
         self._health = ServerHealth(address, self._connect, self._outage)
@@ -342,7 +342,7 @@ class RedisStorageBackend(StorageBackend):
         """(value, None) or (None, what went wrong: "absent", "vanished ...", "corrupt ...";
         None for a server error on this key)."""
         if isinstance(reply, Exception):
-            return None, None  # counted by _execute
+            return None, None  # counted by ServerHealth.execute
         raw_meta, data = reply
         if raw_meta is None:
             # never written, or evicted / flushed; a payload left alone is an orphan (writes
