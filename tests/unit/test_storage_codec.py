@@ -13,9 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import codec
+from hicache.storage import codec, redis_format
 from hicache.storage import file as file_mod
-from hicache.storage import redis_format
 from hicache.storage.base import ObjectContent
 from hicache.storage.codec import Corrupt
 

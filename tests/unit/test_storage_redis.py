@@ -21,9 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import FileStorageBackend
+from hicache.storage import FileStorageBackend, redis_client, redis_health, redis_reconcile
 from hicache.storage import redis as redis_mod
-from hicache.storage import redis_client, redis_health, redis_reconcile
 from hicache.storage.redis import RedisStorageBackend
 from hicache.storage.redis_url import parse_target, redact_url
 from tests import valkey_servers
@@ -967,7 +966,8 @@ def test_a_sweep_starts_over_after_a_restart_between_its_passes(
     if between == "an outage":
         valkey_server.stop()
         assert b.exists_mask(["k"]) == [False]  # a call between the passes: the outage
-        assert b._reconciler.sweep is None  # dropped there, whether or not the server comes back new
+        # dropped there, whether or not the server comes back new
+        assert b._reconciler.sweep is None
         valkey_server.start()  # same port, empty (no persistence)
         wait_backoff(b)
     else:
