@@ -13,9 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import codec
+from hicache.storage import codec, redis_format
 from hicache.storage import file as file_mod
-from hicache.storage import redis as redis_mod
 from hicache.storage.base import ObjectContent
 from hicache.storage.codec import Corrupt
 
@@ -241,26 +240,26 @@ REDIS_META_BYTES = b'{"v":2,"n":3,"k":"b","dt":"uint8","sh":[3],"h":869627449703
 
 
 def test_redis_format_is_unchanged():
-    obj = redis_mod._Object(codec.encode(T), "par")
+    obj = redis_format.Object(codec.encode(T), "par")
     assert obj.meta() == REDIS_META_TENSOR
     assert bytes(obj.payload) == bytes.fromhex("0000803f004040408040a040")
-    assert redis_mod._Object(codec.encode(b"abc"), None).meta() == REDIS_META_BYTES
+    assert redis_format.Object(codec.encode(b"abc"), None).meta() == REDIS_META_BYTES
 
 
 def test_redis_metadata_reads_back():
-    meta = redis_mod._Meta.decode(REDIS_META_TENSOR)
+    meta = redis_format.Meta.decode(REDIS_META_TENSOR)
     back = meta.value(bytes.fromhex("0000803f004040408040a040"))
     assert isinstance(back, torch.Tensor) and torch.equal(back, T) and meta.parent == "par"
-    assert redis_mod._Meta.decode(REDIS_META_BYTES).value(b"abc") == b"abc"
+    assert redis_format.Meta.decode(REDIS_META_BYTES).value(b"abc") == b"abc"
     with pytest.raises(Corrupt, match="checksum mismatch"):
-        redis_mod._Meta.decode(REDIS_META_BYTES).value(b"abd")
+        redis_format.Meta.decode(REDIS_META_BYTES).value(b"abd")
 
 
 @pytest.mark.parametrize("change", [{"v": 1}, {"v": 3}, {"k": "x"}])
 def test_redis_metadata_of_another_version_or_kind_is_corrupt(change):
     d = json.loads(REDIS_META_TENSOR) | change
     with pytest.raises(Corrupt, match="metadata version"):
-        redis_mod._Meta.decode(json.dumps(d).encode())
+        redis_format.Meta.decode(json.dumps(d).encode())
 
 
 @pytest.mark.parametrize(
@@ -276,4 +275,4 @@ def test_redis_metadata_of_another_version_or_kind_is_corrupt(change):
 )
 def test_unparsable_redis_metadata_is_corrupt(raw):
     with pytest.raises(Corrupt, match="unparsable metadata"):
-        redis_mod._Meta.decode(raw)
+        redis_format.Meta.decode(raw)

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import FileStorageBackend
+from hicache.storage import FileStorageBackend, redis_client, redis_health, redis_reconcile
 from hicache.storage import redis as redis_mod
 from hicache.storage.redis import RedisStorageBackend
 from hicache.storage.redis_url import parse_target, redact_url
@@ -511,7 +511,7 @@ def test_rediss_over_tls_checks_the_certificate(
         assert patient(shared_server.url, name).batch_exists(keys) == 3
         b.clear()
 
-        monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)
+        monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 60.0)
         wrong = RedisStorageBackend(
             f"rediss://127.0.0.1:{front.port}/0?ssl_ca_certs={tmp_path / 'other.pem'}", scope()
         )
@@ -580,7 +580,7 @@ def test_rediss_cluster_over_tls(tmp_path) -> None:
 def test_server_down_answers_at_once_without_network(
     valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)  # no retry during this test
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 60.0)  # no retry during this test
     b = patient(valkey_server.url)
     keys, parents = chain(3)
     assert all(b.batch_set(keys, [tensor(i) for i in range(3)], parents))
@@ -613,7 +613,7 @@ def test_server_down_answers_at_once_without_network(
 def test_restart_recovers_after_backoff(
     valkey_server: ValkeyServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 0.05)
     b = patient(valkey_server.url)
     keys, parents = chain(2)
     assert all(b.batch_set(keys, [tensor(0), tensor(1)], parents))
@@ -634,7 +634,7 @@ def test_restart_recovers_after_backoff(
 
 
 def test_starts_while_server_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 0.05)
     server = ValkeyServer()  # not started yet
     try:
         b = patient(server.url)  # no I/O at construction
@@ -650,7 +650,7 @@ def test_starts_while_server_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cluster_down_answers_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cluster none of whose nodes answers: misses, no exception, one outage."""
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 60.0)
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 60.0)
     leases = [PortLease(), PortLease()]  # nobody listens there (a free_port may be taken)
     try:
         ports = [lease.port for lease in leases]
@@ -690,7 +690,7 @@ def test_only_the_calls_under_test_get_the_hang_timeout(
     """What the hung-server tests rely on: a stall longer than HANG_TIMEOUT_S before or after
     their ``hang_timeout`` block (set-up, recovery, checks) is waited out; inside it, a server
     that answers nothing for HANG_TIMEOUT_S is an outage."""
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 0.05)
     stall_s = HANG_TIMEOUT_S + 0.5
     b = patient(valkey_server.url)
     timer = _stall(valkey_server, stall_s)
@@ -717,7 +717,7 @@ def test_hung_server_costs_one_timeout_then_answers_at_once(
     """A server that stops answering (stopped, swapping, a network black hole): the first call
     waits one socket timeout, later calls answer from the backoff state without the network,
     one warning; when it answers again the data is there and nothing is believed wrongly."""
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 0.3)
     b = patient(valkey_server.url)
     keys, parents = chain(3)
     values = [tensor(i) for i in range(3)]
@@ -732,7 +732,7 @@ def test_hung_server_costs_one_timeout_then_answers_at_once(
                 assert b.batch_exists(keys) == 0
                 assert net.total == 0
                 monkeypatch.undo()
-                monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
+                monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 0.3)
                 s = b.stats()
                 assert s["connected"] == 0 and s["outages"] == 1 and s["errors"] >= 1
             finally:
@@ -747,7 +747,7 @@ def test_hung_server_costs_one_timeout_then_answers_at_once(
 def test_one_hung_cluster_node_never_returns_wrong_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """One primary of three stops answering: calls end with misses or the right data, never an
     exception; when it answers again the same client reads every object back."""
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.3)
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 0.3)
     cluster = ValkeyCluster(3).start()
     try:
         name = scope()
@@ -829,10 +829,11 @@ class StallMidSweep:
         self.counted_before = 0  # objects the sweep had counted when the server stalled
         self._timer: threading.Timer | None = None
         servers = target.nodes if isinstance(target, ValkeyCluster) else [target]
-        real_scan = backend._scan
+        reconciler = backend._reconciler
+        real_scan = reconciler._scan
 
-        def scan(client: object, node: object, cursor: int, match: str) -> tuple[int, list[bytes]]:
-            sweep = backend._sweep
+        def scan(client: object, node: object, cursor: int) -> tuple[int, list[bytes]]:
+            sweep = reconciler.sweep
             if self.stalled is None and sweep is not None and sweep.objects > 0:
                 port = getattr(node, "port", None)  # None: the single server
                 self.stalled = next(s for s in servers if port is None or s.port == port)
@@ -841,10 +842,10 @@ class StallMidSweep:
                 if resume_after_s is not None:
                     self._timer = threading.Timer(resume_after_s, _resume, (self.stalled,))
                     self._timer.start()
-            return real_scan(client, node, cursor, match)
+            return real_scan(client, node, cursor)
 
-        monkeypatch.setattr(backend, "_scan", scan)
-        monkeypatch.setattr(redis_mod, "SCAN_COUNT", 2)  # a sweep of several pages per server
+        monkeypatch.setattr(reconciler, "_scan", scan)
+        monkeypatch.setattr(redis_client, "SCAN_COUNT", 2)  # a sweep of several pages per server
 
     def resume(self) -> None:
         if self._timer is not None:
@@ -863,7 +864,7 @@ def test_a_stall_mid_sweep_keeps_the_last_complete_counts(
     last complete sweep plus this process's own changes, not the part of the sweep counted
     before the stall (another process's new object is not there yet). The next sweep after the
     backoff counts everything."""
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 0.05)
     name = scope()
     writer = patient(target.url, name)
     keys = [f"k{i}" for i in range(24)]
@@ -944,8 +945,8 @@ def test_reconcile_leaves_the_servers_lru_alone(
 def test_reconcile_sweeps_over_several_passes(
     single: RedisStorageBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_mod, "RECONCILE_MAX_KEYS", 5)
-    monkeypatch.setattr(redis_mod, "SCAN_COUNT", 3)
+    monkeypatch.setattr(redis_reconcile, "RECONCILE_MAX_KEYS", 5)
+    monkeypatch.setattr(redis_client, "SCAN_COUNT", 3)
     keys = [f"k{i}" for i in range(30)]
     assert all(single.batch_set(keys, [b"abc"] * 30))
     fresh = patient(single.target.url, single.namespace.split(":")[1])
@@ -977,9 +978,9 @@ def test_a_sweep_starts_over_after_a_restart_between_its_passes(
     before plus the rest of a walk with an old cursor. Seen as an outage (another call failed
     while the server was down) or not at all (it was back before our next call: redis-py
     reconnects the pooled connection by itself), the sweep starts over."""
-    monkeypatch.setattr(redis_mod, "RECONCILE_MAX_KEYS", 5)
-    monkeypatch.setattr(redis_mod, "SCAN_COUNT", 3)
-    monkeypatch.setattr(redis_mod, "BACKOFF_FIRST_S", 0.05)
+    monkeypatch.setattr(redis_reconcile, "RECONCILE_MAX_KEYS", 5)
+    monkeypatch.setattr(redis_client, "SCAN_COUNT", 3)
+    monkeypatch.setattr(redis_health, "BACKOFF_FIRST_S", 0.05)
     name = scope()
     writer = patient(valkey_server.url, name)
     assert all(writer.batch_set([f"old{i}" for i in range(30)], [b"abc"] * 30))
@@ -989,7 +990,8 @@ def test_a_sweep_starts_over_after_a_restart_between_its_passes(
     if between == "an outage":
         valkey_server.stop()
         assert b.exists_mask(["k"]) == [False]  # a call between the passes: the outage
-        assert b._sweep is None  # dropped there, whether or not the server comes back new
+        # dropped there, whether or not the server comes back new
+        assert b._reconciler.sweep is None
         valkey_server.start()  # same port, empty (no persistence)
         wait_backoff(b)
     else:
