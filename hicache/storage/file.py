@@ -8,14 +8,14 @@ hicache.storage.file_index's, rebuilt from the file headers at start. A bad magi
 length, checksum or key is *corrupt*: counted in ``corrupt``, the file removed, never wrong
 data. ``watch`` reports the index's every change under the lock, so in the order they happen.
 
-``reconcile()`` rescans the directory: entries whose file is gone or has the wrong size leave
-(with their descendants); files the index does not know (another process sharing the directory)
-are adopted once their header checks out. Files whose parent is missing are removed at start
-(they can never be reached), not later (another process may still be writing their parent).
-``stats()`` runs it first when the last one is older than ``reconcile_interval_s`` (None: never;
-the owner rescans, e.g. StorageIO's backup thread when idle): one
-``scandir`` per fan-out dir and one ``stat`` per file (~5 us each), so the counters agree with
-the disk. A checksum failure is only found on read.
+``reconcile()`` rescans the directory (what it finds: hicache.storage.file_scan): entries
+whose file is gone or has the wrong size leave (with their descendants); files the index does
+not know (another process sharing the directory) are adopted once their header checks out.
+Files whose parent is missing are removed at start (they can never be reached), not later
+(another process may still be writing their parent). ``stats()`` runs it first when the last
+one is older than ``reconcile_interval_s`` (None: never; the owner rescans, e.g. StorageIO's
+backup thread when idle): one ``scandir`` per fan-out dir and one ``stat`` per file (~5 us
+each), so the counters agree with the disk. A checksum failure is only found on read.
 
 Errors (as the redis backend counts them): ``errors`` counts *calls* that hit trouble (a
 ``batch_set`` some of whose objects could not be written, a ``batch_get`` that could not read
@@ -44,23 +44,19 @@ from hicache.storage.base import (
 )
 from hicache.storage.codec import Corrupt
 from hicache.storage.file_format import (
-    OBJECT_SUFFIX,
-    TMP_MARK,
-    Header,
     encode_object,
     object_path,
-    read_header,
     read_object,
     remove_file,
     size_on_disk,
     write_object,
 )
 from hicache.storage.file_index import IndexEntry, ObjectIndex
+from hicache.storage.file_scan import lru_order, orphan_root, reachable, read_found, scan_directory
 from hicache.storage.outage import OutageLog
 
 logger = logging.getLogger(__name__)
 
-TMP_MAX_AGE_S = 300.0  # a tmp file this old is a write that never finished
 REARM_QUIET_S = 60.0  # a problem logged once is logged again after this long without it
 
 
@@ -77,7 +73,7 @@ class FileStorageBackend(StorageBackend):
     ) -> None:
         self.dir = os.fspath(directory)
         self.reconcile_interval_s = reconcile_interval_s
-        self._lock = threading.Lock()  # index, children, stats; never held over payload I/O
+        self._lock = threading.Lock()  # index, removals, stats; never held over payload I/O
         self._reconcile_lock = threading.Lock()  # one rescan at a time
         self._index = ObjectIndex()  # under self._lock
         self._removing: dict[str, int] = {}  # path -> pending removals (not to be adopted)
@@ -470,30 +466,14 @@ class FileStorageBackend(StorageBackend):
 
     def _scan(self) -> dict[str, os.stat_result] | None:
         """path -> stat of every object file; None when the directory cannot be read."""
-        found: dict[str, os.stat_result] = {}
-        now = time.time()
         try:
-            subdirs = [d.path for d in os.scandir(self.dir) if d.is_dir()]
-            for sub in subdirs:
-                try:
-                    entries = list(os.scandir(sub))
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                for entry in entries:
-                    try:
-                        st = entry.stat()
-                    except OSError:
-                        continue
-                    if entry.name.endswith(OBJECT_SUFFIX):
-                        found[entry.path] = st
-                    elif TMP_MARK in entry.name and now - st.st_mtime > TMP_MAX_AGE_S:
-                        remove_file(entry.path)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}  # the directory is gone: so is every object; a write recreates it
+            found = scan_directory(self.dir)
         except OSError as e:
             self._error(("scan", e.errno), "file storage %s: cannot list: %s", self.dir, e)
             self._count_error()
             return None
+        if found is None:
+            return {}  # the directory is gone: so is every object; a write recreates it
         with self._lock:
             self._rearm_locked("scan")
         return found
@@ -504,21 +484,7 @@ class FileStorageBackend(StorageBackend):
         """Index the valid files among ``unknown`` whose chain reaches an indexed object or a
         root; remove corrupt ones (and orphans, if asked). Returns (adopted, corrupt, orphans
         removed)."""
-        headers: dict[str, tuple[Header, os.stat_result, str]] = {}
-        bad: list[str] = []
-        for path, st in unknown:
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    h = read_header(f)
-                if self._path(h.key) != path:
-                    raise Corrupt("file in the wrong place")
-                if h.header_len + h.payload_len != st.st_size:
-                    raise Corrupt("size differs from its header")
-                headers[h.key] = (h, st, path)
-            except FileNotFoundError:
-                continue
-            except (OSError, Corrupt):
-                bad.append(path)
+        headers, bad = read_found(self.dir, unknown)
         stuck = [p for p in bad if not remove_file(p)]
         with self._lock:
             self._stats.corrupt += len(bad) - len(stuck)
@@ -526,11 +492,21 @@ class FileStorageBackend(StorageBackend):
             pending = {
                 k: v
                 for k, v in headers.items()
-                if k not in self._index and v[2] not in self._removing
+                if k not in self._index and v.path not in self._removing
             }
-            order = self._adoptable_locked(pending)
-            self._insert_adopted_locked(order, pending)
-            orphans = {k: self._orphan_root(k, pending) for k in pending if k not in self._index}
+            order = reachable(pending, self._index)
+            for k in lru_order(order, pending):
+                h, st, path = pending[k]
+                self._index.insert(k, st.st_size, h.parent, path, h.content)
+            # adopted under an object we already held: that chain is in use again
+            self._index.touch(
+                [
+                    p
+                    for k in order
+                    if (p := pending[k].header.parent) is not None and p not in pending
+                ]
+            )
+            orphans = {k: orphan_root(k, pending) for k in pending if k not in self._index}
             paths, _ = self._make_room_locked(0, set())
         self._remove_files(paths)
         if not remove_orphans or not orphans:
@@ -538,57 +514,9 @@ class FileStorageBackend(StorageBackend):
         # an orphan whose missing ancestor is still absent after the scan can never be reached;
         # if the ancestor appeared meanwhile (written during the scan), a later pass adopts both
         lost = {p for p in set(orphans.values()) if size_on_disk(self._path(p)) is None}
-        doomed = [pending[k][2] for k, p in orphans.items() if p in lost]
+        doomed = [pending[k].path for k, p in orphans.items() if p in lost]
         for p in doomed:
             remove_file(p)
         with self._lock:
             self._stats.vanished += len(doomed)
         return len(order), len(bad), len(doomed)
-
-    def _adoptable_locked(
-        self, pending: dict[str, tuple[Header, os.stat_result, str]]
-    ) -> list[str]:
-        """Keys of ``pending`` reachable from a root or an indexed object, parents first."""
-        kids: dict[str, list[str]] = {}
-        order: list[str] = []
-        for key, (h, _, _) in pending.items():
-            if h.parent is None or h.parent in self._index:
-                order.append(key)
-            elif h.parent in pending:
-                kids.setdefault(h.parent, []).append(key)
-        for key in order:  # grows while we walk it: breadth first
-            order.extend(kids.pop(key, ()))
-        return order
-
-    def _insert_adopted_locked(
-        self, order: list[str], pending: dict[str, tuple[Header, os.stat_result, str]]
-    ) -> None:
-        # LRU position: a key is as recent as the newest file below it (ancestors stay more
-        # recent than their descendants); deeper first among equals.
-        recency = {k: pending[k][1].st_mtime for k in order}
-        depth: dict[str, int] = {}
-        for k in order:
-            p = pending[k][0].parent
-            depth[k] = depth[p] + 1 if p in depth else 0
-        for k in reversed(order):
-            p = pending[k][0].parent
-            if p in recency:
-                recency[p] = max(recency[p], recency[k])
-        for k in sorted(order, key=lambda k: (recency[k], -depth[k])):
-            h, st, path = pending[k]
-            self._index.insert(k, st.st_size, h.parent, path, h.content)
-        # adopted under an object we already held: that chain is in use again
-        self._index.touch(
-            [p for k in order if (p := pending[k][0].parent) is not None and p not in pending]
-        )
-
-    @staticmethod
-    def _orphan_root(key: str, pending: dict[str, tuple[Header, os.stat_result, str]]) -> str:
-        """The first missing ancestor of an orphan (walks the pending headers)."""
-        seen: set[str] = set()
-        parent = pending[key][0].parent
-        while parent in pending and parent not in seen:
-            seen.add(parent)
-            parent = pending[parent][0].parent
-        assert parent is not None
-        return parent

@@ -19,7 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import FileStorageBackend, object_keys, page_hashes, prefix_hash_seed
+from hicache.storage import (
+    FileStorageBackend,
+    file_scan,
+    object_keys,
+    page_hashes,
+    prefix_hash_seed,
+)
 from hicache.storage import file as file_mod
 
 SEED = prefix_hash_seed("test-model", None)
@@ -275,7 +281,7 @@ def test_restart_rebuilds_parent_links(tmp_path):
     keys = chain(10, 4)
     store_chain(s, keys)
     open(files(tmp_path)[0] + ".tmp.1.abc", "wb").close()  # a write that never finished
-    old = time.time() - 2 * file_mod.TMP_MAX_AGE_S
+    old = time.time() - 2 * file_scan.TMP_MAX_AGE_S
     os.utime(files(tmp_path)[0] + ".tmp.1.abc", (old, old))
     s2 = FileStorageBackend(tmp_path, capacity_bytes=1 << 20)
     assert s2.batch_exists(keys) == 4 and torch.equal(s2.get(keys[3]), page(3))
