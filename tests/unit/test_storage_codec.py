@@ -13,8 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import codec, redis_format
-from hicache.storage import file as file_mod
+from hicache.storage import codec, file_format, redis_format
 from hicache.storage.base import ObjectContent
 from hicache.storage.codec import Corrupt
 
@@ -147,16 +146,16 @@ FILE_V3_BYTES = bytes.fromhex(
 
 
 def test_file_format_is_unchanged():
-    head, payload = file_mod._encode("key0", T, "par", ObjectContent.of("acme", [5, 6]))
+    head, payload = file_format.encode_object("key0", T, "par", ObjectContent.of("acme", [5, 6]))
     assert head + bytes(payload) == FILE_V4_TENSOR
-    head, payload = file_mod._encode("k1", b"abc", None, ObjectContent.of(None, [7]))
+    head, payload = file_format.encode_object("k1", b"abc", None, ObjectContent.of(None, [7]))
     assert head + bytes(payload) == FILE_V4_BYTES
-    head, payload = file_mod._encode("k1", b"abc", None)
+    head, payload = file_format.encode_object("k1", b"abc", None)
     assert head + bytes(payload) == FILE_V4_NO_CONTENT
 
 
 def test_file_header_reads_back():
-    h = file_mod._read_header(io.BytesIO(FILE_V4_TENSOR))
+    h = file_format.read_header(io.BytesIO(FILE_V4_TENSOR))
     assert (h.key, h.parent, h.kind, h.dtype, h.shape, h.payload_len, h.version) == (
         "key0",
         "par",
@@ -169,7 +168,7 @@ def test_file_header_reads_back():
     assert h.content == ObjectContent.of("acme", [5, 6]) and h.content.token_ids() == [5, 6]
     assert h.matches(FILE_V4_TENSOR[h.header_len :])
     assert not h.matches(FILE_V4_TENSOR[h.header_len : -1] + b"\0")
-    h = file_mod._read_header(io.BytesIO(FILE_V4_BYTES))
+    h = file_format.read_header(io.BytesIO(FILE_V4_BYTES))
     assert (h.key, h.parent, h.kind, h.shape, h.content) == (
         "k1",
         None,
@@ -177,13 +176,13 @@ def test_file_header_reads_back():
         (3,),
         ObjectContent(None, bytes([7, 0, 0, 0])),
     )
-    h = file_mod._read_header(io.BytesIO(FILE_V4_NO_CONTENT))
+    h = file_format.read_header(io.BytesIO(FILE_V4_NO_CONTENT))
     assert (h.key, h.shape, h.content) == ("k1", (3,), None)
 
 
 def test_version3_file_header_reads_as_before():
     """Files written before the content (VERSION 3) read as before, their content unknown."""
-    h = file_mod._read_header(io.BytesIO(FILE_V3_TENSOR))
+    h = file_format.read_header(io.BytesIO(FILE_V3_TENSOR))
     assert (h.key, h.parent, h.kind, h.dtype, h.shape, h.payload_len, h.version) == (
         "key0",
         "par",
@@ -196,7 +195,7 @@ def test_version3_file_header_reads_as_before():
     assert h.content is None
     assert h.matches(FILE_V3_TENSOR[h.header_len :])
     assert not h.matches(FILE_V3_TENSOR[h.header_len : -1] + b"\0")
-    h = file_mod._read_header(io.BytesIO(FILE_V3_BYTES))
+    h = file_format.read_header(io.BytesIO(FILE_V3_BYTES))
     assert (h.key, h.parent, h.kind, h.shape, h.content) == ("k1", None, 1, (3,), None)
 
 
@@ -204,32 +203,32 @@ def test_version3_file_header_reads_as_before():
 def test_file_of_another_version_is_corrupt(version):
     raw = FILE_V3_TENSOR[:4] + struct.pack("<H", version) + FILE_V3_TENSOR[6:]
     with pytest.raises(Corrupt, match=f"version {version}"):
-        file_mod._read_header(io.BytesIO(raw))
+        file_format.read_header(io.BytesIO(raw))
 
 
 def test_file_with_a_bad_magic_is_corrupt():
     with pytest.raises(Corrupt, match="magic"):
-        file_mod._read_header(io.BytesIO(b"XXXX" + FILE_V3_TENSOR[4:]))
+        file_format.read_header(io.BytesIO(b"XXXX" + FILE_V3_TENSOR[4:]))
 
 
 @pytest.mark.parametrize("cut", [0, 3, 6, 20, 47, 50])
 @pytest.mark.parametrize("raw", [FILE_V3_TENSOR, FILE_V4_TENSOR], ids=["v3", "v4"])
 def test_truncated_file_header_is_corrupt(cut, raw):
     with pytest.raises(Corrupt, match="short header"):
-        file_mod._read_header(io.BytesIO(raw[:cut]))
+        file_format.read_header(io.BytesIO(raw[:cut]))
 
 
 def test_truncated_file_content_is_corrupt():
-    h = file_mod._read_header(io.BytesIO(FILE_V4_TENSOR))
+    h = file_format.read_header(io.BytesIO(FILE_V4_TENSOR))
     with pytest.raises(Corrupt, match="short header"):
-        file_mod._read_header(io.BytesIO(FILE_V4_TENSOR[: h.header_len - 1]))
+        file_format.read_header(io.BytesIO(FILE_V4_TENSOR[: h.header_len - 1]))
 
 
 def test_file_content_beyond_the_limits_is_corrupt():
-    at = file_mod._FIXED.size - 4  # token_count
+    at = file_format.FIXED.size - 4  # token_count
     raw = FILE_V4_TENSOR[:at] + struct.pack("<I", 1 << 30) + FILE_V4_TENSOR[at + 4 :]
     with pytest.raises(Corrupt, match="bad header fields"):
-        file_mod._read_header(io.BytesIO(raw))
+        file_format.read_header(io.BytesIO(raw))
 
 
 # ---- the redis backend's framing -----------------------------------------------------------------

@@ -19,7 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import FileStorageBackend, object_keys, page_hashes, prefix_hash_seed
+from hicache.storage import (
+    FileStorageBackend,
+    file_scan,
+    object_keys,
+    page_hashes,
+    prefix_hash_seed,
+)
 from hicache.storage import file as file_mod
 
 SEED = prefix_hash_seed("test-model", None)
@@ -159,21 +165,21 @@ def test_unreadable_object_is_forgotten_but_kept_on_disk(tmp_path, monkeypatch, 
     s = FileStorageBackend(tmp_path, capacity_bytes=1 << 20, reconcile_interval_s=3600)
     keys = chain(22, 3)
     store_chain(s, keys)
-    real = file_mod._read_object
+    real = file_mod.read_object
 
     def flaky(key, path):
         if key == keys[1]:
             raise OSError(errno.EIO, "I/O error")
         return real(key, path)
 
-    monkeypatch.setattr(file_mod, "_read_object", flaky)
+    monkeypatch.setattr(file_mod, "read_object", flaky)
     with caplog.at_level(logging.WARNING, logger="hicache.storage.file"):
         assert s.batch_get(keys)[1:] == [None, None]
         assert s.batch_get(keys)[1:] == [None, None]
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     assert s.batch_exists(keys) == 1 and len(files(tmp_path)) == 3  # maybe passing trouble
     assert s.stats()["errors"] == 1 and s.stats()["corrupt"] == 0
-    monkeypatch.setattr(file_mod, "_read_object", real)
+    monkeypatch.setattr(file_mod, "read_object", real)
     assert s.reconcile() == 0 and s.batch_exists(keys) == 3  # the files were fine: adopted
     assert torch.equal(s.get(keys[2]), page(2))
 
@@ -275,7 +281,7 @@ def test_restart_rebuilds_parent_links(tmp_path):
     keys = chain(10, 4)
     store_chain(s, keys)
     open(files(tmp_path)[0] + ".tmp.1.abc", "wb").close()  # a write that never finished
-    old = time.time() - 2 * file_mod.TMP_MAX_AGE_S
+    old = time.time() - 2 * file_scan.TMP_MAX_AGE_S
     os.utime(files(tmp_path)[0] + ".tmp.1.abc", (old, old))
     s2 = FileStorageBackend(tmp_path, capacity_bytes=1 << 20)
     assert s2.batch_exists(keys) == 4 and torch.equal(s2.get(keys[3]), page(3))
@@ -310,17 +316,17 @@ def test_version1_files_are_dropped_at_start(tmp_path):
 def test_version2_files_with_crc32_are_still_read(tmp_path):
     """Objects written before the xxh3 checksums (VERSION 2, crc32) are read and verified; a
     VERSION 2 payload that does not match its crc32 is corrupt."""
-    from hicache.storage import file as fmod
+    from hicache.storage import file_format as fmod
 
     s = FileStorageBackend(tmp_path, capacity_bytes=1 << 20)
     keys = chain(5, 2)
     store_chain(s, keys)
     for path in files(tmp_path):  # rewrite each file's header the old way
         with open(path, "rb") as f:
-            h = fmod._read_header(f)
+            h = fmod.read_header(f)
             f.seek(h.header_len)
             payload = f.read()
-        head = fmod._FIXED_V2.pack(
+        head = fmod.FIXED_V2.pack(
             fmod.MAGIC,
             2,
             len(h.shape),
@@ -401,7 +407,7 @@ def test_evicting_a_chain_head_takes_its_tail(tmp_path):
     store_chain(s, x)
     # NOTE: reads and writes keep a head more recent than its tail; a head can only become
     # the LRU entry by other means (e.g. objects adopted from another process): force it.
-    s._index.move_to_end(keys[0], last=False)
+    s._index._entries.move_to_end(keys[0], last=False)
     store_chain(s, chain(20, 1))
     assert s.exists_mask(keys + x) == [False, False, False, True]
     assert files(tmp_path) == sorted(s._path(k) for k in x + chain(20, 1))
@@ -590,11 +596,10 @@ def assert_index_matches_disk(s: FileStorageBackend, d, capacity: int) -> None:
     """Every indexed key's file exists with its size, its parent is indexed (or None) and
     lists it as a child; the counters equal the disk."""
     index = s._index
+    index.check_integrity()  # children links both ways, the bytes
     for key, entry in index.items():
         assert os.path.getsize(s._path(key)) == entry.size
         assert entry.parent is None or entry.parent in index
-        assert entry.parent is None or key in s._children[entry.parent]
-    assert all(p in index and kids <= index.keys() for p, kids in s._children.items())
     st_ = s.stats()
     assert st_["objects"] == len(index) == len(files(d))
     assert st_["bytes"] == on_disk_bytes(d) <= capacity
