@@ -25,7 +25,10 @@ from typing import Any
 
 import torch
 
+from hicache.allocator import TokenToKVPoolAllocator
 from hicache.copy_stream import CopyStream
+from hicache.host_pool import MHATokenToKVPoolHost
+from hicache.kv_pool import MHATokenToKVPool
 from hicache.storage.base import StorageBackend
 from hicache.storage_io import StorageIO
 
@@ -122,9 +125,9 @@ class HiCacheController:
 
     def __init__(
         self,
-        device_pool: Any,
-        host_pool: Any,
-        device_allocator: Any,
+        device_pool: MHATokenToKVPool,
+        host_pool: MHATokenToKVPoolHost,
+        device_allocator: TokenToKVPoolAllocator,
         io_backend: str = "kernel",
         layer_num: int | None = None,
         storage: StorageBackend | None = None,

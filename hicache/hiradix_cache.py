@@ -37,14 +37,18 @@ from typing import Any, TypeVar
 
 import torch
 
+from hicache.allocator import TokenToKVPoolAllocator
 from hicache.base_prefix_cache import HostReads, MatchResult
 from hicache.cache_request import CacheRequest
 from hicache.controller import HiCacheController
+from hicache.events import CacheEventLog
 from hicache.eviction_plan import EvictionPlan
 from hicache.host_copies import HostCopies
+from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.l3_blocks import L3Index
 from hicache.l3_tier import STORAGE_SETTLE_S, L3Tier
 from hicache.radix_cache import RadixCache, TreeNode, device_value
+from hicache.req_to_token import ReqToTokenPool
 from hicache.stats import L2Stats, Moves, TierSet
 from hicache.storage.base import StorageBackend
 from hicache.tier import TIERS, Tier
@@ -59,16 +63,16 @@ R = TypeVar("R", bound=CacheRequest)
 class HiRadixCache(RadixCache):
     def __init__(
         self,
-        req_to_token_pool: Any,
-        token_to_kv_pool_allocator: Any,
+        req_to_token_pool: ReqToTokenPool | None,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
         page_size: int,
-        host_pool: Any,
+        host_pool: MHATokenToKVPoolHost,
         controller: HiCacheController,
         write_policy: str = "write_through",
         eviction_policy: str = "lru",
         load_back_threshold: int = 0,
         prefetch_threshold: int | None = None,
-        event_log: Any = None,
+        event_log: CacheEventLog | None = None,
         prefetch_policy: str = "timeout",
         prefetch_timeout_base: float = 1.0,
         prefetch_timeout_per_ki_token: float = 0.25,

@@ -25,10 +25,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from hicache.host_pool import MHATokenToKVPoolHost
 from hicache.storage.base import ObjectContent, StorageBackend, object_keys, prefix_hash_seed
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class StorageIO:
     def __init__(
         self,
         storage: StorageBackend,
-        host_pool: Any,
+        host_pool: MHATokenToKVPoolHost,
         object_size: int,
         model_fingerprint: str,
         notify: Callable[[], None] | None = None,

@@ -5,12 +5,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ServerArgs
 from hicache.controller import HiCacheController
 from hicache.hiradix_cache import HiRadixCache
 from hicache.host_pool import MHATokenToKVPoolHost, host_pool_size
+from hicache.storage.base import StorageBackend
+
+if TYPE_CHECKING:
+    from engine.runtime.model_runner import ModelRunner
 
 DEFAULT_STORAGE_DIR = os.path.join("~", ".cache", "hicache", "kv")
 
@@ -35,7 +39,7 @@ def model_fingerprint(
     ).hexdigest()[:32]
 
 
-def storage_scope(fingerprint: str, host_pool: Any) -> str:
+def storage_scope(fingerprint: str, host_pool: MHATokenToKVPoolHost) -> str:
     """The name of this model's L3 objects on a shared server (redis keys "<prefix>:<scope>:"):
     the fingerprint the object keys are seeded with, so Flush deletes exactly our objects."""
     full = fingerprint + "|" + host_pool.storage_fingerprint()
@@ -76,7 +80,7 @@ def build_storage(
     )
 
 
-def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
+def build_hiradix_cache(args: ServerArgs, runner: ModelRunner) -> HiRadixCache:
     kv_pool, allocator, ps = runner.kv_pool, runner.allocator, args.page_size
     size = host_pool_size(
         allocator.size, ps, kv_pool.bytes_per_token(), args.hicache_ratio, args.hicache_size
@@ -129,8 +133,7 @@ def build_hiradix_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
     )
 
 
-def close_storage(storage: Any) -> None:
-    """Release a detached backend's connections (backends without close() hold none)."""
-    close = getattr(storage, "close", None)
-    if close is not None:
-        close()
+def close_storage(storage: StorageBackend | None) -> None:
+    """Release a detached backend's connections (None: nothing was attached)."""
+    if storage is not None:
+        storage.close()

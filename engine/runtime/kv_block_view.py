@@ -6,15 +6,18 @@ keeps their hash caches between calls."""
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.kv_blocks import TIERS, Block, BlockChanges, BlockView
 from hicache.l3_blocks import L3BlockView
 
+if TYPE_CHECKING:
+    from engine.runtime.scheduler.scheduler import Scheduler
+
 _VIEWS: weakref.WeakKeyDictionary[Any, tuple[BlockView, L3BlockView]] = weakref.WeakKeyDictionary()
 
 
-def _views(scheduler: Any, block_size: int, salt_key: bytes) -> tuple[BlockView, L3BlockView]:
+def _views(scheduler: Scheduler, block_size: int, salt_key: bytes) -> tuple[BlockView, L3BlockView]:
     tree = scheduler.tree_cache
     views = _VIEWS.get(tree)
     if views is None or views[0].block_size != block_size or views[0].salt_key != salt_key:
@@ -22,7 +25,7 @@ def _views(scheduler: Any, block_size: int, salt_key: bytes) -> tuple[BlockView,
     return views
 
 
-def kv_blocks(scheduler: Any, block_size: int, salt_key: bytes) -> dict[str, list[Block]]:
+def kv_blocks(scheduler: Scheduler, block_size: int, salt_key: bytes) -> dict[str, list[Block]]:
     """tier -> the cache's full blocks in that tier now, parents before children."""
     tree = scheduler.tree_cache
     return {
@@ -32,7 +35,7 @@ def kv_blocks(scheduler: Any, block_size: int, salt_key: bytes) -> dict[str, lis
 
 
 def kv_block_changes(
-    scheduler: Any, block_size: int, salt_key: bytes, reset: bool = False
+    scheduler: Scheduler, block_size: int, salt_key: bytes, reset: bool = False
 ) -> BlockChanges:
     """The blocks stored / removed per tier since the last call (reset: the whole state).
     NOTE: one caller per daemon (its KvEventPublisher): the views remember what they gave."""

@@ -179,6 +179,10 @@ class StorageBackend(ABC):
         backend's lock: it must be quick and never call the backend."""
         return False
 
+    def close(self) -> None:
+        """Release what this backend holds open (connections) once nothing will call it any
+        more. Default: it holds nothing."""
+
     def describe(self) -> dict[str, str]:
         """What this backend is, for admin output: at least ``backend`` (a short name); where
         it stores (``address``, never with credentials) when the backend has one."""

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.layers.attention import AttentionBackend
 from engine.runtime.request import Req
+from hicache.allocator import TokenToKVPoolAllocator
 from hicache.base_prefix_cache import BasePrefixCache
+from hicache.kv_pool import MHATokenToKVPool
+from hicache.req_to_token import ReqToTokenPool
 
 
 class OutOfKVError(RuntimeError):
@@ -36,11 +39,11 @@ class BatchBuilder:
 
     def __init__(
         self,
-        req_to_token_pool: Any,
-        allocator: Any,
-        kv_pool: Any,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        kv_pool: MHATokenToKVPool,
         tree_cache: BasePrefixCache,
-        attn_backend: Any,
+        attn_backend: AttentionBackend,
         page_size: int,
         device: torch.device,
     ):

@@ -22,11 +22,15 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.runtime.forward_batch import ForwardBatch
+from engine.runtime.request import Req
+
+if TYPE_CHECKING:
+    from engine.runtime.model_runner import ModelRunner
 
 
 @dataclass
@@ -34,17 +38,17 @@ class Launched:
     """A batch handed to the forward: its requests, the KV positions each one writes, and the
     sampled token ids (``future``)."""
 
-    reqs: list[Any]
+    reqs: list[Req]
     lens: list[int]  # KV positions written per request (extend length; 1 for decode)
     is_extend: bool
-    chunked: Any = None  # the request whose (non-final) chunk this extend runs
+    chunked: Req | None = None  # the request whose (non-final) chunk this extend runs
     future: Future = field(default_factory=Future)
 
 
 class ForwardWorker:
     """Runs launched forwards (and sampling) in order on its own thread."""
 
-    def __init__(self, runner: Any, max_batch: int):
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
         self.runner = runner
         # NOTE: a slot is read at most one batch after the batch that wrote it: 3 batches of room
         self.capacity = 3 * max_batch + 1

@@ -28,6 +28,7 @@ import torch
 
 from engine.config import ServerArgs
 from engine.runtime.cache_admin import expire_pins, settle
+from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.pins import PinTable
 from engine.runtime.request import FinishReason, Req
 from engine.runtime.scheduler import invariants
@@ -42,6 +43,7 @@ from hicache.base_prefix_cache import BasePrefixCache
 from hicache.cache_request import locked_node
 
 if TYPE_CHECKING:
+    from engine.runtime.model_runner import ModelRunner
     from engine.runtime.tenant_cache import QuotaEnforcer
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ class Scheduler:
     def __init__(
         self,
         args: ServerArgs,
-        runner: Any,
+        runner: ModelRunner,
         tree_cache: BasePrefixCache,
         max_context_len: int,
         step_hooks: Sequence[StepHook] = (),
@@ -267,7 +269,12 @@ class Scheduler:
 
     # --- launched forwards -------------------------------------------------------------------
     def _launch(
-        self, fb: Any, reqs: list[Req], lens: list[int], is_extend: bool, chunked: Req | None = None
+        self,
+        fb: ForwardBatch,
+        reqs: list[Req],
+        lens: list[int],
+        is_extend: bool,
+        chunked: Req | None = None,
     ) -> Launched:
         """Run (or hand to the worker) the forward + sampling of ``fb``."""
         fb.wait_layer = self._pending_layer_wait()
