@@ -82,7 +82,7 @@ class CudaGraphRunner:
         self.capture_graphs = self.device.type == "cuda" if capture is None else capture
         if self.capture_graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        if not getattr(backend, "supports_cuda_graph", False):
+        if not backend.supports_cuda_graph:
             raise ValueError(f"attention backend {type(backend).__name__} has no graph support")
         self.backend = cast("CudaGraphAttentionBackend", backend)  # it says it supports graphs
         args = model_runner.args

@@ -129,7 +129,7 @@ class ModelRunner:
         if (
             self.device.type == "cuda"
             and not args.disable_cuda_graph
-            and getattr(self.attn_backend, "supports_cuda_graph", False)
+            and self.attn_backend.supports_cuda_graph
         ):
             self.cuda_graph_runner = CudaGraphRunner(self)
         self.sampler = Sampler(batch_invariant=self.deterministic)

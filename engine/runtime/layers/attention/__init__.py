@@ -24,6 +24,8 @@ class AttentionBackend(Protocol):
     # EXTEND reads the KV of slots still loading from host memory (``fb.host_reads``) in place,
     # so the scheduler may hold an L2 hit's load until after the forward (the CPU backends)
     reads_host_kv: bool
+    # its DECODE forward can be captured in a CUDA graph (it is a CudaGraphAttentionBackend)
+    supports_cuda_graph: bool
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Called once per batch, before the layers run."""
@@ -50,8 +52,6 @@ class CudaGraphAttentionBackend(AttentionBackend, Protocol):
     (padded static tensors, outside capture) then the captured ``forward`` calls; before each
     replay ``init_forward_metadata_replay`` (padded requests: seq_len 1, slot
     ``req_to_token[row, 0]``)."""
-
-    supports_cuda_graph: bool
 
     def init_cuda_graph_state(self, max_bs: int, max_num_kv_tokens: int) -> None: ...
 

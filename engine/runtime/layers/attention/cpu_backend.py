@@ -58,6 +58,7 @@ class _Batch:
 
 class CpuAttnBackend:
     reads_host_kv = True  # EXTEND takes fb.host_reads (the scheduler's hold-and-read, CPU)
+    supports_cuda_graph = False
 
     def __init__(self, model_runner_or_config: Any = None) -> None:
         lib = KERNELS.get()

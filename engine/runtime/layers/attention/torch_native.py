@@ -114,6 +114,7 @@ class TorchNativeAttnBackend:
     """``torch_native``: SDPA over KV gathered from the pool through ``req_to_token``."""
 
     reads_host_kv = True  # EXTEND takes fb.host_reads (the scheduler's hold-and-read, CPU)
+    supports_cuda_graph = False
 
     def __init__(self, model_runner_or_config: Any = None) -> None:
         self.meta: _Metadata | None = None
