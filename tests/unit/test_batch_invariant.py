@@ -1,16 +1,13 @@
 """batch_invariant's ops under TRITON_INTERPRET=1: a row's result is the same bits whatever the
 row count (1..N) and wherever the row sits among the rows, and equals torch's within rounding.
 
-NOTE: float32 only (the interpreter's bf16 ``tl.dot`` is not numpy arithmetic; bf16 runs in
-tests/gpu/test_deterministic_gpu.py). TRITON_INTERPRET is set and the module reloaded as in
-test_triton_attention.py.
+NOTE: float32 only (bf16 runs in tests/gpu/test_deterministic_gpu.py). The interpreter's tile
+products are ``tile_dot``'s per-row sums, not the host BLAS (see tile_dot.py): ``linear``'s
+fixed tiles and k order are checked here, ``tl.dot``'s own row invariance on the device there.
+TRITON_INTERPRET is set and the module reloaded (tests/triton_interpreter.py).
 """
 
 from __future__ import annotations
-
-import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -19,9 +16,9 @@ import torch.nn.functional as F
 if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
-os.environ["TRITON_INTERPRET"] = "1"
-_MOD = "engine.runtime.layers.batch_invariant"
-bi = importlib.reload(sys.modules[_MOD]) if _MOD in sys.modules else importlib.import_module(_MOD)
+from tests.triton_interpreter import interpreted
+
+(bi,) = interpreted("engine.runtime.layers.batch_invariant")
 
 from engine.runtime.layers.norm import RMSNorm
 

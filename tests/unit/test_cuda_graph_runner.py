@@ -3,16 +3,13 @@ the model eagerly over the padded static batch (the triton backend under TRITON_
 must give the plain forward's logits while writing no KV slot but the batch's own and the
 padding slot 0. Also: which batches it accepts, the capture sizes, the config options.
 
-NOTE: TRITON_INTERPRET is set and the kernels module reloaded as in test_triton_attention.py;
+NOTE: TRITON_INTERPRET is set and the kernels module reloaded (tests/triton_interpreter.py);
 with CUDA present the real graphs are tested in tests/gpu instead, and this module is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
-import sys
 from dataclasses import replace
 
 import pytest
@@ -21,11 +18,9 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
-os.environ["TRITON_INTERPRET"] = "1"
-_MOD = "engine.runtime.layers.attention.triton_kernels"
-triton_kernels = (
-    importlib.reload(sys.modules[_MOD]) if _MOD in sys.modules else importlib.import_module(_MOD)
-)
+from tests.triton_interpreter import interpreted
+
+(triton_kernels,) = interpreted("engine.runtime.layers.attention.triton_kernels")
 
 from engine.config import ServerArgs
 from engine.runtime.cuda_graph_runner import (

@@ -6,16 +6,13 @@ changes nothing.
 
 NOTE: the engine runs this path on CUDA only (on CPU the flag changes nothing); here it is
 installed by hand so the interpreter checks the ops and their wiring; tests/gpu runs the
-engine's own. TRITON_INTERPRET is set and the kernel modules reloaded as in
-test_triton_attention.py.
+engine's own. TRITON_INTERPRET is set and the kernel modules reloaded
+(tests/triton_interpreter.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -23,12 +20,12 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
-os.environ["TRITON_INTERPRET"] = "1"
-for _name in (
+from tests.triton_interpreter import interpreted
+
+interpreted(
     "engine.runtime.layers.batch_invariant",
     "engine.runtime.layers.attention.triton_fixed_split",
-):
-    importlib.reload(sys.modules[_name]) if _name in sys.modules else importlib.import_module(_name)
+)
 
 from engine.config import ServerArgs
 from engine.runtime import deterministic

@@ -9,21 +9,15 @@ are tested in tests/gpu instead, and this module is skipped.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
-os.environ["TRITON_INTERPRET"] = "1"
-_MOD = "engine.runtime.layers.attention.triton_kernels"
-triton_kernels = (
-    importlib.reload(sys.modules[_MOD]) if _MOD in sys.modules else importlib.import_module(_MOD)
-)
+from tests.triton_interpreter import interpreted
+
+(triton_kernels,) = interpreted("engine.runtime.layers.attention.triton_kernels")
 
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.layers.attention import available_backends, create_backend

@@ -3,18 +3,17 @@ token's attention output is the same bits whether its prefix's K/V came from the
 extended in the same forward, whatever the chunked-extend sizes, at decode as in an extend, and
 whichever requests share the batch; and it is attention (== torch_native within fp32 rounding).
 
-NOTE: float32 only: the interpreter's ``tl.dot`` on bfloat16 is not numpy arithmetic (bf16 is
-stored as uint16 there); tests/gpu/test_deterministic_gpu.py runs bf16. The interpreter's GEMM
-is numpy's OpenBLAS, whose row results do not depend on the tile's other rows at these fixed
-tile shapes: these tests would catch it if they did. TRITON_INTERPRET is set and the kernel
-module reloaded as in test_triton_attention.py.
+NOTE: float32 only: the interpreter's bfloat16 is stored as uint16; tests/gpu/
+test_deterministic_gpu.py runs bf16. Under the interpreter the tile products are ``tile_dot``'s
+per-row sums, not the host BLAS (whose AVX2 sgemm gives a row bits that depend on its place in
+the tile), so what these tests check bit for bit is the kernels' own structure; that ``tl.dot``
+keeps a row's bits on the device is the GPU tests' part (``test_triton_fixed_split_gives_a_token_
+the_same_bits``: GQA groups 8 and 20, wider than a tile, the default 256-key split, decode vs
+extend). TRITON_INTERPRET is set and the kernel module reloaded (tests/triton_interpreter.py).
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -23,11 +22,9 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
-os.environ["TRITON_INTERPRET"] = "1"
-_MOD = "engine.runtime.layers.attention.triton_fixed_split"
-triton_fixed_split = (
-    importlib.reload(sys.modules[_MOD]) if _MOD in sys.modules else importlib.import_module(_MOD)
-)
+from tests.triton_interpreter import interpreted
+
+(triton_fixed_split,) = interpreted("engine.runtime.layers.attention.triton_fixed_split")
 
 from engine.runtime.layers.attention import create_backend
 from tests.attention_worlds import AttentionWorld, assert_same_bits, make_seqs

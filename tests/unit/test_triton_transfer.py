@@ -8,21 +8,15 @@ tests/gpu instead, and this module is skipped (reloading would swap them for int
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 pytest.importorskip("triton")
-os.environ["TRITON_INTERPRET"] = "1"
-_MOD = "hicache.kernels.triton_transfer"
-triton_transfer = (
-    importlib.reload(sys.modules[_MOD]) if _MOD in sys.modules else (importlib.import_module(_MOD))
-)
+from tests.triton_interpreter import interpreted
+
+(triton_transfer,) = interpreted("hicache.kernels.triton_transfer")
 
 from hicache.kernels import transfer_all_layer, transfer_per_layer
 

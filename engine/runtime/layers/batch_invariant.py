@@ -14,13 +14,13 @@ its reduction order by the row's own length:
     softmax   one program per row over fixed BLOCK chunks: max, sum of exp, normalise (fp32)
     cumsum    one program per row: a scan per BLOCK chunk plus the running total (fp32)
 
-NOTE: a row's dot products do not depend on the tile's other rows for a fixed tile shape (true
-of tensor-core MMAs, and of the interpreter's numpy/OpenBLAS GEMM at these tile sizes, which
-the CPU tests check), so one config for every M is what makes ``linear`` invariant.
+NOTE: a row's dot products do not depend on the tile's other rows nor on its place among them
+(``tile_dot``: true of tensor-core MMAs; under the interpreter the product is written so), so one
+config for every M is what makes ``linear`` invariant.
 
 Runs wherever Triton does; the engine uses it on CUDA only (engine/runtime/deterministic.py).
 NOTE: ``TRITON_INTERPRET`` is read when the kernels are decorated (this module's import); the
-CPU tests set it first and reload this module.
+CPU tests set it first and reload this module (tests/triton_interpreter.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.runtime.layers.tile_dot import tile_dot
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per activation dtype: fixed, never by M
 LINEAR_CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
@@ -86,7 +88,7 @@ def _linear_kernel(
             mask=mask_n[None, :] & mask_k[:, None],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        acc = tile_dot(x, w, acc, DOT_PRECISION)
     if HAS_BIAS:
         acc = acc + tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(

@@ -24,13 +24,14 @@ So a query's output depends on its q and on keys 0..pos only, never on
 
 NOTE: bitwise equality of the two paths rests on the same arithmetic per element: both run
 ``_block_step`` with the same tile shape ([BLOCK_M, BLOCK_D] x [BLOCK_D, BLOCK_N]: a row's dot
-product does not depend on the tile's other rows) and ``_merge``; keys a row cannot see add
+product depends neither on the tile's other rows nor on its place among them, ``tile_dot``) and
+``_merge``; keys a row cannot see add
 exact zeros, and a block or chunk a row sees nothing of leaves its state unchanged (the NO_KEY
 floor keeps ``exp`` away from ``-inf - -inf``).
 
 GQA: query head h reads kv head ``h // GROUP``. K/V are cast to q's dtype; scores, softmax and
 accumulators are fp32. NOTE: ``TRITON_INTERPRET`` is read at this module's import (see
-triton_kernels.py).
+tests/triton_interpreter.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.runtime.layers.tile_dot import tile_dot
 
 SPLIT_SIZE = 256  # keys per chunk
 BLOCK_M = 16
@@ -55,13 +58,16 @@ _MAX = tl.standard._elementwise_max
 @triton.jit
 def _block_step(q, k, v, visible, m_i, l_i, acc, sm_scale, DOT_PRECISION: tl.constexpr):
     """Keys ``k``/``v`` [BLOCK_N, BLOCK_D] into each q row's running (m_i, l_i, acc)."""
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_M, BLOCK_N]
+    # NOTE: a zero acc is what tl.dot(a, b) starts from when given none: the same MMA
+    zero_s = tl.full([q.shape[0], k.shape[0]], 0.0, dtype=tl.float32)  # [BLOCK_M, BLOCK_N]
+    qk = tile_dot(q, tl.trans(k), zero_s, DOT_PRECISION) * sm_scale  # [BLOCK_M, BLOCK_N]
     qk = tl.where(visible, qk, float("-inf"))
     row_max = tl.reduce(qk, 1, _MAX)
     m_new = tl.maximum(m_i, tl.where(row_max == float("-inf"), NO_KEY, row_max))  # [BLOCK_M]
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    pv = tile_dot(p.to(v.dtype), v, tl.full(acc.shape, 0.0, dtype=tl.float32), DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
     return m_new, l_i, acc
 
