@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(PY) -m engine.client.run_demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x tests -p no:cacheprovider
+	$(PY) -m pytest -x tests -p no:cacheprovider
 
 LINT_STAMP := $(VENV)/.lint-installed
 $(LINT_STAMP): $(STAMP)

@@ -4,6 +4,7 @@ environment) writes L3 pages into the real user cache."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -25,3 +26,19 @@ def _tmp_xdg_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """An HF directory (config, safetensors, tokenizer with a chat template); no downloads."""
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_llama") / "m"), "llama")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The machine the suite ran on, so a red run on a new kind of VM says so at once: the CPU,
+    the SIMD flags that choose the C kernels' build, and that build (the first line of pytest's
+    output)."""
+    from engine.runtime.layers import cpu_kernels
+    from tools.benchlib.header import cpu_info
+
+    model, flags = cpu_info()
+    forced = os.environ.get("HICACHE_CPU_ISA")
+    return [
+        f"cpu: {model}; simd: {' '.join(flags) or 'none'}",
+        f"cpu kernels: {cpu_kernels.build_description()}"
+        + (f" (HICACHE_CPU_ISA={forced})" if forced else ""),
+    ]

@@ -52,7 +52,7 @@ SIMD_FLAGS = (
 )
 
 
-def _cpuinfo() -> tuple[str, list[str]]:
+def cpu_info() -> tuple[str, list[str]]:
     """(model name with x86 family / model when given, the SIMD flags present)."""
     fields: dict[str, str] = {}
     try:
@@ -126,7 +126,7 @@ class Header:
 
     @classmethod
     def now(cls, argv: list[str] | None = None) -> Header:
-        model, flags = _cpuinfo()
+        model, flags = cpu_info()
         return cls(
             command=_command(sys.argv if argv is None else argv),
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

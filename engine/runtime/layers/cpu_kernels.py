@@ -111,24 +111,34 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def _cpu_has_avx2() -> bool:
-    return {"avx2", "fma", "f16c"} <= cpu_flags()
+ISAS = ("avx2", "avx-vnni", "avx512-vnni")
+_ISA_CPU_FLAGS = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx-vnni": {"avx2", "fma", "f16c", "avx_vnni"},
+    "avx512-vnni": {"avx2", "fma", "f16c", "avx512_vnni", "avx512vl", "avx512bw"},
+}
+
+
+def supported_isas() -> list[str]:
+    """The builds this CPU can run, plainest first."""
+    flags = cpu_flags()
+    return [name for name in ISAS if _ISA_CPU_FLAGS[name] <= flags]
 
 
 def isa() -> str:
     """The instruction set the kernels are built for: ``avx512-vnni`` where the CPU has
     AVX512-VNNI + VL + BW (the u8 x s8 dot in one instruction, and 32 vector registers for the
     products' tiles; still 256-bit vectors), else ``avx-vnni`` (the same dot, VEX form), else
-    ``avx2``. Every build gives the same bits (``csrc/common.h``); ``HICACHE_CPU_ISA=avx2``
-    forces the last."""
-    if os.environ.get("HICACHE_CPU_ISA") == "avx2":
-        return "avx2"
-    flags = cpu_flags()
-    if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags:
-        return "avx512-vnni"
-    if "avx_vnni" in flags:
-        return "avx-vnni"
-    return "avx2"
+    ``avx2``. Every build gives the same bits (``csrc/common.h``; tests/unit/test_cpu_isa_bits.py
+    checks it across builds and machines); ``HICACHE_CPU_ISA=<one of ISAS>`` forces one (a build
+    the CPU cannot run is refused when the kernels load)."""
+    forced = os.environ.get("HICACHE_CPU_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise RuntimeError(f"HICACHE_CPU_ISA={forced!r}: expected one of {list(ISAS)}")
+        return forced
+    supported = supported_isas()
+    return supported[-1] if supported else "avx2"
 
 
 # NOTE: 256-bit vectors as with AVX2 (the kernels are written for them; no zmm frequency drop)
@@ -164,8 +174,10 @@ def _build() -> Path:
     without one (docker/Dockerfile)."""
     if os.environ.get("HICACHE_NO_CPU_KERNEL"):
         raise RuntimeError("HICACHE_NO_CPU_KERNEL is set")
-    if not _cpu_has_avx2():
-        raise RuntimeError("the CPU lacks AVX2/FMA/F16C")
+    name = isa()
+    if name not in supported_isas():
+        missing = sorted(_ISA_CPU_FLAGS[name] - cpu_flags())
+        raise RuntimeError(f"the CPU lacks {', '.join(missing)} for the {name} build")
     target = cached_path()
     if target.is_file():
         return target
@@ -207,6 +219,13 @@ KERNELS = _Kernels()
 def kernel_status() -> str:
     """``"c (<isa>)"`` when the compiled kernels are in use, else ``"torch (<why>)"``."""
     return f"c ({isa()})" if KERNELS.get() is not None else f"torch ({KERNELS.error})"
+
+
+def build_description() -> str:
+    """What runs and which build: ``"c (avx2) cpu_kernels-<hash>.so"``, or ``"torch (<why>)"``."""
+    if KERNELS.get() is None:
+        return kernel_status()
+    return f"{kernel_status()} {cached_path().name}"
 
 
 def threads() -> int:
