@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.storage.redis_url import parse_target, redact_url
+from hicache.storage.redis.url import parse_target, redact_url
 
 STORAGE_BACKENDS = (None, "file", "redis")
 

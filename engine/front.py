@@ -7,7 +7,7 @@ that cross it. The daemon's handlers type against `EngineFront` only; two classe
                                                 call a message to the scheduler process
 
 NOTE: torch-free, like everything it imports (engine.config, engine.errors, engine.tokenizer,
-engine.admin_records, hicache.events / kv_blocks / stats / tier): the split daemon's API server process
+engine.admin_records, hicache.observe.events / kv_blocks / stats / tier): the split daemon's API server process
 never loads torch or engine.runtime (tests/unit/test_engine_boundary.py).
 """
 
@@ -30,9 +30,9 @@ from engine.admin_records import (
 )
 from engine.config import ServerArgs
 from engine.errors import EngineShutdownError
-from hicache.events import CacheEvent
-from hicache.kv_blocks import BlockChanges
-from hicache.stats import CacheStats
+from hicache.observe.blocks import BlockChanges
+from hicache.observe.events import CacheEvent
+from hicache.observe.stats import CacheStats
 
 if TYPE_CHECKING:
     from engine.tokenizer import TokenizerManager
@@ -201,7 +201,7 @@ class RequestHandle:
 
 
 class EventLogReader(Protocol):
-    """The reads of a cache event log (hicache.events.CacheEventLog; the split daemon's
+    """The reads of a cache event log (hicache.observe.events.CacheEventLog; the split daemon's
     RemoteEventLog reads the scheduler process' one)."""
 
     @property
@@ -312,7 +312,7 @@ class EngineFront(ABC):
     # --- the cache: figures and events -------------------------------------------------------
     @abstractmethod
     def cache_stats(self) -> CacheStats:
-        """Every tier's figures and the scheduler's request counters (hicache/stats.py)."""
+        """Every tier's figures and the scheduler's request counters (hicache/observe/stats.py)."""
 
     @abstractmethod
     def event_log(self) -> EventLogReader:

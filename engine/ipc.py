@@ -63,7 +63,7 @@ class InScheduler:
 
 @dataclass(frozen=True)
 class CacheStats:
-    """engine.cache_stats(): answered with a hicache.stats.CacheStats record"""
+    """engine.cache_stats(): answered with a hicache.observe.stats.CacheStats record"""
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hicache.allocator import TokenToKVPoolAllocator
-    from hicache.chunk_cache import ChunkCache
-    from hicache.kv_pool import MHATokenToKVPool
-    from hicache.radix_cache import MatchResult, RadixCache, TreeNode
-    from hicache.req_to_token import ReqToTokenPool
+    from hicache.memory.allocator import TokenToKVPoolAllocator
+    from hicache.memory.kv_pool import MHATokenToKVPool
+    from hicache.memory.req_to_token import ReqToTokenPool
+    from hicache.tree.chunk import ChunkCache
+    from hicache.tree.node import TreeNode
+    from hicache.tree.radix import MatchResult, RadixCache
 
 _HOMES = {
-    "ChunkCache": "hicache.chunk_cache",
-    "MHATokenToKVPool": "hicache.kv_pool",
-    "MatchResult": "hicache.radix_cache",
-    "RadixCache": "hicache.radix_cache",
-    "ReqToTokenPool": "hicache.req_to_token",
-    "TokenToKVPoolAllocator": "hicache.allocator",
-    "TreeNode": "hicache.radix_cache",
+    "ChunkCache": "hicache.tree.chunk",
+    "MHATokenToKVPool": "hicache.memory.kv_pool",
+    "MatchResult": "hicache.tree.radix",
+    "RadixCache": "hicache.tree.radix",
+    "ReqToTokenPool": "hicache.memory.req_to_token",
+    "TokenToKVPoolAllocator": "hicache.memory.allocator",
+    "TreeNode": "hicache.tree.radix",
 }
 __all__ = [
     "ChunkCache",

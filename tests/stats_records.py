@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from hicache.stats import CacheStats, L1Stats, L2Stats, L3Stats, TierStats
+from hicache.observe.stats import CacheStats, L1Stats, L2Stats, L3Stats, TierStats
 from hicache.tier import TIERS
 
 T = TypeVar("T")

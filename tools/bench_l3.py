@@ -153,8 +153,8 @@ def run_bandwidth(a: argparse.Namespace, url: str, server: ValkeyServer, tmp: st
     import redis
     import torch
 
-    from hicache.storage.file import FileStorageBackend
-    from hicache.storage.redis import RedisStorageBackend
+    from hicache.storage.file.backend import FileStorageBackend
+    from hicache.storage.redis.backend import RedisStorageBackend
 
     nbytes, tokens = object_bytes(a)
     n = a.objects

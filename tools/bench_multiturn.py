@@ -100,7 +100,7 @@ def run_request(engine: Engine, ids: list[int], max_new: int) -> tuple[float, li
 
 
 def stats_dict(record: Any) -> dict | None:
-    """A stats record (hicache.stats) as JSON-ready dicts; None stays None (a tier not there)."""
+    """A stats record (hicache.observe.stats) as JSON-ready dicts; None stays None (a tier not there)."""
     return dataclasses.asdict(record) if record is not None else None
 
 

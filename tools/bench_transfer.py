@@ -50,11 +50,11 @@ import torch
 # run as a script (python tools/bench_transfer.py): the repo root is not on sys.path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.host_pool import MHATokenToKVPoolHost
-from hicache.kernels import transfer_all_layer
-from hicache.kernels.transfer import IO_BACKENDS, LAYOUTS
-from hicache.kv_pool import MHATokenToKVPool
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.host_pool import MHATokenToKVPoolHost
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.transfer.kernels import transfer_all_layer
+from hicache.transfer.kernels.transfer import IO_BACKENDS, LAYOUTS
 from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
 
 

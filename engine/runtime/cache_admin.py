@@ -21,11 +21,11 @@ from typing import Protocol
 from engine.admin_records import EvictInfo, FlushInfo, MatchInfo, NodeInfo, Pin
 from engine.errors import NotIdleError, TierUnavailableError
 from engine.runtime.pins import PinTable
-from hicache.base_prefix_cache import BasePrefixCache
 from hicache.errors import StorageBusyError
-from hicache.events import CacheEventLog
-from hicache.radix_cache import TreeNode
+from hicache.observe.events import CacheEventLog
 from hicache.tier import MEMORY_TIERS, TIERS
+from hicache.tree.base import BasePrefixCache
+from hicache.tree.node import TreeNode
 
 
 class AdminScheduler(Protocol):

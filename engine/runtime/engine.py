@@ -39,10 +39,10 @@ from engine.runtime.request import Req
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.tree_factory import build_tree_cache
 from engine.tokenizer import TokenizerManager
-from hicache.events import CacheEventLog
-from hicache.hiradix_cache import HiRadixCache
-from hicache.kv_blocks import BlockChanges
-from hicache.stats import CacheStats
+from hicache.observe.blocks import BlockChanges
+from hicache.observe.events import CacheEventLog
+from hicache.observe.stats import CacheStats
+from hicache.tree.hiradix import HiRadixCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -130,7 +130,7 @@ class Engine(EngineFront):
         return self.scheduler.call(fn).result(timeout)
 
     def cache_stats(self) -> CacheStats:
-        """Every tier's figures and the scheduler's counters (hicache/stats.py)."""
+        """Every tier's figures and the scheduler's counters (hicache/observe/stats.py)."""
         return self.call_in_scheduler(_collect_stats)
 
     def event_log(self) -> CacheEventLog:

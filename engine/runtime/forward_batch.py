@@ -21,9 +21,9 @@ import torch
 
 if TYPE_CHECKING:
     from engine.runtime.layers.attention import AttentionBackend
-    from hicache.base_prefix_cache import HostReads
-    from hicache.kv_pool import MHATokenToKVPool
-    from hicache.req_to_token import ReqToTokenPool
+    from hicache.memory.kv_pool import MHATokenToKVPool
+    from hicache.memory.req_to_token import ReqToTokenPool
+    from hicache.tree.base import HostReads
 
 
 class ForwardMode(IntEnum):

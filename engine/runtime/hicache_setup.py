@@ -8,10 +8,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from engine.config import ServerArgs
-from hicache.controller import HiCacheController
-from hicache.hiradix_cache import HiRadixCache
-from hicache.host_pool import MHATokenToKVPoolHost, host_pool_size
+from hicache.memory.host_pool import MHATokenToKVPoolHost, host_pool_size
 from hicache.storage.base import StorageBackend
+from hicache.transfer.controller import HiCacheController
+from hicache.tree.hiradix import HiRadixCache
 
 if TYPE_CHECKING:
     from engine.runtime.model_runner import ModelRunner
@@ -59,7 +59,7 @@ def build_storage(
     if not backend:
         return None
     if backend == "redis":
-        from hicache.storage.redis import RedisStorageBackend
+        from hicache.storage.redis.backend import RedisStorageBackend
 
         redis_url = url or args.hicache_storage_url
         if not redis_url:
@@ -70,11 +70,11 @@ def build_storage(
         return RedisStorageBackend(redis_url, scope, key_prefix=args.hicache_storage_key_prefix)
     if backend != "file":
         raise ValueError(f"unknown hicache_storage_backend {backend!r} (file, redis)")
-    from hicache.storage.file import FileStorageBackend
+    from hicache.storage.file.backend import FileStorageBackend
 
     directory = os.path.expanduser(directory or args.hicache_storage_dir or DEFAULT_STORAGE_DIR)
     # NOTE: no rescan inside stats() (it runs on the scheduler thread): the L3 backup thread
-    # rescans when idle (hicache.storage_io)
+    # rescans when idle (hicache.transfer.storage_io)
     return FileStorageBackend(
         directory, int(args.hicache_storage_size_gb * (1 << 30)), reconcile_interval_s=None
     )

@@ -1,6 +1,6 @@
 """The scheduler side of KV events: the cache's blocks per tier, on the scheduler thread
-(Engine.kv_block_changes; in the scheduler process of a split daemon). L1 and L2 come from the tree (hicache.kv_blocks), L3
-from the objects the cache knows are stored (hicache.l3_blocks); one pair of views per tree
+(Engine.kv_block_changes; in the scheduler process of a split daemon). L1 and L2 come from the tree (hicache.observe.blocks), L3
+from the objects the cache knows are stored (hicache.l3.index); one pair of views per tree
 keeps their hash caches between calls."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from hicache.kv_blocks import TIERS, Block, BlockChanges, BlockView
-from hicache.l3_blocks import L3BlockView
+from hicache.l3.index import L3BlockView
+from hicache.observe.blocks import TIERS, Block, BlockChanges, BlockView
 
 if TYPE_CHECKING:
     from engine.runtime.scheduler.scheduler import Scheduler

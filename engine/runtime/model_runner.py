@@ -21,9 +21,9 @@ from engine.runtime.models.llama_cpu_decode import install as install_fused_deco
 from engine.runtime.models.loader import gguf_linear_types, load_model
 from engine.runtime.request import Req
 from engine.runtime.sampling import Sampler
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.memory.req_to_token import ReqToTokenPool
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from engine.admin_records import Pin
-from hicache.base_prefix_cache import BasePrefixCache, PrefixLock
+from hicache.tree.base import BasePrefixCache, PrefixLock
 
 
 class PinTable:

@@ -11,7 +11,7 @@ lifecycle). Each record names the modules that write and read it:
 Where a request is in its lifecycle (waiting, running, a chunk in flight, finished with its
 release deferred) is the scheduler's lists (``waiting``, ``running``, ``chunked_req``,
 ``deferred``), not a flag here. The prefix caches see a Req as
-``hicache.cache_request.CacheRequest`` (its ``kv`` as ``CacheKV``); mypy checks that at every
+``hicache.tree.request.CacheRequest`` (its ``kv`` as ``CacheKV``); mypy checks that at every
 cache call. After submit everything here belongs to the scheduler thread, except
 ``stream.chunks``, which the caller's thread reads.
 """
@@ -33,8 +33,8 @@ from engine.front import FinishKind, SamplingParams, StreamChunk
 from hicache.tier import TIERS
 
 if TYPE_CHECKING:
-    from hicache.base_prefix_cache import MatchResult
-    from hicache.radix_cache import TreeNode
+    from hicache.tree.base import MatchResult
+    from hicache.tree.node import TreeNode
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _no_slots() -> torch.Tensor:
 class KVState:
     """Where a request's KV is: its req_to_token row, the cached prefix it uses (its match while
     it waits), and the positions launched forwards write. The prefix caches see it as
-    ``hicache.cache_request.CacheKV``.
+    ``hicache.tree.request.CacheKV``.
 
         positions: 0 ....... len(prefix_indices) ........ kv_len ............... kv_alloc
                    | its prefix: tree slots | its own slots, KV in | launched forwards write |

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from engine.admin_records import TenantQuota, TenantView, TierUsage
 from engine.runtime import cache_admin
-from hicache.base_prefix_cache import BasePrefixCache
-from hicache.radix_cache import TreeNode
 from hicache.tier import MEMORY_TIERS
+from hicache.tree.base import BasePrefixCache
+from hicache.tree.node import TreeNode
 
 if TYPE_CHECKING:
     from engine.runtime.scheduler import Scheduler

@@ -28,7 +28,7 @@ from engine.server.settings import ensure_dir
 from engine.server.state import DaemonState, iter_chunks, rpc
 from engine.server.tenants import Principal
 from hicache.errors import StorageBusyError
-from hicache.stats import CacheStats, TierStats
+from hicache.observe.stats import CacheStats, TierStats
 from hicache.tier import Tier
 
 DEFAULT_FLUSH_TIMEOUT_S = 10.0

@@ -44,7 +44,7 @@ from engine.server.pb import (
 from engine.server.settings import DaemonSettings, describe_tiers
 from engine.server.sglang_worker import SglangWorkerServicer
 from engine.server.state import DaemonState
-from hicache.stats import CacheStats
+from hicache.observe.stats import CacheStats
 from hicache.tier import TIERS
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from engine.errors import EngineShutdownError
 from engine.server.state import DaemonState
-from hicache.kv_blocks import TIERS, Block
+from hicache.observe.blocks import TIERS, Block
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The HMAC key of namespaces' salts in the KV events (hicache.kv_blocks.namespace_salt).
+"""The HMAC key of namespaces' salts in the KV events (hicache.observe.blocks.namespace_salt).
 
 Configured, every daemon given the same secret publishes a namespace's blocks under the same
 hashes: behind one gateway, and across restarts, a tenant's prefix has one name everywhere.

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from hicache.stats import CacheStats
+from hicache.observe.stats import CacheStats
 from hicache.tier import Tier
 
 # `include` sections a caller may ask for (SGLang's, and hicache's `tiers`); "core" is always

@@ -22,7 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hicache.stats import CacheStats, L3Stats, TierStats
+from hicache.observe.stats import CacheStats, L3Stats, TierStats
 from hicache.tier import TIERS, Tier
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from engine.server import tenants as tenancy
 from engine.server.kv_events_config import KvEventsConfig
 from engine.server.kv_events_salt import salt_key
 from engine.server.tenants import Tenant
-from hicache.storage.redis_url import redact_url
+from hicache.storage.redis.url import redact_url
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -53,9 +53,9 @@ from engine.front import (
     StreamChunk,
 )
 from engine.tokenizer import TokenizerManager
-from hicache.events import CacheEvent
-from hicache.kv_blocks import BlockChanges
-from hicache.stats import CacheStats
+from hicache.observe.blocks import BlockChanges
+from hicache.observe.events import CacheEvent
+from hicache.observe.stats import CacheStats
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # model conversion + load on a slow machine

@@ -1,6 +1,6 @@
 """L3 storage backends for host-pool pages.
 
-The names below load their modules on first use: ``hicache.storage.redis_url`` (parsed in the
+The names below load their modules on first use: ``hicache.storage.redis.url`` (parsed in the
 daemon's API server process, which never loads torch) must not pull in the backends.
 """
 
@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hicache.stats import StorageStats
+    from hicache.observe.stats import StorageStats
     from hicache.storage.base import (
         StorageBackend,
         StorageValue,
@@ -18,12 +18,12 @@ if TYPE_CHECKING:
         page_hashes,
         prefix_hash_seed,
     )
-    from hicache.storage.file import FileStorageBackend
+    from hicache.storage.file.backend import FileStorageBackend
 
 _HOMES = {
-    "FileStorageBackend": "hicache.storage.file",
+    "FileStorageBackend": "hicache.storage.file.backend",
     "StorageBackend": "hicache.storage.base",
-    "StorageStats": "hicache.stats",
+    "StorageStats": "hicache.observe.stats",
     "StorageValue": "hicache.storage.base",
     "object_keys": "hicache.storage.base",
     "page_hashes": "hicache.storage.base",

@@ -14,7 +14,7 @@ object also forgets every object after it in its chain (they can no longer be re
 
 A backend may keep what each object is of (``ObjectContent``: its namespace and tokens, given to
 ``batch_set``) and report the changes of what it holds (``watch``): the KV events' L3 blocks
-(hicache.l3_blocks). One that cannot (a shared server: others write and evict behind its back)
+(hicache.l3.index). One that cannot (a shared server: others write and evict behind its back)
 reports nothing and keeps no content.
 """
 

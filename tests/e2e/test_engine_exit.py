@@ -11,7 +11,7 @@ import random
 import subprocess
 import sys
 
-from hicache.storage.file import FileStorageBackend
+from hicache.storage.file.backend import FileStorageBackend
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNS = 2  # in parallel: each is a fresh interpreter (torch import included)

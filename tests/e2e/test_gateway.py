@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from engine.server.gen.smg import common_pb2 as smg_common
 from engine.server.gen.smg import sglang_scheduler_pb2 as sg
 from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
-from hicache.kv_blocks import block_hash
+from hicache.observe.blocks import block_hash
 from tests.gateway_process import (
     Proc,
     smg_binary,

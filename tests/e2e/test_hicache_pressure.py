@@ -17,8 +17,8 @@ import pytest
 
 from engine import Engine
 from engine.config import ServerArgs
-from hicache.stats import L3Stats
-from hicache.storage.file import FileStorageBackend
+from hicache.observe.stats import L3Stats
+from hicache.storage.file.backend import FileStorageBackend
 from tests.storage_fakes import GatedStorage
 from tests.tiny_models import hf_greedy
 

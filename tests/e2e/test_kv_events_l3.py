@@ -25,7 +25,7 @@ from engine.server.app import DaemonThread
 from engine.server.gen.smg import common_pb2 as smg_common
 from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
 from engine.server.settings import DaemonSettings
-from hicache.kv_blocks import block_hash
+from hicache.observe.blocks import block_hash
 from tests import valkey_servers
 from tests.gateway_process import free_port
 

@@ -25,7 +25,7 @@ from engine.client import HicacheClient
 from engine.config import ServerArgs
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
-from hicache.storage.file import FileStorageBackend
+from hicache.storage.file.backend import FileStorageBackend
 from tests.storage_fakes import GatedStorage
 from tools.soak import (
     CLIENT_SIDE,

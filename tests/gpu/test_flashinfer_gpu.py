@@ -12,8 +12,8 @@ import torch
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.layers.attention import create_backend
 from engine.runtime.layers.radix_attention import RadixAttention
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.memory.req_to_token import ReqToTokenPool
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from engine import Engine
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.controller import HiCacheController
-from hicache.host_pool import MHATokenToKVPoolHost
-from hicache.kv_pool import MHATokenToKVPool
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.host_pool import MHATokenToKVPoolHost
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.transfer.controller import HiCacheController
 
 pytestmark = [
     pytest.mark.gpu,

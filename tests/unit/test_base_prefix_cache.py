@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.base_prefix_cache import BasePrefixCache, MatchResult
-from hicache.chunk_cache import ChunkCache
-from hicache.hiradix_cache import HiRadixCache
-from hicache.radix_cache import RadixCache
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.req_to_token import ReqToTokenPool
 from hicache.tier import TIERS
+from hicache.tree.base import BasePrefixCache, MatchResult
+from hicache.tree.chunk import ChunkCache
+from hicache.tree.hiradix import HiRadixCache
+from hicache.tree.radix import RadixCache
 from tests.unit.test_hiradix_cache import Rig
 
 NO_HITS = dict.fromkeys(TIERS, 0)
@@ -119,7 +119,7 @@ def test_match_result_is_frozen_and_hierarchical_match_counts_tiers():
 
 
 def test_tiers_are_named_once():
-    from hicache import events
+    from hicache.observe import events
     from hicache.tier import MEMORY_TIERS, TIERS, Tier
 
     assert TIERS == ("l1", "l2", "l3") == tuple(Tier) and MEMORY_TIERS == TIERS[:2]

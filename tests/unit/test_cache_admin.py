@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine.runtime import cache_admin
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.events import CacheEventLog
-from hicache.radix_cache import RadixCache
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.observe.events import CacheEventLog
+from hicache.tree.radix import RadixCache
 
 
 class FakeScheduler:

@@ -15,8 +15,8 @@ from engine.runtime.layers.attention import create_backend
 from engine.runtime.layers.norm import RMSNorm
 from engine.runtime.layers.radix_attention import RadixAttention
 from engine.runtime.layers.rotary import RotaryEmbedding
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.memory.req_to_token import ReqToTokenPool
 
 HD = 32
 LIB = cpu_kernels.KERNELS.get()

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from hicache.events import CacheEventLog
+from hicache.observe.events import CacheEventLog
 
 
 def test_emit_assigns_increasing_seq_and_since_resumes():

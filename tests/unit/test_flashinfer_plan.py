@@ -19,8 +19,8 @@ from engine.runtime.layers import attention
 from engine.runtime.layers.attention import available_backends, create_backend, default_backend
 from engine.runtime.layers.attention import flashinfer_backend as fib
 from engine.runtime.layers.radix_attention import RadixAttention
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.memory.req_to_token import ReqToTokenPool
 
 
 def i64(xs: list[int]) -> torch.Tensor:

@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.controller import HiCacheController, LayerDoneCounter
-from hicache.events import CacheEventLog
-from hicache.hiradix_cache import HiRadixCache
-from hicache.host_pool import MHATokenToKVPoolHost
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.stats import TierSet
-from hicache.storage.file import FileStorageBackend
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.host_pool import MHATokenToKVPoolHost
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.observe.events import CacheEventLog
+from hicache.observe.stats import TierSet
+from hicache.storage.file.backend import FileStorageBackend
 from hicache.tier import TIERS
+from hicache.transfer.controller import HiCacheController, LayerDoneCounter
+from hicache.tree.hiradix import HiRadixCache
 
 L, H, D = 3, 2, 4
 
@@ -376,7 +376,7 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
 
 
 def test_events_and_stats(rigs):
-    from hicache.events import CacheEventLog
+    from hicache.observe.events import CacheEventLog
 
     r = rigs()
     r.tree.event_log = log = CacheEventLog()
@@ -537,7 +537,8 @@ def test_layer_wait_uses_only_its_layers_event(monkeypatch):
     on nothing else (CUDA events; here stand-ins, since CPU copies have none)."""
     waited: list[object] = []
     monkeypatch.setattr(
-        "hicache.copy_stream.CopyStream.compute_wait", staticmethod(lambda ev: waited.append(ev))
+        "hicache.transfer.copy_stream.CopyStream.compute_wait",
+        staticmethod(lambda ev: waited.append(ev)),
     )
     c = LayerDoneCounter(3)
     c.increment("ev0")
@@ -685,8 +686,8 @@ TestHiCacheAdminSoak = HiCacheAdminSoak.TestCase
 
 
 def test_kv_block_view_follows_demotion_and_load_back(rigs):
-    """hicache.kv_blocks: blocks move L1 -> L2 on demotion and are in both after load back."""
-    from hicache.kv_blocks import BlockView
+    """hicache.observe.blocks: blocks move L1 -> L2 on demotion and are in both after load back."""
+    from hicache.observe.blocks import BlockView
 
     r = rigs(page_size=4)
     key = list(range(100, 124))  # 24 tokens: 3 blocks of 8

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from hicache.host_pool import MHATokenToKVPoolHost, host_pool_size
-from hicache.kv_pool import MHATokenToKVPool
+from hicache.memory.host_pool import MHATokenToKVPoolHost, host_pool_size
+from hicache.memory.kv_pool import MHATokenToKVPool
 
 L, H, D = 3, 2, 4
 
@@ -142,7 +142,7 @@ def test_backup_then_load_roundtrip(layout, page_size, io_backend):
 
 
 def test_oversized_host_pool_is_refused_before_allocating(monkeypatch):
-    monkeypatch.setattr("hicache.host_pool.available_host_memory", lambda: 3 << 30)
+    monkeypatch.setattr("hicache.memory.host_pool.available_host_memory", lambda: 3 << 30)
     # 2 (K, V) x 4 layers x 2**22 tokens x 8 x 16 x 4 B = 16 GiB > 3 GiB - 2 GiB reserve
     with pytest.raises(
         ValueError,

@@ -1,9 +1,9 @@
-"""hicache.kv_blocks: the radix tree as chained fixed-size blocks per tier (for KV events)."""
+"""hicache.observe.blocks: the radix tree as chained fixed-size blocks per tier (for KV events)."""
 
 from __future__ import annotations
 
 from hicache import RadixCache, TokenToKVPoolAllocator
-from hicache.kv_blocks import BlockView, block_hash, namespace_salt
+from hicache.observe.blocks import BlockView, block_hash, namespace_salt
 
 B = 4
 KEY = b"k" * 16

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.runtime.scheduler.invariants import check_kv_invariant, held_slots
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.radix_cache import RadixCache
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.tree.radix import RadixCache
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

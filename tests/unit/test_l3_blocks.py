@@ -1,4 +1,4 @@
-"""hicache.l3_blocks: the L3 objects a daemon knows are stored, cut into the KV events' blocks.
+"""hicache.l3.index: the L3 objects a daemon knows are stored, cut into the KV events' blocks.
 A real file backend reports its own changes (writes, the size cap's evictions, losses on read,
 clear, and what it holds after a restart); a shared server's objects are what the tree's hooks
 tell (a real Valkey). The blocks' hashes equal the L1/L2 view's for the same tokens."""
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import pytest
 
 from hicache import RadixCache, TokenToKVPoolAllocator
-from hicache.kv_blocks import BlockView, block_hash, namespace_salt
-from hicache.l3_blocks import L3BlockView, L3Index
+from hicache.l3.index import L3BlockView, L3Index
+from hicache.observe.blocks import BlockView, block_hash, namespace_salt
 from hicache.storage import FileStorageBackend, object_keys, prefix_hash_seed
 from hicache.storage.base import ObjectContent, StorageBackend, StorageValue
-from hicache.storage.redis import RedisStorageBackend
+from hicache.storage.redis.backend import RedisStorageBackend
 from tests import valkey_servers
 from tests.unit.test_hiradix_cache import Rig
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from hicache.base_prefix_cache import MatchResult
-from hicache.hiradix_cache import HiRadixCache
-from hicache.l3_tier import MAX_BACKUP_HOST_SHARE, StorageBusyError
-from hicache.radix_cache import TreeNode
-from hicache.storage.file import FileStorageBackend
+from hicache.l3.tier import MAX_BACKUP_HOST_SHARE, StorageBusyError
+from hicache.storage.file.backend import FileStorageBackend
+from hicache.tree.base import MatchResult
+from hicache.tree.hiradix import HiRadixCache
+from hicache.tree.node import TreeNode
 from tests.storage_fakes import GatedStorage, gate_writes
 from tests.unit.test_hiradix_cache import Rig
 
@@ -288,7 +288,7 @@ def test_drain_counts_what_a_hung_store_never_got(gated, caplog):
         r.insert(key)
         _land_writes(r)
     assert hung.wait_blocked(1)
-    with caplog.at_level(logging.WARNING, logger="hicache.l3_tier"):
+    with caplog.at_level(logging.WARNING, logger="hicache.l3.tier"):
         assert r.tree.drain_storage(0.1) == 12  # 2 backups running, 1 deferred: 4 objects each
     assert "12 objects not stored at shutdown" in caplog.text
     hung.open()
@@ -297,7 +297,7 @@ def test_drain_counts_what_a_hung_store_never_got(gated, caplog):
 # ---- admission (what the scheduler asks the cache: l3_*) -------------------------------------
 @dataclass
 class WaitingKV:
-    """A waiting request's KV as the caches see it (hicache.cache_request.CacheKV)."""
+    """A waiting request's KV as the caches see it (hicache.tree.request.CacheKV)."""
 
     req_pool_idx: int | None = None
     fill_ids: list[int] = field(default_factory=list)
@@ -310,7 +310,7 @@ class WaitingKV:
 
 @dataclass
 class Waiting:
-    """A waiting request as the caches see it (hicache.cache_request.CacheRequest)."""
+    """A waiting request as the caches see it (hicache.tree.request.CacheRequest)."""
 
     rid: str
     origin_input_ids: list[int]

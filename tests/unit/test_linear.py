@@ -20,8 +20,8 @@ from engine.runtime.layers.linear import (
     resolve_linear_backend,
 )
 from engine.runtime.models.loader import load_model
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.memory.req_to_token import ReqToTokenPool
 from tests.tiny_models import make_tiny_model_dir
 
 needs_onednn = pytest.mark.skipif(

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import Engine
 from engine.server.admin import stats_message
 from engine.server.metrics import Metrics
-from hicache.stats import CacheStats, L3Stats, Moves, l3_stats
+from hicache.observe.stats import CacheStats, L3Stats, Moves, l3_stats
 from tests import stats_records as rec
 from tests.e2e.test_hicache_engine import _prompts, _wait_backups_landed, _wait_in_l3
 
@@ -161,7 +161,7 @@ def test_request_histograms_and_counters():
 # non-zero after it. Those produced only under faults, contention or policies have tests of
 # their own (tests/unit/test_stats.py, test_storage_pipeline.py, test_storage_file.py,
 # tests/e2e/test_hicache_pressure.py, test_redis_l3.py).
-STRUCTURAL = {  # zero by definition (hicache/stats.py)
+STRUCTURAL = {  # zero by definition (hicache/observe/stats.py)
     "l1": {"errors"},
     "l3": {
         "evictable_tokens",

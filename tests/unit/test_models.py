@@ -18,8 +18,8 @@ import transformers
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.layers.attention import create_backend
 from engine.runtime.models.loader import load_model
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.memory.req_to_token import ReqToTokenPool
 
 ATOL = 1e-4
 TINY = {

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hicache import ChunkCache, RadixCache, ReqToTokenPool, TokenToKVPoolAllocator
-from hicache.eviction_plan import StalePlanError
+from hicache.tree.eviction_plan import StalePlanError
 
 
 class Sim:
@@ -36,7 +36,7 @@ class Sim:
         m = self.cache.match_prefix(tokens)
         self.cache.inc_lock_ref(m.last_device_node)
         self.pool.write((rows[0], slice(0, len(m.device_indices))), m.device_indices)
-        # the fields of hicache.cache_request.CacheRequest / CacheKV the caches use
+        # the fields of hicache.tree.request.CacheRequest / CacheKV the caches use
         # (kv_committed_len None: every token but the last sampled one has KV); ``tokens`` and
         # ``kv.kv_len`` are the simulation's own
         kv = SimpleNamespace(

@@ -1,4 +1,4 @@
-"""The typed stats records (hicache/stats.py): their fields are the proto's, GetCacheStats and
+"""The typed stats records (hicache/observe/stats.py): their fields are the proto's, GetCacheStats and
 Prometheus copy every field, and the figures only faults, locks or contention produce are
 produced (on the tree, without a model)."""
 
@@ -16,8 +16,8 @@ from engine.client import cli_args
 from engine.server.admin import stats_message, tier_message
 from engine.server.metrics import Metrics
 from engine.server.pb import admin_pb2
-from hicache.stats import CacheStats, L1Stats, L2Stats, L3Stats, TierStats, l3_stats
-from hicache.storage.file import FileStorageBackend
+from hicache.observe.stats import CacheStats, L1Stats, L2Stats, L3Stats, TierStats, l3_stats
+from hicache.storage.file.backend import FileStorageBackend
 from hicache.tier import TIERS, Tier
 from tests import stats_records as rec
 from tests.storage_fakes import GatedStorage

@@ -13,9 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import codec, file_format, redis_format
+from hicache.storage import codec
 from hicache.storage.base import ObjectContent
 from hicache.storage.codec import Corrupt
+from hicache.storage.file import format as file_format
+from hicache.storage.redis import format as redis_format
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8, torch.int64]
 

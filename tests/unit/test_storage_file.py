@@ -19,14 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import (
-    FileStorageBackend,
-    file_scan,
-    object_keys,
-    page_hashes,
-    prefix_hash_seed,
-)
-from hicache.storage import file as file_mod
+from hicache.storage import FileStorageBackend, object_keys, page_hashes, prefix_hash_seed
+from hicache.storage.file import backend as file_mod
+from hicache.storage.file import scan as file_scan
 
 SEED = prefix_hash_seed("test-model", None)
 
@@ -173,7 +168,7 @@ def test_unreadable_object_is_forgotten_but_kept_on_disk(tmp_path, monkeypatch, 
         return real(key, path)
 
     monkeypatch.setattr(file_mod, "read_object", flaky)
-    with caplog.at_level(logging.WARNING, logger="hicache.storage.file"):
+    with caplog.at_level(logging.WARNING, logger="hicache.storage.file.backend"):
         assert s.batch_get(keys)[1:] == [None, None]
         assert s.batch_get(keys)[1:] == [None, None]
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
@@ -316,7 +311,7 @@ def test_version1_files_are_dropped_at_start(tmp_path):
 def test_version2_files_with_crc32_are_still_read(tmp_path):
     """Objects written before the xxh3 checksums (VERSION 2, crc32) are read and verified; a
     VERSION 2 payload that does not match its crc32 is corrupt."""
-    from hicache.storage import file_format as fmod
+    from hicache.storage.file import format as fmod
 
     s = FileStorageBackend(tmp_path, capacity_bytes=1 << 20)
     keys = chain(5, 2)
@@ -463,7 +458,7 @@ def warnings_of(caplog) -> list[logging.LogRecord]:
     return [
         r
         for r in caplog.records
-        if r.levelno >= logging.WARNING and r.name == "hicache.storage.file"
+        if r.levelno >= logging.WARNING and r.name == "hicache.storage.file.backend"
     ]
 
 
@@ -473,7 +468,7 @@ def test_unwritable_directory_logs_once_and_counts_each_failed_call(tmp_path, ca
     roots = [f"{i:02x}_root" for i in range(6)]
     undo = block_writes(d, [r[:2] for r in roots])
     try:
-        with caplog.at_level(logging.WARNING, logger="hicache.storage.file"):
+        with caplog.at_level(logging.WARNING, logger="hicache.storage.file.backend"):
             assert s.batch_set(roots, [page(i) for i in range(6)]) == [False] * 6
             assert s.batch_set(roots[:2], [page(0), page(1)]) == [False] * 2
         assert len(warnings_of(caplog)) == 1
@@ -494,7 +489,7 @@ def test_writes_failing_and_succeeding_by_turns_log_one_warning(tmp_path, caplog
     good, bad = ["a0", "a1", "a2"], ["b0", "b1", "b2"]
     undo = block_writes(d, bad, writable=tuple(good))
     try:
-        with caplog.at_level(logging.INFO, logger="hicache.storage.file"):
+        with caplog.at_level(logging.INFO, logger="hicache.storage.file.backend"):
             for i in range(12):
                 keys = [f"{good[i % 3]}_k{i}", f"{bad[i % 3]}_k{i}"]
                 assert s.batch_set(keys, [page(i), page(100 + i)]) == [True, False]
@@ -662,7 +657,7 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
     calls: list[list[bool]] = []
     try:
         with (
-            caplog.at_level(logging.WARNING, logger="hicache.storage.file"),
+            caplog.at_level(logging.WARNING, logger="hicache.storage.file.backend"),
             Engine(
                 tiny_llama_dir,
                 enable_hierarchical_cache=True,

@@ -1,4 +1,4 @@
-"""ObjectIndex (hicache/storage/file_index.py): after random operation sequences its links
+"""ObjectIndex (hicache/storage/file/index.py): after random operation sequences its links
 agree, it evicts least recently used chains tails first, and its watcher's view equals it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from hicache.storage.base import ObjectsRemoved, ObjectsStored, StoreChange, StoreCleared
-from hicache.storage.file_index import ObjectIndex
+from hicache.storage.file.index import ObjectIndex
 
 
 class Mirror:

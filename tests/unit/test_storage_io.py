@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from hicache import storage_io
 from hicache.storage.base import StorageBackend, StorageValue
-from hicache.storage_io import StorageIO, reconcile_interval
+from hicache.transfer import storage_io
+from hicache.transfer.storage_io import StorageIO, reconcile_interval
 
 
 def test_reconcile_interval_bounds() -> None:

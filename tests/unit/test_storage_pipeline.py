@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hicache.storage.file import FileStorageBackend
+from hicache.storage.file.backend import FileStorageBackend
 from tests.storage_fakes import GatedStorage
 from tests.unit.test_hiradix_cache import Rig
 
@@ -260,7 +260,7 @@ def test_flat_objects_do_not_depend_on_the_device_page_size(tmp_path):
 
 
 def test_detach_waits_for_in_flight_backups_and_refuses_while_they_hang(gated_rig, tmp_path):
-    from hicache.l3_tier import StorageBusyError
+    from hicache.l3.tier import StorageBusyError
 
     r, store = gated_rig(object_size=4)
     store.writes.close()
@@ -286,7 +286,7 @@ def test_detach_waits_for_in_flight_backups_and_refuses_while_they_hang(gated_ri
 
 
 def test_attach_at_run_time_backs_up_what_l2_holds_and_serves_it(gated_rig, tmp_path):
-    from hicache.l3_tier import StorageBusyError
+    from hicache.l3.tier import StorageBusyError
 
     r, _ = gated_rig(object_size=4)
     r.tree.detach_storage()

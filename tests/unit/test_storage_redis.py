@@ -21,17 +21,26 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import FileStorageBackend, redis_client, redis_health, redis_reconcile
-from hicache.storage import redis as redis_mod
-from hicache.storage.redis import RedisStorageBackend
-from hicache.storage.redis_url import parse_target, redact_url
+from hicache.storage import FileStorageBackend
+from hicache.storage.redis import backend as redis_mod
+from hicache.storage.redis import (
+    client as redis_client,
+)
+from hicache.storage.redis import (
+    health as redis_health,
+)
+from hicache.storage.redis import (
+    reconcile as redis_reconcile,
+)
+from hicache.storage.redis.backend import RedisStorageBackend
+from hicache.storage.redis.url import parse_target, redact_url
 from tests import valkey_servers
 from tests.valkey_servers import PortLease, TlsFront, ValkeyCluster, ValkeyServer
 
 valkey_server = valkey_servers.valkey_server  # fixtures: a fresh server / a shared cluster
 valkey_cluster = valkey_servers.valkey_cluster
 
-LOGGER = "hicache.storage.redis"
+LOGGER = "hicache.storage.redis.backend"
 
 
 def tensor(seed: int, dtype: torch.dtype = torch.float32, shape=(2, 3, 4, 8)) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.kernels import (
+from hicache.transfer.kernels import (
     copy_plan,
     gather_tokens,
     merge_runs,

@@ -22,8 +22,8 @@ from tests.triton_interpreter import interpreted
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.layers.attention import available_backends, create_backend
 from engine.runtime.layers.radix_attention import RadixAttention
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.memory.req_to_token import ReqToTokenPool
 
 ATOL = 1e-4
 NUM_SLOTS = 256

@@ -1,7 +1,7 @@
 """Every Triton transfer kernel under TRITON_INTERPRET=1 on CPU == the torch reference, exactly.
 
 NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when
-hicache.kernels.triton_transfer is imported; so this module sets it first and re-imports the
+hicache.transfer.kernels.triton_transfer is imported; so this module sets it first and re-imports the
 kernels module if something imported it earlier. With CUDA present the real kernels are tested in
 tests/gpu instead, and this module is skipped (reloading would swap them for interpreted ones).
 """
@@ -16,9 +16,9 @@ if torch.cuda.is_available():
 pytest.importorskip("triton")
 from tests.triton_interpreter import interpreted
 
-(triton_transfer,) = interpreted("hicache.kernels.triton_transfer")
+(triton_transfer,) = interpreted("hicache.transfer.kernels.triton_transfer")
 
-from hicache.kernels import transfer_all_layer, transfer_per_layer
+from hicache.transfer.kernels import transfer_all_layer, transfer_per_layer
 
 L, H, D = 2, 3, 4  # item = 12 elements: not a power of two
 HOST_PAGES = 6

@@ -18,10 +18,10 @@ import torch
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.layers.attention import AttentionBackend
 from engine.runtime.request import Req
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.base_prefix_cache import BasePrefixCache
-from hicache.kv_pool import MHATokenToKVPool
-from hicache.req_to_token import ReqToTokenPool
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.kv_pool import MHATokenToKVPool
+from hicache.memory.req_to_token import ReqToTokenPool
+from hicache.tree.base import BasePrefixCache
 
 
 class OutOfKVError(RuntimeError):

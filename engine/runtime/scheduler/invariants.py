@@ -13,8 +13,8 @@ from collections.abc import Iterable
 import torch
 
 from engine.runtime.request import Req
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.base_prefix_cache import BasePrefixCache
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.tree.base import BasePrefixCache
 
 
 def held_slots(

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.runtime.request import Req
-from hicache.base_prefix_cache import BasePrefixCache
-from hicache.cache_request import locked_node
+from hicache.tree.base import BasePrefixCache
+from hicache.tree.request import locked_node
 
 # Reserve at most this many future decode tokens per request when budgeting (as SGLang does).
 CLIP_MAX_NEW_TOKENS = 4096

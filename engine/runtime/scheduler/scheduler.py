@@ -39,8 +39,8 @@ from engine.runtime.scheduler.overlap import ForwardWorker, Launched
 from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
 from engine.runtime.scheduler.stats import CacheCounters
-from hicache.base_prefix_cache import BasePrefixCache
-from hicache.cache_request import locked_node
+from hicache.tree.base import BasePrefixCache
+from hicache.tree.request import locked_node
 
 if TYPE_CHECKING:
     from engine.runtime.model_runner import ModelRunner

@@ -1,4 +1,4 @@
-"""Counters the scheduler keeps for cache_stats() (hicache.stats.CacheStats)."""
+"""Counters the scheduler keeps for cache_stats() (hicache.observe.stats.CacheStats)."""
 
 from __future__ import annotations
 

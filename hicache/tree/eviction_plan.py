@@ -1,0 +1,67 @@
+"""Eviction plans: which nodes an eviction from one tier frees, in the tree's own order, worked
+out without changing the tree (``BasePrefixCache.plan_eviction``); ``evict_plan`` then frees
+exactly those nodes through the tree's normal per-node eviction.
+
+The order is the one ``evict`` follows: a heap of the nodes that are leaves *in the tier* (no
+child still holds KV there), smallest ``eviction_priority`` first, a parent joining the heap once
+its last child holding the tier is gone:
+
+    root -- A(5) -- B(3) -- C(1)      (priority; every node one page)
+                        `-- D(2)
+    everything: C, D, B, A            one page's worth: C       two pages' worth: C, D
+
+Nodes that are not candidates (locked, or not evictable from the tier) but hold the tier keep
+their parent from ever becoming a leaf, as in the tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache.tree.node import TreeNode
+
+
+class StalePlanError(RuntimeError):
+    """The tree changed since the plan was made; nothing was evicted."""
+
+
+@dataclass(frozen=True)
+class EvictionPlan:
+    """What an eviction from ``tier`` frees: ``nodes`` in eviction order (leaves first),
+    ``tokens`` the tier's tokens they hold, made at tree ``version``."""
+
+    tier: str
+    nodes: tuple[TreeNode, ...]
+    tokens: int
+    version: int
+
+
+def eviction_order(
+    candidates: Iterable[TreeNode],
+    holds: Callable[[TreeNode], bool],
+    priority: Callable[[TreeNode], Any],
+    num_tokens: int | None,
+) -> list[TreeNode]:
+    """The candidates an eviction of ``num_tokens`` (None: all) frees, in order: it stops once
+    the freed tokens reach ``num_tokens``. ``holds(node)``: the node has KV in the tier."""
+    cand = {n.id: n for n in candidates}
+    # children still holding the tier: a candidate is a leaf of the tier once none is left
+    blocking = {i: sum(1 for c in n.children.values() if holds(c)) for i, n in cand.items()}
+    heap = [(priority(n), i, n) for i, n in cand.items() if blocking[i] == 0]
+    heapq.heapify(heap)
+    order: list[TreeNode] = []
+    tokens = 0
+    while heap and (num_tokens is None or tokens < num_tokens):
+        _, _, node = heapq.heappop(heap)
+        order.append(node)
+        tokens += len(node.key)
+        parent = node.parent
+        if parent is not None and parent.id in cand:
+            blocking[parent.id] -= 1
+            if blocking[parent.id] == 0:
+                heapq.heappush(heap, (priority(parent), parent.id, parent))
+    return order
