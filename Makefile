@@ -44,8 +44,8 @@ lint: $(LINT_STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) tools/bench_offline.py --out docs/bench_offline.json
-	$(PY) tools/plot_bench.py docs/bench_offline.json docs/bench_offline.png
+	$(PY) -m tools.bench_offline --out docs/bench_offline.json
+	$(PY) -m tools.plot_bench docs/bench_offline.json docs/bench_offline.png
 
 clean:
 	rm -rf $(VENV)

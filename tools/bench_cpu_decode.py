@@ -4,7 +4,7 @@ per step), the per-module path (same kernels, Python per layer) and optionally t
 against the step's physical floor (the bytes of weights one step reads over this machine's
 measured read bandwidth); and a cold prefill of ``--prefill`` tokens.
 
-    python tools/bench_cpu_decode.py [--batch 1,4,16] [--context 100,1000] [--steps 30]
+    python -m tools.bench_cpu_decode [--batch 1,4,16] [--context 100,1000] [--steps 30]
         [--dense] [--prefill 2048] [--arg name=value ...] [--out docs/bench_cpu_decode.json]
         [--plot docs/bench_cpu_decode.png [--baseline other.json --baseline-label TEXT]]
 
@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-# run as a script (python tools/bench_cpu_decode.py): the repo root is not on sys.path
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 

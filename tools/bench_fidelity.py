@@ -1,7 +1,7 @@
 """How far hicache's greedy output follows transformers' fp32 greedy output, next to llama.cpp's
 llama-server on the same GGUF (the embedded SmolLM2-135M-Instruct Q4_1) and the same prompts.
 
-    python tools/bench_fidelity.py [--new-tokens 128] [--threads 2] [--llama-server PATH]
+    python -m tools.bench_fidelity [--new-tokens 128] [--threads 2] [--llama-server PATH]
         [--hicache-args '{"quantization": "int8"}'] [--llama-args "-ctk f32 -ctv f32"]
         [--out docs/bench_fidelity.json] [--plot docs/bench_fidelity.png]
 
@@ -34,9 +34,6 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
-
-# run as a script (python tools/bench_fidelity.py): tools/ is on sys.path, the repo root not
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 

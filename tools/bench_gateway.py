@@ -2,7 +2,7 @@
 `hicache serve` daemons: how much of each prompt the daemons serve from cache, by gateway mode,
 against the ideal of one daemon whose cache holds the whole load.
 
-    python tools/bench_gateway.py --out docs/bench_gateway.json --plot docs/bench_gateway.png
+    python -m tools.bench_gateway --out docs/bench_gateway.json --plot docs/bench_gateway.png
 
 The daemons run `hicache serve`'s defaults (the embedded SmolLM2-135M-Instruct) unless
 ``--model`` / ``--daemon-arg`` say otherwise. Scenarios, each run for every gateway mode (HTTP
@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from tests.valkey_servers import ValkeyServer
 from tools.benchlib import (
     Header,

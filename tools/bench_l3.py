@@ -21,7 +21,7 @@ backend >= 0.8x plain, per direction. The file backend's figures for scale.
 Writes <out-dir>/bench_l3.json and .png and prints a markdown table with a header (command,
 machine, load average before / after).
 
-    PYTHONPATH=. python tools/bench_l3.py [--prompt-len 2000 --reps 3 --objects 64]
+    python -m tools.bench_l3 [--prompt-len 2000 --reps 3 --objects 64]
 """
 
 from __future__ import annotations
@@ -35,15 +35,10 @@ import tempfile
 import time
 from typing import Any
 
-_TOOLS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_TOOLS))
-sys.path.insert(0, _TOOLS)
-
-from bench_pressure import WARMUP, distinct_prompt, extra_opts, tiers_str, timed_request
-
 from engine import Engine
 from engine.runtime.cache_admin import evict
 from tests.valkey_servers import ValkeyServer
+from tools.bench_pressure import WARMUP, distinct_prompt, extra_opts, tiers_str, timed_request
 from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
 
 STEPS = ("recompute", "l2", "file_l3", "redis_l3", "redis_l3_live")

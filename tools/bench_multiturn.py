@@ -17,7 +17,7 @@ Part 2 (--ttft, on by default): TTFT of one ~2,000-token prompt served by (a) re
 (b) an L1 hit, (c) an L2 hit (device copy evicted -> demoted to host), (d) an L3 hit (new Engine
 on the same storage dir). Each hit is checked against cached_tokens_per_tier.
 
-    PYTHONPATH=. python tools/bench_multiturn.py [--clients 4 --rounds 4 --question-len 300
+    python -m tools.bench_multiturn [--clients 4 --rounds 4 --question-len 300
         --output-len 16 --device-tokens 1500 --request-rate 2] [--no-ttft] [--only-ttft]
 """
 
@@ -31,13 +31,10 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from typing import Any
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import Engine
 from hicache.tier import TIERS

@@ -14,8 +14,8 @@ gate/up split back to HF names, into a transformers model built from the same co
 directory without a tokenizer (e.g. tools/configs/llama3-8b) gets seeded random token-id
 prompts of similar lengths. On CUDA every clock read follows ``torch.cuda.synchronize()``.
 
-Usage: python tools/bench_offline.py [--out docs/bench_offline.json] [--plot docs/bench_offline.png]
-       python tools/bench_offline.py --device cuda --dtype bfloat16 \\
+Usage: python -m tools.bench_offline [--out docs/bench_offline.json] [--plot docs/bench_offline.png]
+       python -m tools.bench_offline --device cuda --dtype bfloat16 \\
            [--model tools/configs/llama3-8b --load-format dummy] --out docs/bench_offline_gpu.json
 """
 
@@ -29,8 +29,6 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import Engine
 from engine.runtime.layers.attention import default_backend

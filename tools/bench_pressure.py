@@ -33,8 +33,8 @@ Both modes write <out-dir>/bench_pressure_<mode>.json and .png and print a markd
 header (command, machine, load average before / after). Exit status 1 when a step or a config
 failed (it is reported with its error; the tool goes on with the next one).
 
-    PYTHONPATH=. python tools/bench_pressure.py [--mode sequence] [--page-sizes 16,64 --reps 3]
-    PYTHONPATH=. python tools/bench_pressure.py --mode load [--clients 16 --duration 180]
+    python -m tools.bench_pressure [--mode sequence] [--page-sizes 16,64 --reps 3]
+    python -m tools.bench_pressure --mode load [--clients 16 --duration 180]
 """
 
 from __future__ import annotations
@@ -53,11 +53,8 @@ import time
 import traceback
 from typing import Any, NamedTuple
 
-_TOOLS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_TOOLS))
-sys.path.insert(0, _TOOLS)
-
-from bench_multiturn import (
+from engine import Engine
+from tools.bench_multiturn import (
     REQUEUES,
     TIERS,
     plot_tier_hits,
@@ -66,8 +63,6 @@ from bench_multiturn import (
     stats_snapshot,
     tier_hits,
 )
-
-from engine import Engine
 from tools.benchlib import (
     Header,
     cell,

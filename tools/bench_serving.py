@@ -16,10 +16,10 @@ well.
 Both modes see the same prompts; each mode gets a fresh daemon and a fresh L3 directory. The
 clients run on the same machine as the daemon: on a small machine they take CPU from it.
 
-Usage: python tools/bench_serving.py [--modes single,split,split+overlap] [--concurrency 1,16,64]
+Usage: python -m tools.bench_serving [--modes single,split,split+overlap] [--concurrency 1,16,64]
            [--transports grpc,http] [--duration-s 30] [--out docs/bench_serving.json]
            [--plot docs/bench_serving.png]
-       python tools/bench_serving.py --quick --out /tmp/bs.json --plot /tmp/bs.png   # smoke
+       python -m tools.bench_serving --quick --out /tmp/bs.json --plot /tmp/bs.png   # smoke
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-# run as a script (python tools/bench_serving.py), tools/ is on sys.path but not the repo root
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.client import AsyncHicacheClient
 from tools import servinglib as sl

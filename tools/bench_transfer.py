@@ -19,7 +19,7 @@ each pattern. Time = best of --reps; the plain copy (``dst.copy_(src)`` of the s
 timed alternately with every cell, so each ratio compares two timings taken at the same moments
 of a shared machine; with --rounds N each cell reports its pass of median ratio.
 
-    PYTHONPATH=. python tools/bench_transfer.py [--tokens 2048] [--reps 7] [--rounds 1]
+    python -m tools.bench_transfer [--tokens 2048] [--reps 7] [--rounds 1]
         [--threads 1] [--page-sizes 1,16] [--io-backends kernel,direct]
         [--geometry smollm2-135m|llama3-8b] [--json PATH] [--png PATH]
 
@@ -31,7 +31,7 @@ calls, then the median of --reps) against the pinned-memcpy peak: one contiguous
 ``copy_(non_blocking=True)`` of the same bytes (cudaMemcpyAsync), H2D or D2H to match, timed
 alternately with every cell. Target: kernel H2D >= 0.9x that peak.
 
-    PYTHONPATH=. python tools/bench_transfer.py --device cuda --geometry llama3-8b \\
+    python -m tools.bench_transfer --device cuda --geometry llama3-8b \\
         --page-sizes 1,16,64 --json docs/bench_transfer_gpu.json --png docs/bench_transfer_gpu.png
 """
 
@@ -40,15 +40,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-
-# run as a script (python tools/bench_transfer.py): the repo root is not on sys.path
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.host_pool import MHATokenToKVPoolHost

@@ -2,7 +2,7 @@
 servers with the same thread count, driven through the same OpenAI ``/v1/completions`` API with
 the same token-id prompts (greedy, ``ignore_eos``, fixed ``max_tokens``).
 
-    python tools/bench_vs_llamacpp.py [--threads 2] [--llama-server PATH]
+    python -m tools.bench_vs_llamacpp [--threads 2] [--llama-server PATH]
         [--out docs/bench_vs_llamacpp.json] [--plot docs/bench_vs_llamacpp.png]
         [--hicache-args "--quantization none"] [--repeat 3]
 
@@ -36,9 +36,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-# run as a script (python tools/bench_vs_llamacpp.py): tools/ is on sys.path, the repo root not
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.runtime.models.loader import default_model_path
 from tools import servinglib as sl

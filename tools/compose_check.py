@@ -6,7 +6,7 @@ with the published ports forwarded on a "host" namespace's loopback; then the ch
 tools/composelib/checks.py through those ports, and everything stopped and removed. Exit status
 0 when every check passed.
 
-    sudo .venv/bin/python tools/compose_check.py            # ~10 min with the images built
+    sudo .venv/bin/python -m tools.compose_check            # ~10 min with the images built
 
 Needs root (network namespaces, buildah's vfs storage), buildah and iproute2, and the project's
 .venv (`make setup`: the `hicache` client, openai, grpc). Images this machine cannot pull (no
@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from tests.valkey_servers import server_binary
 from tools.composelib import checks, net
 from tools.composelib.containers import (
@@ -225,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inner = [
             sys.executable,
-            str(Path(__file__).resolve()),
+            "-m",
+            "tools.compose_check",
             "--in-host",
             "--compose",
             str(args.compose),
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             "--nonce",
             secrets.token_hex(4),
         ]
-        return subprocess.call(["ip", "netns", "exec", net_.host, *inner])
+        return subprocess.call(["ip", "netns", "exec", net_.host, *inner], cwd=ROOT)
     finally:
         net.teardown()
 

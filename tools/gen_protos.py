@@ -1,8 +1,8 @@
 """Compiles protos/hicache/v1/*.proto into engine/server/gen with the pinned grpcio-tools, and
 the vendored SMG worker protocol (protos/smg/*.proto) into engine/server/gen/smg.
 
-    python tools/gen_protos.py            # regenerate in place
-    python tools/gen_protos.py --check    # exit 1 when the committed code drifts
+    python -m tools.gen_protos            # regenerate in place
+    python -m tools.gen_protos --check    # exit 1 when the committed code drifts
 
 The proto package `hicache.v1` would make protoc emit `from hicache.v1 import ...`, which clashes
 with our `hicache` library package, so imports are rewritten to `engine.server.gen.hicache.v1`.

@@ -25,20 +25,20 @@ case "$stage" in
   tests)
     $py -m pytest -q -rs tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" ;;
   transfer)
-    $py tools/bench_transfer.py --device cuda --geometry llama3-8b --page-sizes 1,16,64 \
+    $py -m tools.bench_transfer --device cuda --geometry llama3-8b --page-sizes 1,16,64 \
       --io-backends kernel,direct --json "$out/bench_transfer_gpu.json" \
       --png "$out/bench_transfer_gpu.png" 2>&1 | tee "$out/bench_transfer_gpu.log" ;;
   ttft)
-    $py tools/bench_multiturn.py --only-ttft --device cuda "${llama[@]}" \
+    $py -m tools.bench_multiturn --only-ttft --device cuda "${llama[@]}" \
       --ttft-prompt-len 8000 --page-size 64 --layout layer_first \
       --json "$out/bench_ttft_gpu.json" --ttft-png "$out/bench_ttft_tiers_gpu.png" 2>&1 \
       | tee "$out/bench_ttft_gpu.log" ;;
   multiturn)
-    $py tools/bench_multiturn.py --no-ttft --device cuda "${llama[@]}" \
+    $py -m tools.bench_multiturn --no-ttft --device cuda "${llama[@]}" \
       --json "$out/bench_multiturn_gpu.json" --png "$out/bench_multiturn_gpu.png" 2>&1 \
       | tee "$out/bench_multiturn_gpu.log" ;;
   decode)
-    $py tools/bench_offline.py --device cuda --dtype bfloat16 "${llama[@]}" \
+    $py -m tools.bench_offline --device cuda --dtype bfloat16 "${llama[@]}" \
       --out "$out/bench_offline_llama3_8b_gpu.json" 2>&1 | tee "$out/bench_offline_gpu.log" ;;
   *)
     echo "gpu_checks: unknown stage $stage" >&2; exit 2 ;;

@@ -1,18 +1,14 @@
 """Plots tools/bench_offline.py's JSON into a PNG for docs/benchmarks.md (bench_offline.py
 --plot draws the same figure).
 
-    python tools/plot_bench.py docs/bench_offline.json docs/bench_offline.png
+    python -m tools.plot_bench docs/bench_offline.json docs/bench_offline.png
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
-
-# run as a script (python tools/plot_bench.py): the repo root is not on sys.path
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.benchlib import describe_machine, save_figure, subplots
 

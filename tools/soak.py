@@ -40,8 +40,8 @@ aborted or killed stream got) must be those tokens; each mismatch is a violation
 the prompt, the answer, the first differing token, the tiers its prefix came from and the
 faults around it.
 
-    .venv/bin/python tools/soak.py --duration-s 1200 --clients 8 --out soak.json --plot soak.png
-    .venv/bin/python tools/soak.py --duration-s 60 --faults corrupt+delete,kill9 --model DIR
+    .venv/bin/python -m tools.soak --duration-s 1200 --clients 8 --out soak.json --plot soak.png
+    .venv/bin/python -m tools.soak --duration-s 60 --faults corrupt+delete,kill9 --model DIR
 
 --out gets requests, the status histogram (overall and per RPC), faults injected / skipped,
 TTFT p50 / p99, RSS per round (first / last), leaked slots per tier, every violation, the
@@ -56,7 +56,6 @@ This file runs the rounds and prints the summary; the parts live in tools/soakli
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import sys
@@ -66,9 +65,6 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
-
-# run as a script (python tools/soak.py), tools/ is on sys.path but not the repo root
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc
 

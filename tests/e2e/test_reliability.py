@@ -224,13 +224,13 @@ def test_files_not_removed_while_read_only(tmp_path):
 
 
 def test_tool_runs_as_a_script():
-    """`python tools/soak.py --help`: the CLI parses and names every fault."""
+    """`python -m tools.soak --help`: the CLI parses and names every fault."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run(
-        [sys.executable, "tools/soak.py", "--help"],
+        [sys.executable, "-m", "tools.soak", "--help"],
         cwd=root,
         capture_output=True,
         text=True,

@@ -80,6 +80,17 @@ def test_cell_formats() -> None:
     assert cell(None) == "—" and cell(math.nan, missing="-") == "-"
 
 
+def test_header_command_of_a_module_run(monkeypatch) -> None:
+    """`python -m tools.bench_x ...` is recorded as typed, not as the module's file path."""
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="tools.bench_x")  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["/somewhere/tools/bench_x.py", "--flag", "a b"])
+    assert Header.now().command.endswith(" -m tools.bench_x --flag 'a b'")
+
+
 def test_header_fields() -> None:
     h = Header.now(["tools/bench_x.py", "--flag", "a b"])
     assert h.command.endswith("tools/bench_x.py --flag 'a b'")

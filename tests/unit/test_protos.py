@@ -19,7 +19,7 @@ def _gen_protos():
 
 def test_generated_code_has_not_drifted():
     drift = _gen_protos().check()
-    assert drift == [], f"run `python tools/gen_protos.py`: {drift}"
+    assert drift == [], f"run `python -m tools.gen_protos`: {drift}"
 
 
 def test_check_detects_drift(tmp_path):

@@ -2,7 +2,7 @@
 commit, the CPU and its SIMD flags, torch, the load average at the start and at the end, and the
 plots it wrote. In a result's JSON (``Header.record()``, merged into its top level):
 
-    command   "python tools/bench_x.py --flag value" (the interpreter as the user typed it,
+    command   "python -m tools.bench_x --flag value" (the interpreter as the user typed it,
               relative to the working directory when under it)
     date      UTC, ISO 8601 to the second, when the run started
     plots     the PNG paths the run wrote ([] for none)
@@ -85,10 +85,15 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _command(argv: list[str]) -> str:
+def _command(argv: list[str] | None) -> str:
+    """The command line as typed: ``python -m tools.bench_x ...`` for this process's own argv
+    when it runs as a module (sys.argv[0] is then the module's file)."""
     exe = os.path.relpath(sys.executable)
     if exe.startswith(".."):
         exe = os.path.basename(sys.executable)
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if argv is None:
+        argv = ["-m", spec.name, *sys.argv[1:]] if spec is not None else sys.argv
     return " ".join(shlex.quote(x) for x in [exe, *argv])
 
 
@@ -128,7 +133,7 @@ class Header:
     def now(cls, argv: list[str] | None = None) -> Header:
         model, flags = cpu_info()
         return cls(
-            command=_command(sys.argv if argv is None else argv),
+            command=_command(argv),
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             cpu_model=model,
             cpu_count=os.cpu_count() or 1,
