@@ -35,12 +35,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import httpx2
 import torch
 
 from engine.runtime.models.loader import default_model_path, resolve_model_dir
-from tools import servinglib as sl
 from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
 from tools.benchlib.header import header_markdown
+from tools.benchlib.peers import LlamaServer, build_llama_server
 
 REPORT = """\
 Incident report INC-2291, payments service, 14 March.
@@ -170,7 +171,7 @@ def llama_server(
     binary: Path, prompts: list[list[int]], new_tokens: int, threads: int, extra_args: list[str]
 ) -> Side:
     work = Path(tempfile.mkdtemp(prefix="bench-fidelity-"))
-    server = sl.LlamaServer(binary, default_model_path(), threads, work, slots=1, ctx=4096)
+    server = LlamaServer(binary, default_model_path(), threads, work, slots=1, ctx=4096)
     server.argv += ["-lv", "4", *extra_args]  # verbosity 4 logs the model's EOG tokens
     outs: list[list[int]] = []
     stopped_at: set[int] = set()
@@ -186,7 +187,7 @@ def llama_server(
                 "return_tokens": True,
                 "stream": False,
             }
-            r = sl.httpx.post(f"{server.url}/completion", json=body, timeout=600)
+            r = httpx2.post(f"{server.url}/completion", json=body, timeout=600)
             r.raise_for_status()
             res = r.json()
             # NOTE: a BOS added or a prompt truncated would compare different inputs
@@ -332,7 +333,7 @@ def main() -> int:
     p.add_argument("--out", default="docs/bench_fidelity.json")
     p.add_argument("--plot", default="docs/bench_fidelity.png")
     a = p.parse_args()
-    binary = Path(a.llama_server) if a.llama_server else sl.build_llama_server()
+    binary = Path(a.llama_server) if a.llama_server else build_llama_server()
     header = Header.now()
     result: dict[str, Any] = {
         "config": {

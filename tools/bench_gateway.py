@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import sys
 import tempfile
 import textwrap
@@ -41,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-from tests.valkey_servers import ValkeyServer
 from tools.benchlib import (
     Header,
     cell,
@@ -49,20 +47,14 @@ from tools.benchlib import (
     markdown_table,
     percentile,
     save_figure,
-    stop_process,
     subplots,
     write_json,
 )
+from tools.benchlib.daemon import Daemon
+from tools.benchlib.peers import Gateway, smg_binary
+from tools.benchlib.valkey import ValkeyServer
 from tools.gateway_load import LANDED_SHARE, Record, drive, rate
-from tools.gateway_procs import (
-    L3_COUNTERS,
-    Daemon,
-    Gateway,
-    daemon_metrics,
-    gateway_counters,
-    start_daemons,
-    start_gateway,
-)
+from tools.gateway_metrics import L3_COUNTERS, daemon_metrics, gateway_counters
 
 MODES = (("http", "round_robin"), ("http", "cache_aware"), ("grpc", "cache_aware"))
 
@@ -142,7 +134,6 @@ def summarize(
 
 def run_one(
     ns: argparse.Namespace,
-    smg: str,
     sc: Scenario,
     mode: str,
     policy: str,
@@ -176,26 +167,29 @@ def run_one(
             for k, v in gateway_counters(gw).items():
                 counters[k] = counters.get(k, 0.0) + v
         finally:
-            stop_process(gw.proc)
+            gw.stop()
+
+    def start_gateway() -> str:  # once it routes to every daemon
+        gws.append(Gateway(urls, work / f"smg_{tag}.log", "--policy", policy).start())
+        gws[-1].wait_routes("bench", len(urls))
+        return gws[-1].url
 
     try:
-        start_daemons(ns.model, 1 if ideal else ns.daemons, work / tag, extra, daemons)
+        for i in range(1 if ideal else ns.daemons):
+            args = ["--served-model-name", "bench", *extra]
+            daemons.append(Daemon(work / tag / f"d{i}", args, model=ns.model).start())
+        for d in daemons:
+            d.wait_http()
         restart: Callable[[], str] | None = None
         if ideal:
-            url = f"http://127.0.0.1:{daemons[0].http_port}"
+            url = daemons[0].url
         else:
-            urls = [
-                f"{mode}://127.0.0.1:{d.grpc_port if mode == 'grpc' else d.http_port}"
-                for d in daemons
-            ]
-            log = work / f"smg_{tag}.log"
-            gws.append(start_gateway(smg, urls, policy, log))
-            url = gws[-1].url
+            urls = [f"grpc://{d.addr}" if mode == "grpc" else d.url for d in daemons]
+            url = start_gateway()
 
             def restart_gw() -> str:  # the gateway forgets; the daemons' caches stay
                 stop_gateway()
-                gws.append(start_gateway(smg, urls, policy, log))
-                return gws[-1].url
+                return start_gateway()
 
             restart = restart_gw if sc.restart else None
         records, wall = asyncio.run(
@@ -205,10 +199,8 @@ def run_one(
         while gws:
             stop_gateway()
     finally:
-        for gw in gws:
-            stop_process(gw.proc)
-        for d in daemons:
-            stop_process(d.proc)
+        for p in [*gws, *daemons]:
+            p.stop()
         if valkey:
             valkey.cleanup()
     run.gateway_counters = {k: int(v) for k, v in sorted(counters.items())}
@@ -386,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.plot:
             plot(result, ns.plot)
         return 0
-    beside = Path(sys.executable).with_name("smg")
-    smg = str(beside) if beside.exists() else shutil.which("smg")
-    if smg is None:
+    if smg_binary() is None:
         print("smg is not installed (pip install smg)", file=sys.stderr)
         return 2
     header = Header.now(argv)
@@ -423,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         ideal: list[Record] = []
         for mode, policy, l3, variant in plan:
-            r, records = run_one(ns, smg, sc, mode, policy, l3, work, variant)
+            r, records = run_one(ns, sc, mode, policy, l3, work, variant)
             if mode == "ideal":
                 ideal = records
             elif r.object_tokens:

@@ -37,9 +37,9 @@ from typing import Any
 
 from engine import Engine
 from engine.runtime.cache_admin import evict
-from tests.valkey_servers import ValkeyServer
 from tools.bench_pressure import WARMUP, distinct_prompt, extra_opts, tiers_str, timed_request
 from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
+from tools.benchlib.valkey import ValkeyServer
 
 STEPS = ("recompute", "l2", "file_l3", "redis_l3", "redis_l3_live")
 LABEL = {

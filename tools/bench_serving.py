@@ -44,6 +44,7 @@ from tools.benchlib import (
     subplots,
     write_json,
 )
+from tools.benchlib.daemon import Daemon
 
 FULL = {"concurrency": "1,16,64", "duration_s": 30.0, "warmup_s": 5.0, "max_new_tokens": 64}
 QUICK = {"concurrency": "1,4", "duration_s": 5.0, "warmup_s": 2.0, "max_new_tokens": 16}
@@ -95,7 +96,7 @@ def parse_args() -> argparse.Namespace:
 
 
 async def one_run(
-    d: sl.Daemon, transport: str, c: int, a: argparse.Namespace, num_words: int
+    d: Daemon, transport: str, c: int, a: argparse.Namespace, num_words: int
 ) -> dict[str, Any]:
     # NOTE: the seed leaves the mode out, so that both modes get the same prompts.
     make_prompt = sl.prompt_maker(f"{a.seed}-{transport}-{c}", num_words)
@@ -109,7 +110,7 @@ async def one_run(
     else:
         limits = sl.httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
         async with sl.httpx.AsyncClient(limits=limits) as http:
-            send = sl.http_sender(http, d.http_url, a.max_new_tokens)
+            send = sl.http_sender(http, d.url, a.max_new_tokens)
             records, w0, w1 = await sl.closed_loop(send, c, a.warmup_s, a.duration_s, make_prompt)
     return sl.summarize(records, w0, w1, a.max_new_tokens)
 
@@ -117,12 +118,12 @@ async def one_run(
 def bench_mode(mode: str, a: argparse.Namespace, result: dict[str, Any], save: Any) -> None:
     with tempfile.TemporaryDirectory(prefix=f"bench_serving_{mode}_") as tmp:
         processes, opts = MODES[mode]
-        d = sl.Daemon(processes, Path(tmp), [*opts, *a.daemon_arg])
+        d = Daemon(Path(tmp), ["--processes", processes, *opts, *a.daemon_arg])
         info: dict[str, Any] = {"mode": mode, "argv": d.argv[1:]}
         result["daemons"].append(info)
         try:
-            info["startup_s"] = d.start()
-            info.update(sl.server_facts(d.addr))
+            info["startup_s"] = d.start().wait_serving()
+            info.update(d.facts())
             wpt = sl.words_per_token(d.addr, a.seed)
             num_words = max(1, round(a.prompt_tokens * wpt))
             info["prompt_words"] = num_words

@@ -37,8 +37,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
+
 from engine.runtime.models.loader import default_model_path
-from tools import servinglib as sl
 from tools.benchlib import (
     Header,
     describe_machine,
@@ -48,8 +49,9 @@ from tools.benchlib import (
     subplots,
     write_json,
 )
+from tools.benchlib.daemon import Daemon
+from tools.benchlib.peers import LlamaServer, build_llama_server
 
-httpx = sl.httpx
 VOCAB_LO, VOCAB_HI = 200, 49000  # plain tokens of SmolLM2's 49,152 (specials sit below 20)
 TARGETS = {"single": 1.25, "batch16": 2.0, "shared_prefix": 15.0, "multiturn": 2.4}
 
@@ -238,7 +240,7 @@ def main() -> int:
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; known: {list(WORKLOADS)}")
-    binary = Path(a.llama_server) if a.llama_server else sl.build_llama_server()
+    binary = Path(a.llama_server) if a.llama_server else build_llama_server()
     gguf = default_model_path()
     header = Header.now()
     result: dict[str, Any] = {
@@ -253,21 +255,19 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-vs-llamacpp-"))
     try:
         print("llama-server ...", flush=True)
-        ls = sl.LlamaServer(binary, gguf, a.threads, work)
+        ls = LlamaServer(binary, gguf, a.threads, work)
         ls.start()
         try:
             print("hicache serve ...", flush=True)
             os.environ["OMP_NUM_THREADS"] = str(a.threads)
-            d = sl.Daemon("split", work, a.hicache_args.split())
-            d.start()
+            d = Daemon(work, ["--processes", "split", *a.hicache_args.split()])
+            d.start().wait_serving()
             try:
                 both = asyncio.run(
-                    run_all(
-                        {"llama_server": ls.url, "hicache": d.http_url}, a.seed, a.repeat, names
-                    )
+                    run_all({"llama_server": ls.url, "hicache": d.url}, a.seed, a.repeat, names)
                 )
                 result.update(both)
-                result["hicache_config"] = sl.server_facts(d.addr)["config"]
+                result["hicache_config"] = d.facts()["config"]
             finally:
                 d.stop()
         finally:

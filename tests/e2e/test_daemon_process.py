@@ -21,7 +21,7 @@ import pytest
 from engine.client import HicacheClient
 from engine.config import ServerArgs
 from engine.server.pb import gen_pb2
-from tests.daemon_process import wait_serving
+from tools.benchlib.daemon import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

@@ -26,14 +26,8 @@ from engine.server.gen.smg import common_pb2 as smg_common
 from engine.server.gen.smg import sglang_scheduler_pb2 as sg
 from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
 from hicache.observe.blocks import block_hash
-from tests.gateway_process import (
-    Proc,
-    smg_binary,
-    start_daemon,
-    start_smg,
-    wait_gateway_ready,
-    wait_http_ready,
-)
+from tools.benchlib.daemon import Daemon
+from tools.benchlib.peers import Gateway, smg_binary
 
 needs_smg = pytest.mark.skipif(
     smg_binary() is None,
@@ -48,16 +42,15 @@ PROMPT = "A hierarchical KV cache keeps prefixes in device memory"
 
 
 @pytest.fixture(scope="module")
-def daemons(tiny_llama_dir, tmp_path_factory) -> Iterator[list[Proc]]:
+def daemons(tiny_llama_dir, tmp_path_factory) -> Iterator[list[Daemon]]:
+    args = ["--max-total-tokens", "4096", "--grace-period-s", "5", "--served-model-name", MODEL]
     procs = [
-        start_daemon(
-            tiny_llama_dir, tmp_path_factory.mktemp(f"daemon{i}"), "--served-model-name", MODEL
-        )
+        Daemon(tmp_path_factory.mktemp(f"daemon{i}"), args, model=tiny_llama_dir).start()
         for i in range(2)
     ]
     try:
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(wait_http_ready, procs))
+            list(pool.map(Daemon.wait_http, procs))
         yield procs
     finally:
         for p in procs:
@@ -65,36 +58,32 @@ def daemons(tiny_llama_dir, tmp_path_factory) -> Iterator[list[Proc]]:
 
 
 @pytest.fixture(scope="module")
-def http_gateway(daemons, tmp_path_factory) -> Iterator[Proc]:
+def http_gateway(daemons, tmp_path_factory) -> Iterator[Gateway]:
     log = tmp_path_factory.mktemp("smg_http") / "smg.log"
-    gw = start_smg(
+    gw = Gateway(
         [d.url for d in daemons],
         log,
         "--policy",
         "cache_aware",
         "--model-alias",
         f"default={MODEL}",
-    )
+    ).start()
     try:
-        wait_gateway_ready(gw, MODEL, len(daemons))
+        gw.wait_routes(MODEL, len(daemons))
         yield gw
     finally:
         gw.stop()
 
 
 @pytest.fixture(scope="module")
-def grpc_gateway(daemons, tmp_path_factory) -> Iterator[Proc]:
+def grpc_gateway(daemons, tmp_path_factory) -> Iterator[Gateway]:
     log = tmp_path_factory.mktemp("smg_grpc") / "smg.log"
-    gw = start_smg(
-        [f"grpc://127.0.0.1:{d.port}" for d in daemons],
-        log,
-        "--policy",
-        "cache_aware",
-        "--model-alias",
-        f"default={MODEL}",
-    )
+    workers = [f"grpc://127.0.0.1:{d.port}" for d in daemons]
+    gw = Gateway(
+        workers, log, "--policy", "cache_aware", "--model-alias", f"default={MODEL}"
+    ).start()
     try:
-        wait_gateway_ready(gw, MODEL, len(daemons))
+        gw.wait_routes(MODEL, len(daemons))
         yield gw
     finally:
         gw.stop()
@@ -104,7 +93,7 @@ def _client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _requests_total(daemon: Proc) -> float:
+def _requests_total(daemon: Daemon) -> float:
     text = httpx2.get(f"{daemon.url}/metrics", timeout=30).text
     return sum(
         float(v) for v in re.findall(r"^hicache_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
@@ -311,7 +300,9 @@ def _conversation(i: int) -> list[dict[str, str]]:
     ]
 
 
-def _tier_blocks(daemon: Proc, tier: int = smg_common.KV_CACHE_TIER_DEVICE) -> tuple[int, set[int]]:
+def _tier_blocks(
+    daemon: Daemon, tier: int = smg_common.KV_CACHE_TIER_DEVICE
+) -> tuple[int, set[int]]:
     """(sequence number, the block hashes in ``tier``) of a snapshot of the daemon's KV
     events."""
     with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as ch:
@@ -330,7 +321,7 @@ def _tier_blocks(daemon: Proc, tier: int = smg_common.KV_CACHE_TIER_DEVICE) -> t
     return first.sequence_number, blocks
 
 
-def _device_blocks(daemon: Proc) -> tuple[int, set[int]]:
+def _device_blocks(daemon: Daemon) -> tuple[int, set[int]]:
     """(sequence number, L1 block hashes) of a snapshot of the daemon's KV events."""
     return _tier_blocks(daemon)
 
@@ -344,7 +335,7 @@ def _chain(ids: list[int]) -> list[int]:
     return hashes
 
 
-def _seed_ids(daemon: Proc, i: int, model_dir: str) -> tuple[str, list[int]]:
+def _seed_ids(daemon: Daemon, i: int, model_dir: str) -> tuple[str, list[int]]:
     """Conversation i straight to the daemon (no gateway): its reply and its prompt's token
     ids (the chat template applied here)."""
     from transformers import AutoTokenizer
@@ -359,7 +350,7 @@ def _seed_ids(daemon: Proc, i: int, model_dir: str) -> tuple[str, list[int]]:
     return r.choices[0].message.content or "", ids
 
 
-def _seed(daemon: Proc, i: int, model_dir: str) -> tuple[str, set[int]]:
+def _seed(daemon: Daemon, i: int, model_dir: str) -> tuple[str, set[int]]:
     """Conversation i straight to the daemon (no gateway): its reply, and the hashes of its
     prompt's full blocks, computed here from the token ids."""
     reply, ids = _seed_ids(daemon, i, model_dir)
@@ -367,7 +358,7 @@ def _seed(daemon: Proc, i: int, model_dir: str) -> tuple[str, set[int]]:
 
 
 def _gateway_metric(
-    gw: Proc, name: str, worker: str, label: str, key: str = "disposition"
+    gw: Gateway, name: str, worker: str, label: str, key: str = "disposition"
 ) -> float:
     text = httpx2.get(gw.metrics_url, timeout=30).text
     pattern = rf'^{name}\{{worker="{re.escape(worker)}",{key}="{label}"\}} (\S+)$'
@@ -382,7 +373,7 @@ def _wait(cond: Any, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def _landed(daemons: list[Proc], gw: Proc, msgs: list[dict[str, str]]) -> int:
+def _landed(daemons: list[Daemon], gw: Gateway, msgs: list[dict[str, str]]) -> int:
     """The daemon a chat through the gateway ran on (requests run one at a time here)."""
     before = [_requests_total(d) for d in daemons]
     with _client(gw.url) as c:
@@ -463,9 +454,9 @@ def test_next_turn_lands_on_the_daemon_holding_its_prefix(
     # a new gateway knows nothing of its own: the daemons' snapshots tell it
     grpc_gateway.stop()
     log = tmp_path_factory.mktemp("smg_grpc_again") / "smg.log"
-    again = start_smg(workers, log, "--policy", "cache_aware")
+    again = Gateway(workers, log, "--policy", "cache_aware").start()
     try:
-        wait_gateway_ready(again, MODEL, len(workers))
+        again.wait_routes(MODEL, len(workers))
         for w in workers:
             _wait(
                 lambda w=w: (
@@ -545,16 +536,16 @@ def test_killed_daemon_is_dropped_and_its_streams_fail(
     workers = [f"grpc://127.0.0.1:{d.port}" for d in daemons]
     _, hashes = _seed(victim, 7, tiny_llama_dir)
     _wait(lambda: hashes <= _device_blocks(victim)[1], "the victim to publish the seeded blocks")
-    gw = start_smg(
+    gw = Gateway(
         workers,
         tmp_path_factory.mktemp("smg_kill") / "smg.log",
         "--policy",
         "cache_aware",
         "--health-check-interval-secs",
         "1",
-    )
+    ).start()
     try:
-        wait_gateway_ready(gw, MODEL, len(workers))
+        gw.wait_routes(MODEL, len(workers))
         for w in workers:
             _wait(
                 lambda w=w: _gateway_metric(gw, "smg_kv_event_batches_total", w, "snapshot") >= 1,
@@ -574,14 +565,14 @@ def test_killed_daemon_is_dropped_and_its_streams_fail(
             )
             chunks = iter(stream)
             next(chunks)  # running on a daemon now
-            victim.popen.kill()
-            victim.popen.wait()
+            victim.proc.kill()
+            victim.proc.wait()
             with pytest.raises((openai.APIError, httpx2.HTTPError)):
                 for _ in chunks:
                     pass
         assert _requests_total(survivor) == before  # it ran on the victim
 
-        def served(g: Proc) -> bool:
+        def served(g: Gateway) -> bool:
             with _client(g.url) as c:
                 try:
                     r = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)

@@ -27,7 +27,7 @@ from engine.server.gen.smg import sglang_scheduler_pb2_grpc as sg_grpc
 from engine.server.settings import DaemonSettings
 from hicache.observe.blocks import block_hash
 from tests import valkey_servers
-from tests.gateway_process import free_port
+from tools.benchlib import free_port
 
 valkey_server = valkey_servers.valkey_server
 

@@ -20,7 +20,7 @@ from engine.runtime.kv_block_view import kv_blocks
 from engine.runtime.scheduler import SchedulerCall
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
-from tests.gateway_process import free_port
+from tools.benchlib import free_port
 
 MEDIUM = {"l1": "GPU", "l2": "CPU", "disk": "DISK", "external": "EXTERNAL"}
 

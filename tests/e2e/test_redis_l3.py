@@ -24,9 +24,10 @@ from engine.config import ServerArgs
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
 from tests import valkey_servers
-from tests.daemon_process import wait_serving
 from tests.e2e.test_hicache_engine import _prompts, _second_turn_logits
-from tests.valkey_servers import ValkeyServer, free_port
+from tools.benchlib import free_port
+from tools.benchlib.daemon import wait_serving
+from tools.benchlib.valkey import ValkeyServer
 
 valkey_server = valkey_servers.valkey_server  # fixtures: a fresh server / a shared cluster
 valkey_cluster = valkey_servers.valkey_cluster

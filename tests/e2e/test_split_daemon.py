@@ -24,7 +24,7 @@ from engine.config import ServerArgs
 from engine.runtime.engine import Engine
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
-from tests.daemon_process import wait_serving
+from tools.benchlib.daemon import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

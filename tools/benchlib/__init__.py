@@ -1,4 +1,5 @@
-"""What every benchmark in tools/ shares, one concept a module:
+"""The one library of tools/ (its benchmarks and checks), which tests/ uses too; one concept a
+module:
 
     header  the run's header: the command, the date and commit, the CPU and its flags, torch,
             the load average at the start and the end, the plots; as JSON and as markdown
@@ -6,8 +7,15 @@
     table   markdown tables and their cells
     plot    a matplotlib figure without a display, and saving it
     results writing a result's JSON
-    procs   free ports, a daemon's environment, polling until ready, stopping a subprocess
+    procs   free ports, a daemon's environment, a subprocess with a log, polling until ready,
+            stopping it
     options ``--opt KEY=VALUE`` engine options
+    daemon  `hicache serve` as a subprocess: the one command line tools and tests start it with
+    peers   llama.cpp's llama-server (built once) and the SMG gateway, as subprocesses
+    valkey  Valkey / Redis servers on leased ports
+
+This package imports only the light modules above ``options``; daemon, peers and valkey (which
+import the engine's client, httpx2, redis) are imported from their modules.
 
 A benchmark's JSON carries ``Header.record()``'s keys at its top level: ``command``, ``date``,
 ``plots`` and ``machine`` (docs/benchmarks.md, "How each result is recorded").

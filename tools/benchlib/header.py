@@ -25,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from tools.benchlib.procs import ROOT
 
 # the flags that decide which CPU kernels run (x86: /proc/cpuinfo "flags"; Arm: "Features")
 SIMD_FLAGS = (
