@@ -33,12 +33,21 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine import Engine
 from engine.runtime.cache_admin import evict
-from tools.bench_pressure import WARMUP, distinct_prompt, extra_opts, tiers_str, timed_request
 from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
+from tools.benchlib.inproc import (
+    WARMUP,
+    Steps,
+    add_engine_args,
+    distinct_prompt,
+    engine_options,
+    plot_ttft,
+    timed_request,
+)
 from tools.benchlib.valkey import ValkeyServer
 
 STEPS = ("recompute", "l2", "file_l3", "redis_l3", "redis_l3_live")
@@ -55,56 +64,31 @@ TIER = {"recompute": None, "l2": "l2", "file_l3": "l3", "redis_l3": "l3", "redis
 # ---- part 1: TTFT per tier ---------------------------------------------------------------------
 def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
     prompts = [distinct_prompt(100 + i, a.prompt_len, [WARMUP]) for i in range(a.reps)]
-    base = {**extra_opts(a), "enable_hierarchical_cache": True}
+    base = {**engine_options(a), "enable_hierarchical_cache": True}
     file_opts = {
         **base,
         "hicache_storage_backend": "file",
         "hicache_storage_dir": os.path.join(tmp, "kv"),
     }
     redis_opts = {**base, "hicache_storage_backend": "redis", "hicache_storage_url": url}
-    samples: dict[str, list[dict]] = {s: [] for s in STEPS}
+    steps = Steps(a.output_len, a.request_timeout, LABEL, TIER)
+    steps.samples = samples = {s: [] for s in STEPS}
 
-    def step(eng: Engine, name: str, ids: list[int]) -> None:
-        o = timed_request(eng, ids, a.output_len, a.request_timeout)
-        ok = o.error is None and (
-            TIER[name] is None
-            and o.cached == 0
-            or TIER[name] is not None
-            and o.tiers.get(TIER[name], 0) > 0
-        )
-        samples[name].append({"ttft_s": o.ttft_s, "tiers": o.tiers, "error": o.error, "ok": ok})
-        print(
-            f"  {LABEL[name]:>19}: TTFT {o.ttft_s * 1e3:8.1f} ms  {tiers_str(o.tiers)}"
-            f"{'' if ok else '  NOT FROM ' + str(TIER[name]) + ' ' + str(o.error or '')}",
-            flush=True,
+    def l3_stats(name: str) -> Callable[[Engine], None]:
+        return lambda eng: samples.setdefault(name + "_stats", []).append(
+            dataclasses.asdict(eng.cache_stats().l3)
         )
 
-    def engine(opts: dict) -> Engine:
-        eng = Engine(**opts)
-        timed_request(eng, WARMUP, 1, a.request_timeout)
-        return eng
-
-    def restarts(opts: dict, name: str) -> None:
-        for p in prompts:  # a fresh engine per prompt: only L3 can serve it
-            eng = engine(opts)
-            try:
-                step(eng, name, p)
-                samples.setdefault(name + "_stats", []).append(
-                    dataclasses.asdict(eng.cache_stats().l3)
-                )
-            finally:
-                eng.shutdown()
-
-    eng = engine(file_opts)  # recompute, L2; fills the file L3
+    eng = steps.engine(file_opts)  # recompute, L2; fills the file L3
     try:
         for p in prompts:
-            step(eng, "recompute", p)
+            steps.run(eng, "recompute", p)
             eng.call_in_scheduler(lambda s: evict(s, "l1"))
-            step(eng, "l2", p)
+            steps.run(eng, "l2", p)
     finally:
         eng.shutdown()  # lets the L3 backups land
-    restarts(file_opts, "file_l3")
-    eng = engine(redis_opts)  # fills Redis; then live L3 hits with L1 and L2 flushed
+    steps.restarts(file_opts, "file_l3", prompts, then=l3_stats("file_l3"))
+    eng = steps.engine(redis_opts)  # fills Redis; then live L3 hits with L1 and L2 flushed
     try:
         for p in prompts:
             timed_request(eng, p, a.output_len, a.request_timeout)
@@ -113,10 +97,10 @@ def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
             eng.call_in_scheduler(
                 lambda s: (s.tree_cache.flush_tier("l1"), s.tree_cache.flush_tier("l2"))
             )
-            step(eng, "redis_l3_live", p)
+            steps.run(eng, "redis_l3_live", p)
     finally:
         eng.shutdown()
-    restarts(redis_opts, "redis_l3")
+    steps.restarts(redis_opts, "redis_l3", prompts, then=l3_stats("redis_l3"))
     med = {s: median(x["ttft_s"] for x in samples[s]) for s in STEPS}
     ratios = {s: med[s] / med["recompute"] for s in STEPS}
     return {
@@ -135,7 +119,7 @@ def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
 # ---- part 2: bandwidth -------------------------------------------------------------------------
 def object_bytes(a: argparse.Namespace) -> tuple[int, int]:
     """(bytes per object, tokens per object) of the model the engine would load."""
-    eng = Engine(**extra_opts(a), enable_hierarchical_cache=True)
+    eng = Engine(**engine_options(a), enable_hierarchical_cache=True)
     try:
         tree = eng.scheduler.tree_cache
         tokens = eng.server_args.hicache_storage_page_size
@@ -309,25 +293,15 @@ def markdown(ttft: dict | None, bw: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_ttft(ax: Any, ttft: dict) -> None:
-    med = ttft["median_ttft_s"]
-    ax.bar(
-        [LABEL[s] for s in STEPS],
-        [med[s] * 1e3 for s in STEPS],
-        color=["tab:red", "tab:purple", "tab:brown", "tab:blue", "tab:cyan"],
-    )
-    ax.set_yscale("log")
-    ax.set_ylabel("TTFT (ms, log)")
-    ax.set_title(f"~{ttft.get('prompt_len', '')} token prompt served from")
-    ax.tick_params(axis="x", rotation=20)
-
-
 def plot(ttft: dict | None, bw: dict, path: str) -> str:
     fig, (ax1, ax2) = subplots(1, 2, figsize=(12, 4.5))
     if ttft is None:
         ax1.set_visible(False)
     else:
-        plot_ttft(ax1, ttft)
+        colors = ["tab:red", "tab:purple", "tab:brown", "tab:blue", "tab:cyan"]
+        ms = {LABEL[s]: ttft["median_ttft_s"][s] * 1e3 for s in STEPS}
+        plot_ttft(ax1, ms, colors, f"~{ttft.get('prompt_len', '')} token prompt served from")
+        ax1.tick_params(axis="x", rotation=20)
     m = bw["median_bytes_per_s"]
     names = ("redis_backend", "plain_redis_py", "file_backend")
     x = range(len(names))
@@ -345,15 +319,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out-dir", default="docs")
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument(
-        "--opt",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra Engine option for every engine (JSON value if it parses)",
-    )
+    add_engine_args(ap)
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)

@@ -24,17 +24,13 @@ on the same storage dir). Each hit is checked against cached_tokens_per_tier.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import logging
 import os
 import random
 import shutil
 import statistics
 import tempfile
-import threading
 import time
-from typing import Any
 
 from engine import Engine
 from hicache.tier import TIERS
@@ -47,81 +43,30 @@ from tools.benchlib import (
     subplots,
     write_json,
 )
+from tools.benchlib.inproc import (
+    LogTally,
+    Steps,
+    plot_tier_hits,
+    plot_ttft,
+    rand_tokens,
+    run_clients,
+    stats_dict,
+    stats_snapshot,
+    tier_configs,
+    tier_hits,
+    tiers_str,
+    timed_request,
+)
 
-
-class _Counter(logging.Handler):
-    """Counts scheduler 'did not fit the KV pool; requeued' warnings instead of printing them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requeues = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "did not fit the KV pool" in record.getMessage():
-            self.requeues += 1
-
-
-REQUEUES = _Counter()
-_sched_log = logging.getLogger("engine.runtime.scheduler.scheduler")
-_sched_log.addHandler(REQUEUES)
-_sched_log.propagate = False
-TOK_LO, TOK_HI = 1000, 40000  # "random-ish" ordinary vocabulary ids, no special tokens
-
-
-def rand_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(TOK_LO, TOK_HI) for _ in range(n)]
+LOGS = LogTally()  # counts the scheduler's requeue warnings
 
 
 def run_request(engine: Engine, ids: list[int], max_new: int) -> tuple[float, list[int], dict]:
-    """Submit, stream; return (TTFT s, output ids, last chunk's per-tier cached tokens)."""
-    t0 = time.perf_counter()
-    h = engine.submit(ids, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True})
-    ttft = None
-    out: list[int] = []
-    last = None
-    while True:
-        c = h.chunks.get(timeout=600)
-        if ttft is None and c.token_ids:
-            ttft = time.perf_counter() - t0
-        out += c.token_ids
-        last = c
-        if c.finished:
-            break
-    if last.error:
-        raise RuntimeError(last.error)
-    return (
-        (ttft if ttft is not None else time.perf_counter() - t0),
-        out,
-        dict(last.cached_tokens_per_tier or {}),
-    )
-
-
-def stats_dict(record: Any) -> dict | None:
-    """A stats record (hicache.observe.stats) as JSON-ready dicts; None stays None (a tier not there)."""
-    return dataclasses.asdict(record) if record is not None else None
-
-
-def stats_snapshot(engine: Engine) -> dict:
-    s = engine.cache_stats()
-    return {
-        **{t: (tier.hit_tokens if (tier := s.tier(t)) is not None else 0) for t in TIERS},
-        "miss": s.miss_tokens,
-        "prompt": s.prompt_tokens,
-        "raw": dataclasses.asdict(s),
-    }
-
-
-def tier_hits(before: dict, after: dict, prompt_tokens: int = 0) -> dict:
-    """Hit and miss tokens per tier between two ``stats_snapshot``s, and the hit rates: hit
-    tokens / the prompt tokens the cache counted (``prompt_tokens`` when it counted none)."""
-    d = {k: after[k] - before[k] for k in (*TIERS, "miss", "prompt")}
-    prompt = d["prompt"] or prompt_tokens or 1
-    return {
-        "hit_tokens": {t: d[t] for t in TIERS},
-        "miss_tokens": d["miss"],
-        "hit_rate": {t: d[t] / prompt for t in TIERS},
-        "hit_rate_total": sum(d[t] for t in TIERS) / prompt,
-    }
+    """(TTFT s, output ids, per-tier cached tokens); RuntimeError when it failed."""
+    o = timed_request(engine, ids, max_new, 600.0)
+    if o.error:
+        raise RuntimeError(o.error)
+    return o.ttft_s, o.output_ids, o.tiers
 
 
 def wait_writes(engine: Engine, timeout: float = 20.0) -> None:
@@ -153,22 +98,9 @@ def model_opts(a: argparse.Namespace) -> dict:
 
 def multiturn_configs(a: argparse.Namespace, storage_dir: str) -> list[tuple[str, dict]]:
     common = {**model_opts(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
-    hi = {**common, "enable_hierarchical_cache": True, "hicache_mem_layout": a.layout}
-    return [
-        ("radix off", {**common, "disable_radix_cache": True}),
-        ("L1", dict(common)),
-        ("L1+L2", {**hi, "hicache_ratio": a.l2_ratio}),
-        (
-            "L1+L2+L3",
-            {
-                **hi,
-                "hicache_ratio": a.l3_ratio,
-                "hicache_storage_backend": "file",
-                "hicache_storage_dir": storage_dir,
-                "hicache_storage_prefetch_policy": a.prefetch_policy,
-            },
-        ),
-    ]
+    l3 = {"hicache_ratio": a.l3_ratio, "hicache_storage_dir": storage_dir}
+    l3["hicache_storage_prefetch_policy"] = a.prefetch_policy
+    return tier_configs(common, {"hicache_mem_layout": a.layout, "hicache_ratio": a.l2_ratio}, l3)
 
 
 def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
@@ -178,7 +110,6 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
         run_request(engine, rand_tokens(random.Random(999), 64), 2)
         before = stats_snapshot(engine)
         records: list[dict] = []
-        lock = threading.Lock()
         errors: list[BaseException] = []
         per_client_rate = a.request_rate / a.clients
 
@@ -191,36 +122,27 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
                     time.sleep(think.expovariate(per_client_rate))
                     prompt = history + rand_tokens(rng, a.question_len)
                     ttft, out, tiers = run_request(engine, prompt, a.output_len)
-                    with lock:
-                        records.append(
-                            {
-                                "client": cid,
-                                "round": r,
-                                "prompt_tokens": len(prompt),
-                                "output_tokens": len(out),
-                                "ttft_s": ttft,
-                                "cached_per_tier": tiers,
-                            }
-                        )
+                    records.append(
+                        {
+                            "client": cid,
+                            "round": r,
+                            "prompt_tokens": len(prompt),
+                            "output_tokens": len(out),
+                            "ttft_s": ttft,
+                            "cached_per_tier": tiers,
+                        }
+                    )
                     history = prompt + out
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
-        REQUEUES.requeues = 0
+        LOGS.reset()
         t0 = time.perf_counter()
-        threads = [
-            threading.Thread(target=client, args=(i,), daemon=True) for i in range(a.clients)
-        ]
-        for t in threads:
-            t.start()
-        deadline = t0 + a.config_timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.perf_counter()))
+        timed_out = run_clients(a.clients, client, t0 + a.config_timeout, None) > 0
         wall = time.perf_counter() - t0
-        timed_out = any(t.is_alive() for t in threads)
         if errors:
             raise errors[0]
-        requeues = REQUEUES.requeues
+        requeues = LOGS.requeues
         try:
             after = stats_snapshot(engine) if not timed_out else dict(before)
         except Exception:  # noqa: BLE001
@@ -257,32 +179,26 @@ def run_multiturn(name: str, opts: dict, a: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Part 2: TTFT by tier
 # ----------------------------------------------------------------------------------------------
+TTFT_STEPS = {"recompute": None, "l1": "l1", "l2": "l2", "l3": "l3"}  # step -> its tier
+
+
 def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
     n = a.ttft_prompt_len
     prompt = rand_tokens(random.Random(42), n)
     warm = rand_tokens(random.Random(43), 128)
     reps = a.ttft_reps
-    out: dict = {"prompt_tokens": n, "reps": reps, "checks": {}}
-
-    def pick(tiers: dict) -> str:
-        return ",".join(f"{t}={tiers.get(t, 0)}" for t in TIERS)
+    steps = Steps(1, 600.0, {k: k for k in TTFT_STEPS}, TTFT_STEPS)
+    out: dict = {"prompt_tokens": n, "reps": reps}
 
     # (a) recompute + (b) L1 hit: plain radix cache with a huge device pool
-    eng = Engine(**model_opts(a), max_total_tokens=max(16384, 2 * n + 256), page_size=a.page_size)
+    big = {**model_opts(a), "max_total_tokens": max(16384, 2 * n + 256), "page_size": a.page_size}
+    eng = steps.engine(big, warm)
     try:
-        run_request(eng, warm, 1)
-        rec = []
         for i in range(reps):  # fresh prompts each time -> full recompute
-            p = rand_tokens(random.Random(100 + i), n)
-            t, _, tiers = run_request(eng, p, 1)
-            rec.append(t)
-            out["checks"].setdefault("recompute", []).append(pick(tiers))
+            steps.run(eng, "recompute", rand_tokens(random.Random(100 + i), n))
         run_request(eng, prompt, 1)
-        l1 = []
         for _ in range(reps):
-            t, _, tiers = run_request(eng, prompt, 1)
-            l1.append(t)
-            out["checks"].setdefault("l1", []).append(pick(tiers))
+            steps.run(eng, "l1", prompt)
     finally:
         eng.shutdown()
 
@@ -298,18 +214,13 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
         hicache_storage_dir=storage_dir,
         hicache_storage_prefetch_policy=a.prefetch_policy,
     )
-    eng = Engine(**hi_opts)
+    eng = steps.engine(hi_opts, warm)
     try:
-        run_request(eng, warm, 1)
-        t_first, _, _ = run_request(eng, prompt, 1)
-        out["recompute_hicache_engine_s"] = t_first
-        l2 = []
+        out["recompute_hicache_engine_s"] = run_request(eng, prompt, 1)[0]
         for _ in range(reps):
             wait_writes(eng)
             eng.call_in_scheduler(lambda s: s.tree_cache.evict(1 << 30))
-            t, _, tiers = run_request(eng, prompt, 1)
-            l2.append(t)
-            out["checks"].setdefault("l2", []).append(pick(tiers))
+            steps.run(eng, "l2", prompt)
         wait_writes(eng)
         time.sleep(1.0)  # let the L3 write-through finish
         out["l3_stats_before_restart"] = stats_dict(eng.cache_stats().l3)
@@ -317,19 +228,13 @@ def run_ttft(a: argparse.Namespace, storage_dir: str) -> dict:
         eng.shutdown()
 
     # (d) L3 hit: a new engine on the same storage dir; only L3 has the prompt
-    l3 = []
-    for _ in range(a.ttft_l3_reps):
-        eng = Engine(**hi_opts)
-        try:
-            run_request(eng, warm, 1)
-            t, _, tiers = run_request(eng, prompt, 1)
-            l3.append(t)
-            out["checks"].setdefault("l3", []).append(pick(tiers))
-        finally:
-            eng.shutdown()
-
-    out["ttft_s"] = {"recompute": median(rec), "l1": median(l1), "l2": median(l2), "l3": median(l3)}
-    out["ttft_all_s"] = {"recompute": rec, "l1": l1, "l2": l2, "l3": l3}
+    steps.restarts(hi_opts, "l3", [prompt] * a.ttft_l3_reps, warm)
+    failed = [e for x in steps.samples.values() for e in (s["error"] for s in x) if e]
+    if failed:
+        raise RuntimeError(failed[0])
+    out["checks"] = {k: [tiers_str(x["tiers"]) for x in steps.samples[k]] for k in TTFT_STEPS}
+    out["ttft_s"] = {k: median(steps.values(k)) for k in TTFT_STEPS}
+    out["ttft_all_s"] = {k: steps.values(k) for k in TTFT_STEPS}
     r = out["ttft_s"]
     out["targets"] = {
         "l2_le_1.2x_l1": {"ratio": r["l2"] / r["l1"], "met": r["l2"] <= 1.2 * r["l1"]},
@@ -404,17 +309,6 @@ def md_ttft(t: dict) -> str:
     )
 
 
-def plot_tier_hits(ax, names: list, rows: list[dict]) -> None:
-    """Stacked bars: per-tier hit rate (% of prompt tokens) of each config."""
-    bottom = [0.0] * len(rows)
-    for t, c in zip(TIERS, ("tab:green", "tab:purple", "tab:brown")):
-        v = [r["hit_rate"][t] * 100 for r in rows]
-        ax.bar(names, v, bottom=bottom, color=c, label=t.upper())
-        bottom = [b + y for b, y in zip(bottom, v)]
-    ax.set_title("prompt tokens hit, by tier (%)")
-    ax.set_ylim(0, 100)
-
-
 def plot_multiturn(rows: list[dict], path: str) -> str:
     names = [r["config"] for r in rows]
     x = range(len(rows))
@@ -433,16 +327,11 @@ def plot_multiturn(rows: list[dict], path: str) -> str:
     return save_figure(fig, path)
 
 
-def plot_ttft(t: dict, path: str) -> str:
-    keys = ["recompute", "l1", "l2", "l3"]
-    v = [t["ttft_s"][k] * 1e3 for k in keys]
+def plot_ttft_tiers(t: dict, path: str) -> str:
     fig, ax = subplots(figsize=(6, 4))
-    ax.bar(keys, v, color=["tab:gray", "tab:green", "tab:purple", "tab:brown"])
-    ax.set_yscale("log")
-    ax.set_ylabel("TTFT (ms, log)")
-    ax.set_title(f"TTFT of a {t['prompt_tokens']}-token prompt by serving tier")
-    for i, y in enumerate(v):
-        ax.text(i, y, f"{y:.0f}", ha="center", va="bottom")
+    ms = {k: t["ttft_s"][k] * 1e3 for k in TTFT_STEPS}
+    colors = ["tab:gray", "tab:green", "tab:purple", "tab:brown"]
+    plot_ttft(ax, ms, colors, f"TTFT of a {t['prompt_tokens']}-token prompt by serving tier")
     return save_figure(fig, path)
 
 
@@ -519,7 +408,7 @@ def main() -> None:
                 print(f"target {k}: ratio {v['ratio']:.3f} -> {'met' if v['met'] else 'NOT met'}")
             print("checks:", json.dumps(t["checks"]))
             if a.ttft_png:
-                plots.append(plot_ttft(t, a.ttft_png))
+                plots.append(plot_ttft_tiers(t, a.ttft_png))
         result.update(header.record(plots))
         write_json(a.json, result)
         print(header.markdown(plots))

@@ -40,10 +40,8 @@ failed (it is reported with its error; the tool goes on with the next one).
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
-import queue
 import random
 import shutil
 import sys
@@ -51,131 +49,40 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, NamedTuple
+from typing import Any
 
 from engine import Engine
-from tools.bench_multiturn import (
-    REQUEUES,
-    TIERS,
-    plot_tier_hits,
-    rand_tokens,
-    stats_dict,
-    stats_snapshot,
-    tier_hits,
-)
+from hicache.tier import TIERS
 from tools.benchlib import (
     Header,
     cell,
     markdown_table,
     median,
-    parse_options,
     percentile,
     save_figure,
     subplots,
     write_json,
 )
+from tools.benchlib.inproc import (
+    NAN,
+    WARMUP,
+    LogTally,
+    Steps,
+    add_engine_args,
+    distinct_prompt,
+    engine_options,
+    plot_tier_hits,
+    rand_tokens,
+    run_clients,
+    stats_dict,
+    stats_snapshot,
+    tier_configs,
+    tier_hits,
+    tiers_str,
+    timed_request,
+)
 
-NAN = float("nan")
-WARMUP = rand_tokens(random.Random(7), 16)
-
-
-# ----------------------------------------------------------------------------------------------
-# logging: count warnings / errors, keep tracebacks (bench_multiturn silences the scheduler's
-# logger to count its requeue warnings; its other records are echoed here)
-# ----------------------------------------------------------------------------------------------
-class _Tally(logging.Handler):
-    def __init__(self, echo: bool) -> None:
-        super().__init__(logging.WARNING)
-        self.echo = echo
-        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "did not fit the KV pool" in record.getMessage():
-            return  # counted by REQUEUES
-        key = f"{record.levelname} {record.name}: {str(record.msg)[:90]}"
-        LOGS["counts"][key] = LOGS["counts"].get(key, 0) + 1
-        if record.exc_info and len(LOGS["tracebacks"]) < 5:
-            LOGS["tracebacks"].append(self.format(record))
-        if self.echo:
-            print(self.format(record), file=sys.stderr, flush=True)
-
-
-LOGS: dict[str, Any] = {"counts": {}, "tracebacks": []}
-logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-logging.getLogger().addHandler(_Tally(echo=False))
-logging.getLogger("engine.runtime.scheduler.scheduler").addHandler(_Tally(echo=True))
-
-
-def reset_logs() -> None:
-    REQUEUES.requeues = 0
-    LOGS["counts"], LOGS["tracebacks"] = {}, []
-
-
-def log_summary() -> dict:
-    c = LOGS["counts"]
-    return {
-        "kv_requeue_warnings": REQUEUES.requeues,
-        "warnings": dict(c),
-        "logged_warnings": sum(v for k, v in c.items() if k.startswith("WARNING")),
-        "logged_errors": sum(v for k, v in c.items() if not k.startswith("WARNING")),
-        "tracebacks": list(LOGS["tracebacks"]),
-    }
-
-
-# ----------------------------------------------------------------------------------------------
-# one streamed request
-# ----------------------------------------------------------------------------------------------
-class Outcome(NamedTuple):
-    ttft_s: float
-    total_s: float
-    output_ids: list[int]
-    tiers: dict[str, int]  # cached_tokens_per_tier of the last chunk
-    cached: int
-    error: str | None  # None: finished normally
-
-
-def timed_request(eng: Engine, ids: list[int], max_new: int, timeout_s: float) -> Outcome:
-    """Submit and stream; TTFT = the first chunk with a token. Never raises: errors, aborts,
-    a dead scheduler thread and timeouts (the request is then aborted) come back in .error."""
-    t0 = time.perf_counter()
-    try:
-        h = eng.submit(ids, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True})
-    except Exception as e:  # noqa: BLE001
-        return Outcome(NAN, NAN, [], {}, 0, f"submit: {type(e).__name__}: {e}")
-    ttft, out, last = None, [], None
-    while last is None or not last.finished:
-        try:
-            c = h.chunks.get(timeout=1.0)
-        except queue.Empty:
-            if not h.alive():
-                return Outcome(NAN, NAN, out, {}, 0, "the scheduler thread stopped")
-            if time.perf_counter() - t0 > timeout_s:
-                eng.abort(h.rid)
-                return Outcome(NAN, NAN, out, {}, 0, f"no result after {timeout_s:.0f} s (aborted)")
-            continue
-        if ttft is None and c.token_ids:
-            ttft = time.perf_counter() - t0
-        out += c.token_ids
-        last = c
-    total = time.perf_counter() - t0
-    err = last.error or ("aborted" if last.finish_reason == "abort" else None)
-    return Outcome(
-        ttft if ttft is not None else total,
-        total,
-        out,
-        dict(last.cached_tokens_per_tier or {}),
-        last.cached_tokens,
-        err,
-    )
-
-
-def tiers_str(t: dict) -> str:
-    return ",".join(f"{k}={t.get(k, 0)}" for k in TIERS)
-
-
-def extra_opts(a: argparse.Namespace) -> dict:
-    """--model / --device / --opt KEY=VALUE: passed to every Engine."""
-    return {"model": a.model, "device": a.device, **parse_options(a.opt)}
+LOGS = LogTally()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,22 +108,13 @@ STEP_TIER = {
 }
 
 
-def distinct_prompt(seed: int, n: int, avoid: list[list[int]]) -> list[int]:
-    """n random ids whose first token starts no other prompt here (no shared prefix)."""
-    rng = random.Random(seed)
-    while True:
-        p = rand_tokens(rng, n)
-        if all(p[0] != q[0] for q in avoid):
-            return p
-
-
 def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
     n = a.prompt_len
     A = distinct_prompt(1, n, [WARMUP])
     B = distinct_prompt(2, n, [WARMUP, A])
     fresh = [distinct_prompt(10 + i, n, [WARMUP, A, B]) for i in range(a.reps)]
     opts = {
-        **extra_opts(a),
+        **engine_options(a),
         "enable_hierarchical_cache": True,
         "max_total_tokens": a.device_tokens,
         "hicache_ratio": a.l2_ratio,
@@ -224,35 +122,19 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
         "hicache_storage_dir": os.path.join(tmp, f"l3_page{P}"),
         "page_size": P,
     }
+    steps = Steps(a.output_len, a.request_timeout, STEP_LABEL, STEP_TIER, f"page {P} ")
+    steps.samples = {s: [] for s in STEPS}
     res: dict[str, Any] = {
         "page_size": P,
         "prompt_tokens": n,
         "engine_opts": {k: v for k, v in opts.items() if k != "hicache_storage_dir"},
-        "samples": {s: [] for s in STEPS},
+        "samples": steps.samples,
         "errors": [],
     }
-    samples = res["samples"]
 
-    def step(eng: Engine, name: str, ids: list[int]) -> Outcome:
-        o = timed_request(eng, ids, a.output_len, a.request_timeout)
-        samples[name].append(
-            {
-                "ttft_s": o.ttft_s,
-                "total_s": o.total_s,
-                "tiers": o.tiers,
-                "cached": o.cached,
-                "error": o.error,
-            }
-        )
-        print(
-            f"  page {P} {STEP_LABEL[name]:>13}: TTFT {o.ttft_s * 1e3:8.1f} ms, total "
-            f"{o.total_s * 1e3:8.1f} ms, {tiers_str(o.tiers)}"
-            f"{'  ERROR ' + o.error if o.error else ''}",
-            flush=True,
-        )
-        if o.error:
-            res["errors"].append(f"{STEP_LABEL[name]}: {o.error}")
-        return o
+    def step(eng: Engine, name: str, ids: list[int]) -> None:
+        if (error := steps.run(eng, name, ids).error) is not None:
+            res["errors"].append(f"{STEP_LABEL[name]}: {error}")
 
     def guarded(what: str, fn) -> Any:
         try:
@@ -265,9 +147,8 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
             return None
 
     def pressure_engine() -> None:
-        eng = Engine(**opts)
+        eng = steps.engine(opts)
         try:
-            timed_request(eng, WARMUP, 1, a.request_timeout)
             step(eng, "a_cold", A)
             for _ in range(a.reps):
                 step(eng, "l1_hit", A)
@@ -284,9 +165,8 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
         )
 
     def l3_engine() -> None:
-        eng = Engine(**opts)
+        eng = steps.engine(opts)
         try:
-            timed_request(eng, WARMUP, 1, a.request_timeout)
             step(eng, "l3_hit", A)
             res.setdefault("l3_after_hit", []).append(stats_dict(eng.cache_stats().l3))
         finally:
@@ -298,9 +178,8 @@ def run_sequence_page(P: int, a: argparse.Namespace, tmp: str) -> dict:
             "max_total_tokens": (a.reps + 2) * (n + a.output_len + 2 * P),
             "hicache_storage_dir": os.path.join(tmp, f"l3_page{P}_nopressure"),
         }
-        eng = Engine(**big)
+        eng = steps.engine(big)
         try:
-            timed_request(eng, WARMUP, 1, a.request_timeout)
             for i in range(a.reps):
                 step(eng, "b_no_pressure", B if i == 0 else fresh[i])
         finally:
@@ -431,9 +310,9 @@ def run_sequence_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
     rows = []
     for P in [int(x) for x in a.page_sizes.split(",") if x.strip()]:
         print(f"[sequence] page size {P}", flush=True)
-        reset_logs()
+        LOGS.reset()
         r = run_sequence_page(P, a, tmp)
-        r["logs"] = log_summary()
+        r["logs"] = LOGS.summary()
         if r["logs"]["logged_errors"]:
             r["flags"].append(f"engine logged {r['logs']['logged_errors']} errors (JSON: logs)")
             r["errors"].append("engine logged errors")
@@ -453,14 +332,14 @@ def run_sequence_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> dict:
     """Closed-loop clients on one Engine for `duration` s; every request is recorded."""
-    reset_logs()
+    LOGS.reset()
     shared = rand_tokens(random.Random(a.seed), a.shared_prefix)
     sys_len = max(0, a.first_len - a.shared_prefix - a.question_len)
     records: list[dict] = []
     lock = threading.Lock()
     eng = Engine(**opts)
     try:
-        timed_request(eng, WARMUP, 1, a.request_timeout)
+        timed_request(eng, WARMUP, 1, a.request_timeout)  # not recorded
         before = stats_snapshot(eng)
         t0 = time.perf_counter()
         deadline = t0 + duration
@@ -503,28 +382,15 @@ def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> d
                         time.sleep(a.think_s)
                 conv += 1
 
-        threads = [
-            threading.Thread(target=client, args=(i,), daemon=True) for i in range(a.clients)
-        ]
-        for t in threads:
-            t.start()
-        next_beat = time.perf_counter() + 30
-        while any(t.is_alive() for t in threads):
-            if time.perf_counter() > deadline + a.drain_s + 30:
-                break  # every request has its own timeout; this is the last guard
-            for t in threads:
-                t.join(0.5)
-            if time.perf_counter() > next_beat:
-                next_beat += 30
-                with lock:
-                    done = len(records)
-                    bad = sum(1 for r in records if r["error"])
-                print(
-                    f"  [{name}] {time.perf_counter() - t0:.0f} s: {done} requests done, "
-                    f"{bad} failed",
-                    flush=True,
-                )
-        stuck = sum(t.is_alive() for t in threads)
+        def progress() -> str:
+            with lock:
+                done, bad = len(records), sum(1 for r in records if r["error"])
+            return (
+                f"  [{name}] {time.perf_counter() - t0:.0f} s: {done} requests done, {bad} failed"
+            )
+
+        # NOTE: every request has its own timeout; the last guard is 30 s past the drain
+        stuck = run_clients(a.clients, client, deadline + a.drain_s + 30, progress)
         after = stats_snapshot(eng)
     finally:
         eng.shutdown()
@@ -562,7 +428,7 @@ def run_load(name: str, opts: dict, a: argparse.Namespace, duration: float) -> d
         "requests_s": len(ok) / wall,
         **tier_hits(before, after),
         "stats_prompt_tokens": after["prompt"] - before["prompt"],
-        **log_summary(),
+        **LOGS.summary(),
         "final_stats": after["raw"],
         "records": recs,
     }
@@ -576,47 +442,25 @@ def failed_run(name: str, opts: dict, e: BaseException) -> dict:
         "engine_opts": {k: v for k, v in opts.items() if k != "hicache_storage_dir"},
         "error": f"{type(e).__name__}: {e}",
         "traceback": tb,
-        **log_summary(),
+        **LOGS.summary(),
     }
 
 
 def load_configs(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
-    base = {**extra_opts(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
+    """One L1+L2+L3 engine per scheduling policy (--policies), "lpm" marked as the default."""
+    base = {**engine_options(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
     out = []
     for pol in [p.strip() for p in a.policies.split(",") if p.strip()]:
-        label = f"{pol} (default)" if pol == "lpm" else pol
-        out.append(
-            (
-                label,
-                {
-                    **base,
-                    "schedule_policy": pol,
-                    "enable_hierarchical_cache": True,
-                    "hicache_ratio": a.l2_ratio,
-                    "hicache_storage_backend": "file",
-                    "hicache_storage_dir": os.path.join(tmp, f"load_{pol}"),
-                },
-            )
-        )
+        l3 = {"hicache_storage_dir": os.path.join(tmp, f"load_{pol}")}
+        opts = tier_configs({**base, "schedule_policy": pol}, {"hicache_ratio": a.l2_ratio}, l3)
+        out.append((f"{pol} (default)" if pol == "lpm" else pol, opts[-1][1]))
     return out
 
 
-def tier_configs(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
-    base = {**extra_opts(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
-    hi = {**base, "enable_hierarchical_cache": True, "hicache_ratio": a.tier_l2_ratio}
-    return [
-        ("radix off", {**base, "disable_radix_cache": True}),
-        ("L1", dict(base)),
-        ("L1+L2", hi),
-        (
-            "L1+L2+L3",
-            {
-                **hi,
-                "hicache_storage_backend": "file",
-                "hicache_storage_dir": os.path.join(tmp, "tiers_l3"),
-            },
-        ),
-    ]
+def tier_configs_of(a: argparse.Namespace, tmp: str) -> list[tuple[str, dict]]:
+    base = {**engine_options(a), "max_total_tokens": a.device_tokens, "page_size": a.page_size}
+    l3 = {"hicache_storage_dir": os.path.join(tmp, "tiers_l3")}
+    return tier_configs(base, {"hicache_ratio": a.tier_l2_ratio}, l3)
 
 
 def md_rows(header: list[str], rows: list[dict], cells: Any) -> str:
@@ -795,7 +639,7 @@ def run_load_mode(a: argparse.Namespace, result: dict, tmp: str) -> bool:
             note += " -- NOT larger: raise --clients or lower --tier-l2-ratio"
         print(f"[tiers] {note}", flush=True)
         result["workload"]["tiers_l1_plus_l2_tokens"] = l1l2
-        for name, opts in tier_configs(a, tmp):
+        for name, opts in tier_configs_of(a, tmp):
             print(f"[tiers] {name}: {a.tier_duration:.0f} s", flush=True)
             tiers.append(run_or_fail(name, opts, a.tier_duration))
         result["tiers"] = tiers
@@ -812,16 +656,7 @@ def main() -> int:
     )
     ap.add_argument("--mode", choices=["sequence", "load"], default="sequence")
     ap.add_argument("--out-dir", default="docs", help="for bench_pressure_<mode>.json / .png")
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument(
-        "--opt",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra Engine option for every engine (value parsed as JSON if it "
-        "can be), e.g. --opt hicache_storage_prefetch_policy=wait_complete",
-    )
+    add_engine_args(ap)
     ap.add_argument(
         "--output-len",
         type=int,
