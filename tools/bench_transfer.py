@@ -84,20 +84,6 @@ PATTERNS = ("random", "allocator", "fresh")
 TARGET = {"cpu": 0.7, "cuda": 0.9}  # x the reference copy (CPU: plain copy; CUDA: pinned memcpy)
 
 
-def paired_best_seconds(
-    fn: Callable[[], object], plain: Callable[[], object], reps: int
-) -> tuple[float, float]:
-    """Best of ``reps`` for ``fn`` and for the plain copy, run alternately, so that both see the
-    same moments of a shared machine."""
-    fn()  # warm up: page faults, allocator
-    plain()
-    best_fn = best_plain = float("inf")
-    for _ in range(reps):
-        best_plain = min(best_plain, _once(plain))
-        best_fn = min(best_fn, _once(fn))
-    return best_fn, best_plain
-
-
 def _once(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -115,26 +101,26 @@ def _cuda_once(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def paired_median_seconds(
-    fn: Callable[[], object],
-    ref: Callable[[], object],
-    reps: int,
-    device: torch.device,
-    warmup: int = 2,
+def paired_seconds(
+    fn: Callable[[], object], ref: Callable[[], object], reps: int, device: torch.device
 ) -> tuple[float, float]:
-    """Median of ``reps`` for ``fn`` and for the reference copy, run alternately after
-    ``warmup`` calls of each (the first Triton call compiles); CUDA events on CUDA."""
-    once = _cuda_once if device.type == "cuda" else _once
-    for _ in range(warmup):
+    """(``fn``'s, the reference copy's) seconds: ``reps`` runs of each, alternately, so that both
+    see the same moments of a shared machine, after two warm-up calls of each (page faults, the
+    allocator, the first Triton call's compile). CPU: the best of the reps; CUDA: the median,
+    timed with CUDA events."""
+    cuda = device.type == "cuda"
+    for _ in range(2):
         fn()
         ref()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize(device)
+    once = _cuda_once if cuda else _once
     t_fn, t_ref = [], []
     for _ in range(reps):
         t_ref.append(once(ref))
         t_fn.append(once(fn))
-    return median(t_fn), median(t_ref)
+    pick = median if cuda else min
+    return pick(t_fn), pick(t_ref)
 
 
 def scattered_slots(num_tokens: int, page_size: int, first_page: int, g: torch.Generator):
@@ -219,17 +205,17 @@ def make_pools(
     return dev, host
 
 
-def make_cases(
+def cpu_cases(
     geom: Geometry,
-    layout: str,
-    page_size: int,
+    dev: MHATokenToKVPool,
+    host: MHATokenToKVPoolHost,
     dev_idx: torch.Tensor,
     host_idx: torch.Tensor,
-    backends: tuple[str, ...] = IO_BACKENDS,
-) -> dict[str, Callable[[], object]]:
-    """The timed CPU copies for one host layout, page size and index pattern."""
-    dev, host = make_pools(geom, layout, page_size, torch.device("cpu"))
-    host.kv_buffer.normal_()
+    backends: tuple[str, ...],
+) -> list[tuple[str, str, Callable[[], object]]]:
+    """(path, "plain", copy): the timed CPU copies for one host layout, page size and index
+    pattern, each against the plain copy."""
+    layout, page_size = host.layout, host.page_size
     flat = host.get_flat_data(host_idx)
 
     def load_all_layers() -> None:
@@ -248,19 +234,21 @@ def make_cases(
             "direct",
         )
 
-    cases: dict[str, Callable[[], object]] = {
-        "whole-token gather (get_flat_data)": lambda: host.get_flat_data(host_idx, out=flat),
-        "whole-token scatter (set_from_flat_data)": lambda: host.set_from_flat_data(host_idx, flat),
-    }
+    cases: list[tuple[str, Callable[[], object]]] = [
+        ("whole-token gather (get_flat_data)", lambda: host.get_flat_data(host_idx, out=flat)),
+        (
+            "whole-token scatter (set_from_flat_data)",
+            lambda: host.set_from_flat_data(host_idx, flat),
+        ),
+    ]
     if "kernel" in backends:
-        cases["backup device->host, all layers"] = lambda: host.backup_from_device_all_layer(
-            dev, host_idx, dev_idx
-        )
+        backup = lambda: host.backup_from_device_all_layer(dev, host_idx, dev_idx)
+        cases.append(("backup device->host, all layers", backup))
     if "direct" in backends:
-        cases["backup, direct (run merge)"] = backup_direct
+        cases.append(("backup, direct (run merge)", backup_direct))
     if "kernel" in backends:
-        cases[f"load host->device, per layer x{geom.layers}"] = load_all_layers
-    return cases
+        cases.append((f"load host->device, per layer x{geom.layers}", load_all_layers))
+    return [(name, "plain", fn) for name, fn in cases]
 
 
 def device_cases(
@@ -297,73 +285,53 @@ Cell = tuple[str, str, int, str]  # (path, host layout, page size, pattern)
 def run(
     num_tokens: int,
     reps: int,
-    page_sizes: tuple[int, ...] = (1, 16),
-    geom: Geometry = GEOMETRIES["smollm2-135m"],
-    backends: tuple[str, ...] = IO_BACKENDS,
-) -> tuple[dict[Cell, tuple[float, float]], dict]:
-    """CPU: ({cell: (GB/s, x plain copy)}, {(pattern, page size): mean joint run in tokens});
-    each cell's plain copy is timed alternately with it."""
-    nbytes = num_tokens * geom.token_bytes()
-    src = torch.randn(nbytes // 4)  # fp32 elements of the same byte count
-    dst = torch.empty_like(src)
-
-    def plain() -> None:
-        dst.copy_(src)
-
-    cells, runs = {}, {}
-    for page_size in page_sizes:
-        slots = {p: make_slots(p, num_tokens, page_size, seed=page_size) for p in PATTERNS}
-        runs.update({(p, page_size): mean_run(*s, page_size) for p, s in slots.items()})
-        for layout in LAYOUTS:
-            for pattern, (dev_idx, host_idx) in slots.items():
-                cases = make_cases(geom, layout, page_size, dev_idx, host_idx, backends)
-                for name, fn in cases.items():
-                    seconds, plain_seconds = paired_best_seconds(fn, plain, reps)
-                    cells[(name, layout, page_size, pattern)] = (
-                        nbytes / seconds / 1e9,
-                        plain_seconds / seconds,
-                    )
-    return cells, runs
-
-
-def run_device(
-    num_tokens: int,
-    reps: int,
     page_sizes: tuple[int, ...],
     geom: Geometry,
     backends: tuple[str, ...],
     device: torch.device,
 ) -> tuple[dict[Cell, tuple[float, float]], dict, dict[str, list[float]]]:
-    """``--device cuda``: ({cell: (GB/s, x pinned memcpy)}, mean joint runs, {"h2d" / "d2h":
-    the reference's GB/s of every cell}); each cell's reference (a contiguous pinned
-    ``copy_(non_blocking=True)`` of the same bytes, same direction) is timed alternately with
-    it. Runs on CPU too (torch path, perf_counter), which only checks the code path."""
+    """({cell: (GB/s, x the reference copy)}, {(pattern, page size): mean joint run in tokens},
+    {reference: its GB/s of every cell}). The reference: on CPU the plain copy of the same
+    bytes ("plain"); on CUDA a contiguous pinned ``copy_(non_blocking=True)`` of the same bytes
+    in the same direction ("h2d" / "d2h"); each cell's is timed alternately with it."""
     nbytes = num_tokens * geom.token_bytes()
-    pin = device.type == "cuda"
-    host_ref = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)  # [bytes] pinned host
-    dev_ref = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [bytes] on device
-    refs: dict[str, Callable[[], object]] = {
-        "h2d": lambda: dev_ref.copy_(host_ref, non_blocking=True),
-        "d2h": lambda: host_ref.copy_(dev_ref, non_blocking=True),
-    }
+    cuda = device.type == "cuda"
+    if cuda:
+        host_ref = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # [bytes] pinned
+        dev_ref = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [bytes] on device
+        refs: dict[str, Callable[[], object]] = {
+            "h2d": lambda: dev_ref.copy_(host_ref, non_blocking=True),
+            "d2h": lambda: host_ref.copy_(dev_ref, non_blocking=True),
+        }
+    else:
+        src = torch.randn(nbytes // 4)  # fp32 elements of the same byte count
+        dst = torch.empty_like(src)
+        refs = {"plain": lambda: dst.copy_(src)}
     cells, runs = {}, {}
-    peaks: dict[str, list[float]] = {"h2d": [], "d2h": []}
+    peaks: dict[str, list[float]] = {way: [] for way in refs}
     for page_size in page_sizes:
         slots = {p: make_slots(p, num_tokens, page_size, seed=page_size) for p in PATTERNS}
         runs.update({(p, page_size): mean_run(*s, page_size) for p, s in slots.items()})
         for layout in LAYOUTS:
             dev, host = make_pools(geom, layout, page_size, device)
-            assert host.kv_buffer.is_pinned() or not pin, "host pool not pinned"
+            assert host.kv_buffer.is_pinned() or not cuda, "host pool not pinned"
             host.kv_buffer.view(torch.uint8).fill_(1)  # values do not matter; bytes resident
             for pattern, (dev_idx, host_idx) in slots.items():
-                for backend in backends:
-                    for name, way, fn in device_cases(geom, dev, host, dev_idx, host_idx, backend):
-                        seconds, ref_seconds = paired_median_seconds(fn, refs[way], reps, device)
-                        peaks[way].append(nbytes / ref_seconds / 1e9)
-                        cells[(name, layout, page_size, pattern)] = (
-                            nbytes / seconds / 1e9,
-                            ref_seconds / seconds,
-                        )
+                if cuda:
+                    cases = [
+                        case
+                        for b in backends
+                        for case in device_cases(geom, dev, host, dev_idx, host_idx, b)
+                    ]
+                else:
+                    cases = cpu_cases(geom, dev, host, dev_idx, host_idx, backends)
+                for name, way, fn in cases:
+                    seconds, ref_seconds = paired_seconds(fn, refs[way], reps, device)
+                    peaks[way].append(nbytes / ref_seconds / 1e9)
+                    cells[(name, layout, page_size, pattern)] = (
+                        nbytes / seconds / 1e9,
+                        ref_seconds / seconds,
+                    )
             del dev, host
     return cells, runs, peaks
 
@@ -482,14 +450,18 @@ def main() -> None:
         "rounds": args.rounds,
         "target_x_ref": TARGET[args.device],
     }
+    device = torch.device(args.device)
+    passes = [
+        run(args.tokens, args.reps, page_sizes, geom, backends, device) for _ in range(args.rounds)
+    ]
+    runs = passes[0][1]
+    cells = {
+        k: sorted((p[0][k] for p in passes), key=lambda c: c[1])[len(passes) // 2]
+        for k in passes[0][0]
+    }
+    peaks = {way: sorted(g for p in passes for g in p[2][way]) for way in passes[0][2]}
+    peak = {way: v[len(v) // 2] for way, v in peaks.items()}
     if args.device == "cuda":
-        device = torch.device("cuda")
-        passes = [
-            run_device(args.tokens, args.reps, page_sizes, geom, backends, device)
-            for _ in range(args.rounds)
-        ]
-        peaks = {way: sorted(g for p in passes for g in p[2][way]) for way in ("h2d", "d2h")}
-        peak = {way: v[len(v) // 2] for way, v in peaks.items()}
         name = torch.cuda.get_device_name(device)
         ref, ratio = "pinned memcpy (cudaMemcpyAsync, same direction)", "x memcpy"
         print(
@@ -511,10 +483,6 @@ def main() -> None:
             }
         )
     else:
-        passes = [
-            (*run(args.tokens, args.reps, page_sizes, geom, backends), {})
-            for _ in range(args.rounds)
-        ]
         ref, ratio = "plain contiguous copy", "x"
         meta.update(
             {
@@ -523,18 +491,12 @@ def main() -> None:
                 "threads": torch.get_num_threads(),
             }
         )
-    runs = passes[0][1]
-    cells = {
-        k: sorted((p[0][k] for p in passes), key=lambda c: c[1])[len(passes) // 2]
-        for k in passes[0][0]
-    }
-    if args.device == "cpu":
-        plain = sorted(gbps / r for gbps, r in cells.values())
+        plain = peaks["plain"]
         print(
             f"{args.tokens} tokens, {geom.describe()}, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}, "
             f"median of {args.rounds} passes, load average {os.getloadavg()[0]:.1f}; plain "
-            f"contiguous copy {plain[len(plain) // 2]:.1f} GB/s (median; "
+            f"contiguous copy {peak['plain']:.1f} GB/s (median; "
             f"{plain[0]:.1f}..{plain[-1]:.1f})"
         )
     by_page = sorted(runs.items(), key=lambda item: item[0][1])
