@@ -373,23 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = {x for g in faults for x in g.split("+")} - set(ALL_FAULTS) - {"none"}
     if unknown:
         ap.error(f"unknown faults: {', '.join(sorted(unknown))}")
-    cfg = replace(
-        d,
-        model=a.model,
-        duration_s=a.duration_s,
-        round_s=a.round_s,
-        clients=a.clients,
-        seed=a.seed,
-        faults=faults,
-        fault_hold_s=a.fault_hold_s,
-        max_total_tokens=a.max_total_tokens,
-        page_size=a.page_size,
-        max_new_tokens=a.max_new_tokens,
-        extra_args=tuple(a.daemon_arg),
-        rss_tolerance_mb=a.rss_tolerance_mb,
-        rss_tolerance_frac=a.rss_tolerance_frac,
-        work_dir=a.work_dir,
-    )
+    # the flags named as SoakConfig's fields; --faults parsed above
+    same = {k: v for k, v in vars(a).items() if k in SoakConfig.__dataclass_fields__}
+    cfg = replace(d, **{**same, "faults": faults, "extra_args": tuple(a.daemon_arg)})
     header = Header.now()
     res = run_soak(cfg)
     res.update(header.record([a.plot]))

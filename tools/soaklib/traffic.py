@@ -16,6 +16,8 @@ from tools.soaklib.config import RPC_TIMEOUT_S, STREAM_TIMEOUT_S, SoakConfig
 from tools.soaklib.recorder import Recorder
 from tools.soaklib.workload import Conversation, Workload, choose
 
+GREEDY_64: dict[str, Any] = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0.0}
+
 
 class Pauser:
     """Workers call checkpoint() between actions; pause() returns once all are parked."""
@@ -148,67 +150,37 @@ class Traffic:
 
         self._loop(self.cfg.seed * 1000 + i, step)
 
+    def _stream(
+        self, c: HicacheClient, cv: Conversation, variant: str, allowed: set[str], **kw: Any
+    ) -> StreamResult:
+        """One recorded Generate of the conversation's prompt in its namespace; RESOURCE_EXHAUSTED
+        (the queue is full) is always allowed, ``finishes`` STOP / LENGTH unless given."""
+        finishes = kw.pop("finishes", {"STOP", "LENGTH"})
+        allowed = {"RESOURCE_EXHAUSTED", *allowed}
+        return stream_generate(self.rec, c, cv.ids, variant, allowed, finishes, ns=cv.ns, **kw)
+
     def _gen_plain(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> StreamResult:
-        return stream_generate(
-            self.rec,
-            c,
-            cv.ids,
-            "plain",
-            {"RESOURCE_EXHAUSTED"},
-            {"STOP", "LENGTH"},
-            ns=cv.ns,
-            **self.wl.sampling(rng),
-        )
+        return self._stream(c, cv, "plain", set(), **self.wl.sampling(rng))
 
     def _gen_cancel(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
         sp = self.wl.sampling(rng) | {"max_new_tokens": self.cfg.max_new_tokens}
-        stream_generate(
-            self.rec,
-            c,
-            cv.ids,
-            "cancel",
-            {"CANCELLED", "RESOURCE_EXHAUSTED"},
-            {"STOP", "LENGTH"},
-            ns=cv.ns,
-            cancel_after=rng.randint(1, 4),
-            **sp,
-        )
+        self._stream(c, cv, "cancel", {"CANCELLED"}, cancel_after=rng.randint(1, 4), **sp)
 
     def _gen_deadline(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
-        stream_generate(
-            self.rec,
-            c,
-            cv.ids,
-            "deadline",
-            {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
-            {"STOP", "LENGTH"},
-            ns=cv.ns,
-            timeout=rng.uniform(0.01, 1.0),
-            **self.wl.sampling(rng),
+        timeout = rng.uniform(0.01, 1.0)
+        self._stream(
+            c, cv, "deadline", {"DEADLINE_EXCEEDED"}, timeout=timeout, **self.wl.sampling(rng)
         )
 
     def _gen_abort(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
         rid = self._rid("abort")
-        found: list[Any] = []
 
         def abort() -> bool:
-            found.append(unary(self.rec, "Abort", lambda: c.abort(rid)))
+            unary(self.rec, "Abort", lambda: c.abort(rid))
             return False
 
-        stream_generate(
-            self.rec,
-            c,
-            cv.ids,
-            "abort",
-            {"RESOURCE_EXHAUSTED"},
-            {"STOP", "LENGTH", "ABORT"},
-            rid=rid,
-            ns=cv.ns,
-            on_first=abort,
-            max_new_tokens=64,
-            ignore_eos=True,
-            temperature=0.0,
-        )
+        finishes = {"STOP", "LENGTH", "ABORT"}
+        self._stream(c, cv, "abort", set(), rid=rid, on_first=abort, finishes=finishes, **GREEDY_64)
 
     def _gen_dup_running(self, c: HicacheClient, rng: random.Random, cv: Conversation) -> None:
         """The same id while the first request runs (64 tokens to go): ALREADY_EXISTS, and the
@@ -220,36 +192,12 @@ class Traffic:
         second: list[StreamResult] = []
 
         def again() -> bool:
-            second.append(
-                stream_generate(
-                    self.rec,
-                    c,
-                    cv.ids,
-                    "dup_second",
-                    {"ALREADY_EXISTS", "RESOURCE_EXHAUSTED"},
-                    {"STOP", "LENGTH"},
-                    rid=rid,
-                    ns=cv.ns,
-                    max_new_tokens=2,
-                    ignore_eos=True,
-                    temperature=0.0,
-                )
-            )
+            sp = GREEDY_64 | {"max_new_tokens": 2}
+            second.append(self._stream(c, cv, "dup_second", {"ALREADY_EXISTS"}, rid=rid, **sp))
             return second[0].code != "OK"
 
-        first = stream_generate(
-            self.rec,
-            c,
-            cv.ids,
-            "dup_first",
-            {"CANCELLED", "RESOURCE_EXHAUSTED"},
-            {"STOP", "LENGTH"},
-            rid=rid,
-            ns=cv.ns,
-            on_first=again,
-            max_new_tokens=64,
-            ignore_eos=True,
-            temperature=0.0,
+        first = self._stream(
+            c, cv, "dup_first", {"CANCELLED"}, rid=rid, on_first=again, **GREEDY_64
         )
         if (
             second
@@ -275,19 +223,8 @@ class Traffic:
                     barrier.wait(5)
                 except threading.BrokenBarrierError:
                     pass
-                out[k] = stream_generate(
-                    self.rec,
-                    c2,
-                    cv.ids,
-                    "dup_pair",
-                    {"ALREADY_EXISTS", "RESOURCE_EXHAUSTED"},
-                    {"STOP", "LENGTH"},
-                    rid=rid,
-                    ns=cv.ns,
-                    max_new_tokens=24,
-                    ignore_eos=True,
-                    temperature=0.0,
-                )
+                sp = GREEDY_64 | {"max_new_tokens": 24}
+                out[k] = self._stream(c2, cv, "dup_pair", {"ALREADY_EXISTS"}, rid=rid, **sp)
 
         t = threading.Thread(target=run, args=(1,), daemon=True)
         t.start()
