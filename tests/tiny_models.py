@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from tools.benchlib.reference import greedy_reference
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "A hierarchical KV cache keeps prefixes in device memory, host memory and on disk.",
@@ -94,17 +96,4 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outs.append(y[0, len(ids) :].tolist())
-    return outs
+    return greedy_reference(model, prompts, max_new_tokens)

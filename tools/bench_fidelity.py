@@ -42,6 +42,7 @@ from engine.runtime.models.loader import default_model_path, resolve_model_dir
 from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
 from tools.benchlib.header import header_markdown
 from tools.benchlib.peers import LlamaServer, build_llama_server
+from tools.benchlib.reference import greedy_reference
 
 REPORT = """\
 Incident report INC-2291, payments service, 14 March.
@@ -135,23 +136,6 @@ def render(tokenizer: Any) -> list[list[int]]:
         else tokenizer.encode(p)
         for p in PROMPTS.values()
     ]
-
-
-def reference(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    outs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outs.append(y[0, len(ids) :].tolist())
-    return outs
 
 
 def hicache(prompts: list[list[int]], new_tokens: int, engine_args: dict[str, Any]) -> Side:
@@ -349,7 +333,7 @@ def main() -> int:
     prompts = render(AutoTokenizer.from_pretrained(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     print("transformers fp32 ...", flush=True)
-    ref = reference(model, prompts, a.new_tokens)
+    ref = greedy_reference(model, prompts, a.new_tokens)
     print("hicache Engine ...", flush=True)
     hi = hicache(prompts, a.new_tokens, json.loads(a.hicache_args))
     print("llama-server ...", flush=True)

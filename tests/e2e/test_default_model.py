@@ -12,6 +12,7 @@ import torch
 
 from engine import Engine
 from engine.runtime.models.loader import resolve_model_dir
+from tools.benchlib.reference import greedy_reference
 
 pytestmark = pytest.mark.slow
 QUESTIONS = [
@@ -42,19 +43,7 @@ def reference():
         )
         for q in QUESTIONS
     ]
-    outs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=NEW,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outs.append(y[0, len(ids) :].tolist())
+    outs = greedy_reference(model, prompts, NEW)
     with torch.no_grad():
         logits = model(torch.tensor([prompts[0]])).logits[0]  # [seq, vocab]
     return prompts, outs, logits

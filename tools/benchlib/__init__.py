@@ -13,9 +13,12 @@ module:
     daemon  `hicache serve` as a subprocess: the one command line tools and tests start it with
     peers   llama.cpp's llama-server (built once) and the SMG gateway, as subprocesses
     valkey  Valkey / Redis servers on leased ports
+    inproc  in-process Engine runs: timed requests, steps by tier, per-tier hit counters, the
+            engine's warnings counted, the cache configurations, TTFT and hit-rate figures
+    reference  transformers' greedy decode, the reference of tokens
 
-This package imports only the light modules above ``options``; daemon, peers and valkey (which
-import the engine's client, httpx2, redis) are imported from their modules.
+This package imports only the light modules above ``options``; the others (which import the
+engine, torch, httpx2, redis) are imported from their modules.
 
 A benchmark's JSON carries ``Header.record()``'s keys at its top level: ``command``, ``date``,
 ``plots`` and ``machine`` (docs/benchmarks.md, "How each result is recorded").
