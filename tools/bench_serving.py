@@ -8,7 +8,7 @@ forced on by --no-disable-overlap; the daemon's default is on for an accelerator
 CPU), each concurrency C and each transport: C clients, each sending one request after another
 for a warm-up and then --duration-s; every request is a fresh random ~--prompt-tokens text
 prompt (seeded; little prefix sharing, so the cache does not make it trivial) and streams
---max-new-tokens tokens, greedy, ignore_eos. Measured (tools/servinglib.py has the exact
+--max-new-tokens tokens, greedy, ignore_eos. Measured (tools/serving_load.py has the exact
 windows): output tok/s, requests/s, TTFT and inter-token latency percentiles, errors; the load
 average before each run and the run's header (tools/benchlib/header.py) go into the JSON as
 well.
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.client import AsyncHicacheClient
-from tools import servinglib as sl
+from tools import serving_load as sl
 from tools.benchlib import (
     Header,
     cell,
