@@ -199,3 +199,47 @@ def test_daemon_env(tmp_path, monkeypatch) -> None:
     assert "HICACHE_PAGE_SIZE" not in env and env["HICACHE_MODEL_CACHE"] == "/models"
     assert env["XDG_CACHE_HOME"] == str(tmp_path / "xdg") and env["HICACHE_LOG_LEVEL"] == "info"
     assert env["PATH"] == os.environ["PATH"]
+    from tools.benchlib.procs import ROOT
+
+    # it runs in its work dir: this checkout's engine first on its import path
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+
+
+def test_process_log_and_failure(tmp_path) -> None:
+    """A process's output lands in its log, a restart's appended; a wait that ends because the
+    process exited says so with the log's tail."""
+    from tools.benchlib.procs import Process
+
+    p = Process(tmp_path / "p.log")
+    for word in ("first", "second"):
+        p.spawn([sys.executable, "-c", f"print({word!r}); raise SystemExit(3)"])
+        assert p.proc is not None and p.proc.wait(60) == 3
+    assert p.log_tail().split() == ["first", "second"]
+    with pytest.raises(RuntimeError, match=r"exited \(3\)[^\n]*:\nfirst\nsecond"):
+        p.wait_ready(lambda: False, "it", timeout_s=60)
+    assert p.stop() == 3
+
+
+def test_daemon_command_line_and_log_problems(tmp_path) -> None:
+    from tools.benchlib.daemon import Daemon
+
+    d = Daemon(tmp_path / "w", ["--page-size", "16"], model="/m")
+    serve = d.argv[d.argv.index("serve") :]
+    assert serve == ["serve", "--port", str(d.port), "--http-port", str(d.http_port)] + [
+        "--model",
+        "/m",
+        "--page-size",
+        "16",
+    ]
+    assert d.port != d.http_port and d.url.endswith(f":{d.http_port}") and d.log.parent.is_dir()
+    grpc_only = Daemon(tmp_path / "g", http=False, name="ref")
+    assert "--http-port" not in grpc_only.argv and grpc_only.log.name == "ref.log"
+    d.log.write_text(
+        "2026 INFO x: fine\n2026 WARNING x: slow\n2026 ERROR x: bad\n"
+        "Traceback (most recent call last):\n2026 CRITICAL x: worse\n"
+    )
+    assert d.log_problems() == [
+        "daemon.log:3: 2026 ERROR x: bad",
+        "daemon.log:4: Traceback (most recent call last):",
+        "daemon.log:5: 2026 CRITICAL x: worse",
+    ]

@@ -1,6 +1,6 @@
-"""The test servers themselves (tools/benchlib/valkey.py, tests/valkey_servers.py): ports nobody else is handed, a start
-that never mistakes another process's server for ours, clusters that do not vote a stalled
-node out."""
+"""The test servers themselves (tools/benchlib/valkey.py, tests/valkey_servers.py): ports nobody
+else is handed, a start that never mistakes another process's server for ours, clusters that do
+not vote a stalled node out."""
 
 from __future__ import annotations
 
