@@ -61,7 +61,8 @@ def timed_request(eng: Engine, ids: list[int], max_new: int, timeout_s: float) -
         h = eng.submit(ids, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True})
     except Exception as e:  # noqa: BLE001
         return Outcome(NAN, NAN, [], {}, 0, f"submit: {type(e).__name__}: {e}")
-    ttft, out, last = None, [], None
+    ttft, last = None, None
+    out: list[int] = []
     while last is None or not last.finished:
         try:
             c = h.chunks.get(timeout=1.0)
