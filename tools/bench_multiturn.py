@@ -44,8 +44,10 @@ from tools.benchlib import (
     write_json,
 )
 from tools.benchlib.inproc import (
+    HIT_COLUMNS,
     LogTally,
     Steps,
+    hit_cells,
     plot_tier_hits,
     plot_ttft,
     rand_tokens,
@@ -259,10 +261,7 @@ def md_multiturn(rows: list[dict]) -> str:
         "output tok/s",
         "mean TTFT (s)",
         "p90 TTFT (s)",
-        "L1 hit",
-        "L2 hit",
-        "L3 hit",
-        "total hit",
+        *HIT_COLUMNS,
         "requests done",
         "KV requeues",
     ]
@@ -276,8 +275,7 @@ def md_multiturn(rows: list[dict]) -> str:
                 f"{r['output_tok_s']:.1f}",
                 f"{r['ttft_mean_s']:.2f}",
                 f"{r['ttft_p90_s']:.2f}",
-                *(f"{r['hit_rate'][t]:.1%}" for t in TIERS),
-                f"{r['hit_rate_total']:.1%}",
+                *hit_cells(r),
                 f"{r['requests']}{' (TIMED OUT)' if r['timed_out'] else ''}",
                 r["kv_requeue_warnings"],
             ]

@@ -52,7 +52,6 @@ import traceback
 from typing import Any
 
 from engine import Engine
-from hicache.tier import TIERS
 from tools.benchlib import (
     Header,
     cell,
@@ -64,6 +63,7 @@ from tools.benchlib import (
     write_json,
 )
 from tools.benchlib.inproc import (
+    HIT_COLUMNS,
     NAN,
     WARMUP,
     LogTally,
@@ -71,6 +71,7 @@ from tools.benchlib.inproc import (
     add_engine_args,
     distinct_prompt,
     engine_options,
+    hit_cells,
     plot_tier_hits,
     rand_tokens,
     run_clients,
@@ -538,10 +539,7 @@ def md_tiers(rows: list[dict]) -> str:
         "req/s",
         "TTFT p50 (s)",
         "p99",
-        "L1 hit",
-        "L2 hit",
-        "L3 hit",
-        "total hit",
+        *HIT_COLUMNS,
         "KV requeues",
         "warnings / errors logged",
     ]
@@ -554,8 +552,7 @@ def md_tiers(rows: list[dict]) -> str:
             f"{r['requests_s']:.2f}",
             cell(r["ttft_p50_s"], ".2f"),
             cell(r["ttft_p99_s"], ".2f"),
-            *(f"{r['hit_rate'][t]:.1%}" for t in TIERS),
-            f"{r['hit_rate_total']:.1%}",
+            *hit_cells(r),
             r["kv_requeue_warnings"],
             f"{r['logged_warnings']} / {r['logged_errors']}",
         ]

@@ -174,6 +174,14 @@ def tier_hits(before: dict[str, Any], after: dict[str, Any], prompt_tokens: int 
     }
 
 
+HIT_COLUMNS = ["L1 hit", "L2 hit", "L3 hit", "total hit"]
+
+
+def hit_cells(row: dict[str, Any]) -> list[str]:
+    """A run's hit rates (``tier_hits``), per tier and in all, as a table's cells."""
+    return [*(f"{row['hit_rate'][t]:.1%}" for t in TIERS), f"{row['hit_rate_total']:.1%}"]
+
+
 class LogTally(logging.Handler):
     """On the root logger: the records of WARNING and above, counted. The scheduler's "did not
     fit the KV pool; requeued" apart (counted, not shown: it comes by the thousand under
