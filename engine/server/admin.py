@@ -1,12 +1,14 @@
 """CacheAdminService: cache statistics, side-effect-free matching, prefetch, evict, pin, flush,
 tree inspection and the cache event stream. Each handler checks its request here, at the edge,
 and asks the engine one operation (engine/operations.py, ``engine.call``; the tree work runs on
-the scheduler thread)."""
+the scheduler thread); a prefetch that must compute runs as an engine request, as Generate's do
+(``EngineRequest``: the drain waits for it, the metrics count it)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,7 +35,7 @@ from engine.server.pb import (
     tier_tokens,
 )
 from engine.server.settings import ensure_dir
-from engine.server.state import DaemonState, iter_chunks, rpc
+from engine.server.state import DaemonState, EngineRequest, rpc
 from hicache.errors import StorageBusyError
 
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
@@ -112,22 +114,24 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         computed = 0
         # The scheduler always computes the last prompt token, so only len-1 can be a device hit.
         if m.per_tier["l1"] < (len(ids) - 1) // m.page_size * m.page_size:
-            rid = who.request_id(f"prefetch-{time.monotonic_ns()}")
-            handle = await st.submit(engine, ids, PREFETCH_PARAMS, ns, rid=rid)
-            done = False
+            rid = who.request_id(f"prefetch-{uuid.uuid4().hex[:16]}")
+            run = await EngineRequest.start(st, engine, ids, PREFETCH_PARAMS, ns, rid)
             try:  # NOTE: from here a cancel (even at the next yield) aborts the request
                 yield resp(admin_pb2.PREFETCH_STAGE_RUNNING, m.per_tier)
-                async for chunk in iter_chunks(handle.chunks, st.pool):
-                    if chunk.finished:
-                        done = True
-                        if chunk.finish_reason == "abort":
+                async for chunk in run.chunks():
+                    if chunk.finished and chunk.finish_reason == "abort":
+                        if rid in st.drain_aborted:
                             await context.abort(
-                                grpc.StatusCode.ABORTED, f"prefetch aborted: {chunk.error or ''}"
+                                grpc.StatusCode.UNAVAILABLE,
+                                "the server is shutting down: the prefetch was aborted",
                             )
+                        await context.abort(
+                            grpc.StatusCode.ABORTED, f"prefetch aborted: {chunk.error or ''}"
+                        )
+                    if chunk.finished:
                         computed = chunk.prompt_tokens - chunk.cached_tokens
             finally:
-                if not done:
-                    engine.abort(rid)
+                run.release()  # client cancel, deadline, or server shutdown: the KV is freed
         pin_id = ""
         if request.pin:
             p = await st.run(engine.call, ops.PinPrefix(ids, ns, ttl, who.name))
