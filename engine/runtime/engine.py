@@ -38,8 +38,13 @@ R = TypeVar("R")
 
 
 class Engine(EngineFront):
-    def __init__(self, model: str | None = None, device: str = "cpu", **server_args: Any):
-        self.server_args = ServerArgs.from_kwargs(model_path=model, device=device, **server_args)
+    def __init__(self, model_path: str | None = None, device: str = "cpu", **server_args: Any):
+        """``model_path`` (SGLang's name; ``model=`` is accepted too): an HF model directory, a
+        .gguf file, or None for the embedded SmolLM2. Every other option is a ServerArgs field
+        by name (engine/config.py; SGLang's spellings of them too, ``ALIASES``)."""
+        if model_path is not None:
+            server_args["model_path"] = model_path
+        self.server_args = ServerArgs.from_kwargs(device=device, **server_args)
         self.runner = ModelRunner(self.server_args)
         self.tokenizer_manager = TokenizerManager(
             self.runner.tokenizer, self.runner.vocab_size, self.runner.max_context_len

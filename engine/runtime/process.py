@@ -98,8 +98,7 @@ def scheduler_main(
     try:
         from engine.runtime.engine import Engine
 
-        kw = server_args.to_dict()
-        engine = Engine(model=kw.pop("model_path"), device=kw.pop("device"), **kw)
+        engine = Engine(**server_args.to_dict())
     except BaseException:  # noqa: BLE001 - reported to the API server, which exits
         conn.send(("error", traceback.format_exc()))
         return
