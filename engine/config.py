@@ -1,14 +1,36 @@
-"""ServerArgs: the one source of truth for engine options (names mirror SGLang's server args)."""
+"""ServerArgs: the one source of truth for engine options. An option SGLang has is spelled and
+means as SGLang's (sglang/srt/server_args.py); where SGLang spells one of ours differently, its
+name is accepted too (``ALIASES``, ``SGLANG_EXTRA_CONFIG``) and stored under ours. docs/daemon.md
+"Option names and SGLang's" lists them."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.storage.redis.url import parse_target, redact_url
 
 STORAGE_BACKENDS = (None, "file", "redis")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_SPELLINGS = {"float": "float32", "half": "float16"}  # SGLang's other names of the same
+
+# Other names of our options, each meaning exactly what its target means: accepted wherever
+# options are given (Engine(...) / ServerArgs.from_kwargs, flags, HICACHE_* env vars, TOML).
+ALIASES: dict[str, str] = {
+    "model": "model_path",  # Engine(model=...), --model, HICACHE_MODEL (SGLang: --model too)
+    "disable_overlap_schedule": "disable_overlap",  # SGLang's name
+}
+# SGLang's --hicache-storage-backend-extra-config: a JSON object; the keys of it we have as
+# options of our own set those (any other key is refused: nothing is silently ignored).
+SGLANG_EXTRA_CONFIG = "hicache_storage_backend_extra_config"
+EXTRA_CONFIG_KEYS = {
+    "prefetch_threshold": "hicache_prefetch_threshold",
+    "prefetch_timeout_base": "hicache_prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token": "hicache_prefetch_timeout_per_ki_token",
+}
 
 
 @dataclass
@@ -84,7 +106,7 @@ class ServerArgs:
     # all prompt tokens in those tails (gateway bench under pressure with a shared Valkey: 0.87
     # of the ideal with 64, 0.93 with 32, 0.96 with 16, side by side; docs/benchmarks.md).
     hicache_storage_page_size: int | None = None
-    # best_effort | wait_complete | timeout. NOTE: SGLang defaults to best_effort, which admits a
+    # best_effort | wait_complete | timeout (SGLang's default too). NOTE: best_effort admits a
     # request with whatever arrived when it is scheduled: on an idle server that is nothing.
     # timeout admits as soon as the prefetch is complete, at most base + per-1k-token later.
     hicache_storage_prefetch_policy: str = "timeout"
@@ -107,6 +129,9 @@ class ServerArgs:
         return not self.disable_overlap
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_SPELLINGS.get(self.dtype, self.dtype)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} ({', '.join(DTYPES)})")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.schedule_policy not in ("lpm", "dfs-weight", "fcfs", "lof", "random"):
@@ -170,6 +195,8 @@ class ServerArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Options by name, SGLang's spellings included (``canonical``)."""
+        kwargs = canonical(kwargs)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -187,4 +214,53 @@ class ServerArgs:
         return d
 
 
-__all__ = ["STORAGE_BACKENDS", "ServerArgs", "field", "redact_url"]
+def canonical(options: Mapping[str, Any], aliases: Mapping[str, str] = ALIASES) -> dict[str, Any]:
+    """``options`` under our names: ``aliases`` renamed, SGLang's extra config spread over the
+    options it sets. TypeError when one option is given under two names."""
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # our name -> the name it was given under
+
+    def put(name: str, as_given: str, value: Any) -> None:
+        if name in given:
+            raise TypeError(
+                f"{given[name]} and {as_given} are the same option ({name}): give one of them"
+            )
+        given[name], out[name] = as_given, value
+
+    for name, value in options.items():
+        if name == SGLANG_EXTRA_CONFIG:
+            for key, v in extra_config(value).items():
+                put(EXTRA_CONFIG_KEYS[key], f"{SGLANG_EXTRA_CONFIG}[{key!r}]", v)
+        else:
+            put(aliases.get(name, name), name, value)
+    return out
+
+
+def extra_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """SGLang's hicache_storage_backend_extra_config (a JSON object, or a dict) -> its keys;
+    ValueError naming what cannot be used."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{SGLANG_EXTRA_CONFIG}: not a JSON object ({e})") from None
+    if not isinstance(value, Mapping):
+        # NOTE: bad input is a ValueError everywhere (the CLI's exit 2, HTTP 400)
+        raise ValueError(f"{SGLANG_EXTRA_CONFIG}: expected a JSON object, got {value!r}")  # noqa: TRY004
+    unknown = sorted(set(value) - set(EXTRA_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"{SGLANG_EXTRA_CONFIG}: unsupported key(s) {', '.join(unknown)} "
+            f"(supported: {', '.join(EXTRA_CONFIG_KEYS)})"
+        )
+    for key, v in value.items():
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not number or (key == "prefetch_threshold" and not isinstance(v, int)):
+            kind = "an integer" if key == "prefetch_threshold" else "a number"
+            raise ValueError(f"{SGLANG_EXTRA_CONFIG}: {key} must be {kind}, got {v!r}")
+    return dict(value)
+
+
+__all__ = ["ALIASES", "STORAGE_BACKENDS", "ServerArgs", "canonical", "field", "redact_url"]

@@ -6,9 +6,13 @@ that cross it. The daemon's handlers type against `EngineFront` only; two classe
     SplitEngine  engine/server/split_engine.py  the API server side of the split daemon: each
                                                 call a message to the scheduler process
 
-NOTE: torch-free, like everything it imports (engine.config, engine.errors, engine.tokenizer,
-engine.admin_records, hicache.observe.events / kv_blocks / stats / tier): the split daemon's API server process
-never loads torch or engine.runtime (tests/unit/test_engine_boundary.py).
+Besides requests (submit / abort), everything an engine answers is an operation: one dataclass
+each in engine/operations.py, run by `EngineFront.call(op)`; the named methods below are the
+Python API over them. The engine side answers each with one handler (engine/runtime/handlers.py).
+
+NOTE: torch-free, like everything it imports (engine.config, engine.errors, engine.operations,
+engine.admin_records, hicache.observe.events / blocks / stats / tier): the split daemon's API
+server process never loads torch or engine.runtime (tests/unit/test_engine_boundary.py).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import queue
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
+from engine import operations as ops
 from engine.admin_records import (
     EvictInfo,
     FlushInfo,
@@ -37,84 +42,11 @@ from hicache.observe.stats import CacheStats
 if TYPE_CHECKING:
     from engine.tokenizer import TokenizerManager
 
+R = TypeVar("R")
 Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
 FinishKind = Literal["stop", "length", "abort"]  # EOS / stop token / stop string; budget; abort
-CALL_TIMEOUT_S = 30.0  # how long a cache admin call waits for the scheduler thread
 SCHEDULER_JOIN_S = 30.0  # shutdown waits this long for the scheduler's current step
 L3_DRAIN_S = 60.0  # and this long for queued L3 backups to land (a hung store must not hang it)
-
-_KNOWN = {  # SamplingParams' fields (a sampling_params dict may name no other)
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "final_only",
-}
-
-
-@dataclass
-class SamplingParams:
-    """A request's sampling options, from a sampling_params dict (``from_dict``), checked here
-    at the edge; the scheduler process' Sampler (engine/runtime/sampling.py) reads them."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = no top-k
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    # One chunk at the end instead of one per token (vLLM's RequestOutputKind.FINAL_ONLY): for
-    # callers that wait for the whole output (non-streaming HTTP, Engine.generate); in the split
-    # daemon each chunk is a message through the detokenizer process to the API server
-    final_only: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        d = dict(d or {})
-        unknown = sorted(set(d) - _KNOWN)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        if isinstance(d.get("stop"), str):
-            d["stop"] = [d["stop"]]
-        p = cls(**d)
-        p.validate()
-        return p
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if not isinstance(self.final_only, bool):
-            # NOTE: bad input is a ValueError everywhere (HTTP 400 / INVALID_ARGUMENT)
-            raise ValueError(f"final_only must be true or false, got {self.final_only!r}")  # noqa: TRY004
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"stop_token_ids contains an invalid token id {t!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
 
 
 @dataclass
@@ -218,12 +150,12 @@ class EventLogReader(Protocol):
 
 
 class EngineFront(ABC):
-    """What the API server calls on an engine: prompts in, streams out, and the cache's admin
-    operations. Prompts are tokenized and checked here (`tokenizer_manager`, set by the
-    subclass), so a bad one fails the same way in-process and split. The admin operations run
-    on the scheduler thread between two steps (engine/runtime/cache_admin.py and
-    tenant_cache.py say what each does); ValueError means bad input, engine.errors says what
-    else each may raise."""
+    """What the API server calls on an engine: prompts in, streams out, and operations.
+    Prompts are tokenized and checked here (`tokenizer_manager`, set by the subclass), so a bad
+    one fails the same way in-process and split. A subclass implements the requests (submit,
+    abort), `call` and `event_log` (how its operations travel) and shutdown; every named
+    operation below is `call` of the dataclass of the same name (engine/operations.py says
+    what each does; the cache's run on the scheduler thread between two steps)."""
 
     tokenizer_manager: TokenizerManager
     server_args: ServerArgs  # the options the engine runs with (L3 attach / detach change them)
@@ -244,10 +176,6 @@ class EngineFront(ABC):
 
     def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
         return self.tokenizer_manager.tokenize(prompt, chat)
-
-    @abstractmethod
-    def model_info(self) -> dict[str, Any]:
-        """model_path, architecture, vocab_size, max_context_len, max_total_tokens, ..."""
 
     # --- requests ----------------------------------------------------------------------------
     @abstractmethod
@@ -309,28 +237,31 @@ class EngineFront(ABC):
             if not handle.done:
                 self.abort(handle.rid)
 
-    # --- the cache: figures and events -------------------------------------------------------
+    # --- everything else: operations (engine/operations.py) ----------------------------------
     @abstractmethod
-    def cache_stats(self) -> CacheStats:
-        """Every tier's figures and the scheduler's request counters (hicache/observe/stats.py)."""
+    def call(self, op: ops.Operation[R]) -> R:
+        """Runs one operation on the engine side and returns its answer (waiting at most
+        ``op.answer_within()``); EngineShutdownError after shutdown. ValueError means bad
+        input; engine.errors says what else each may raise."""
 
     @abstractmethod
     def event_log(self) -> EventLogReader:
         """The cache's event log (one is attached when the tree brought none)."""
 
-    @abstractmethod
+    def model_info(self) -> dict[str, Any]:
+        return self.call(ops.GetModelInfo())
+
+    def cache_stats(self) -> CacheStats:
+        return self.call(ops.GetCacheStats())
+
     def kv_block_changes(
         self, block_size: int, salt_key: bytes, reset: bool = False
     ) -> BlockChanges:
-        """The cache's full blocks stored / removed per tier since the last call (reset: the
-        whole state); one caller per engine (the daemon's KvEventPublisher)."""
+        return self.call(ops.KvBlockChanges(block_size, salt_key, reset))
 
-    # --- the cache: admin operations ---------------------------------------------------------
-    @abstractmethod
     def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchInfo:
-        """What of `key` is cached, per tier, without changing anything."""
+        return self.call(ops.MatchPrefix(key, namespace))
 
-    @abstractmethod
     def evict(
         self,
         tier: str,
@@ -340,11 +271,8 @@ class EngineFront(ABC):
         dry_run: bool = False,
         namespaces: frozenset[str] | None = None,
     ) -> EvictInfo:
-        """Evicts >= num_tokens (None: all evictable) of `tier` among the sequences that start
-        with `prefix`, or the nodes of `namespaces`, or the whole tree; TierUnavailableError
-        for a tier that is not enabled (or l3)."""
+        return self.call(ops.Evict(tier, num_tokens, prefix, namespace, dry_run, namespaces))
 
-    @abstractmethod
     def pin(
         self,
         key: list[int],
@@ -352,30 +280,22 @@ class EngineFront(ABC):
         ttl_s: float = 0.0,
         owner: str | None = None,
     ) -> Pin | None:
-        """Locks the device-cached prefix of `key` (ttl_s 0: until unpinned); None when
-        nothing of it is on L1."""
+        return self.call(ops.PinPrefix(key, namespace, ttl_s, owner))
 
-    @abstractmethod
     def unpin(self, pin_id: str | None = None, owner: str | None = None) -> tuple[int, int]:
-        """Releases one pin (None: all; with an owner: only its own); (pins, tokens)."""
+        return self.call(ops.Unpin(pin_id, owner))
 
-    @abstractmethod
     def pin_summary(self) -> tuple[int, int]:
-        """(number of pins, tokens they pin)."""
+        return self.call(ops.PinSummary())
 
-    @abstractmethod
     def flush(self, tiers: list[str] | None = None) -> FlushInfo:
-        """Empties the tiers (None: every enabled one); NotIdleError while requests run or
-        wait, StorageBusyError while L3 work is in flight; nothing changes then."""
+        return self.call(ops.Flush(tiers))
 
-    @abstractmethod
     def flush_namespaces(
         self, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
     ) -> FlushInfo:
-        """Empties the tiers of these namespaces only (a tenant's), releasing the owner's pins;
-        other namespaces' requests may keep running."""
+        return self.call(ops.FlushNamespaces(namespaces, tiers, owner))
 
-    @abstractmethod
     def inspect_tree(
         self,
         offset: int = 0,
@@ -383,35 +303,27 @@ class EngineFront(ABC):
         preview_tokens: int = 16,
         namespaces: frozenset[str] | None = None,
     ) -> tuple[list[NodeInfo], int]:
-        """One page of the tree, parents first, and the number of nodes in all."""
+        return self.call(ops.InspectTree(offset, limit, preview_tokens, namespaces))
 
-    # --- tenants -----------------------------------------------------------------------------
-    @abstractmethod
     def apply_quotas(self, quotas: Sequence[TenantQuota]) -> None:
-        """Enforce these tenants' quotas from now on (replacing the quotas applied before)."""
+        self.call(ops.ApplyQuotas(tuple(quotas)))
 
-    @abstractmethod
     def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> TenantView:
-        """What a tenant's namespaces hold per tier, its pins, its quota evictions."""
+        return self.call(ops.GetTenantView(tenant, namespaces))
 
-    @abstractmethod
     def tenant_figures(self, quotas: Sequence[TenantQuota]) -> dict[str, dict[str, dict[str, int]]]:
-        """{tenant: {"cached" | "quota" | "evicted": {tier: tokens}}} (for /metrics)."""
+        return self.call(ops.GetTenantFigures(tuple(quotas)))
 
-    # --- L3 at run time ----------------------------------------------------------------------
-    @abstractmethod
     def storage_info(self) -> dict[str, Any]:
-        """The attached L3 backend: {"attached", "backend", "address", ...}."""
+        return self.call(ops.GetStorageInfo())
 
-    @abstractmethod
     def attach_storage(
         self, backend: str, url: str | None = None, directory: str | None = None
     ) -> dict[str, Any]:
-        """Attaches an L3 backend (none may be attached); returns storage_info()."""
+        return self.call(ops.AttachStorage(backend, url, directory))
 
-    @abstractmethod
     def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Stops using L3 once its pending work lands; returns what was attached."""
+        return self.call(ops.DetachStorage(timeout))
 
     # --- the engine itself -------------------------------------------------------------------
     def child_pids(self) -> dict[str, int]:

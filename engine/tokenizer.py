@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.front import Prompt, SamplingParams
+from engine.front import Prompt
+from engine.sampling_params import SamplingParams
 
 
 class TokenizerManager:

@@ -10,8 +10,8 @@ from typing import Any
 
 import zmq
 
-from engine import ipc
 from engine.detokenizer.text import TextStream
+from engine.ipc import messages, transport
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.streams: dict[str, tuple[TextStream, list[int]]] = {}  # rid -> (text, output ids)
 
-    def step(self, m: ipc.TokenOut) -> ipc.TokenOut:
+    def step(self, m: messages.TokenOut) -> messages.TokenOut:
         """The chunk with its text filled in."""
         chunk = m.chunk
         state = self.streams.get(m.rid)
@@ -47,22 +47,22 @@ class Detokenizer:
 
 
 def detokenizer_main(
-    tokenizer: Any, addrs: ipc.Addresses, conn: Connection, log_level: str
+    tokenizer: Any, addrs: transport.Addresses, conn: Connection, log_level: str
 ) -> None:
-    ipc.child_setup("detokenizer", log_level)
+    transport.child_setup("detokenizer", log_level)
     ctx = zmq.Context()
-    inbox = ipc.pull(ctx, addrs.detok_in)
-    out = ipc.push(ctx, addrs.api_chunks)
+    inbox = transport.pull(ctx, addrs.detok_in)
+    out = transport.push(ctx, addrs.api_chunks)
     detok = Detokenizer(tokenizer)
     conn.send(("ready", None))
     while True:
-        batch = ipc.recv(inbox, 1000)
+        batch = transport.recv(inbox, 1000)
         if batch is None:
             continue
-        done = [detok.step(m) for m in batch if isinstance(m, ipc.TokenOut)]
+        done = [detok.step(m) for m in batch if isinstance(m, messages.TokenOut)]
         if done:
-            ipc.send(out, done)
-        if any(isinstance(m, ipc.DetokStop) for m in batch):
+            transport.send(out, done)
+        if any(isinstance(m, messages.DetokStop) for m in batch):
             break
     out.close(linger=5000)
     inbox.close()

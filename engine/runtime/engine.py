@@ -1,6 +1,7 @@
 """Engine: the in-process EngineFront (engine/front.py), and the Python API. Validates input,
-hands requests to the scheduler thread, collects their streamed chunks, and runs the cache's
-admin operations on the scheduler thread between two steps."""
+hands requests to the scheduler thread and collects their streamed chunks; answers every other
+operation with its handler (engine/runtime/handlers.py), on the scheduler thread between two
+steps for the cache's."""
 
 from __future__ import annotations
 
@@ -8,49 +9,42 @@ import atexit
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engine.admin_records import (
-    EvictInfo,
-    FlushInfo,
-    MatchInfo,
-    NodeInfo,
-    Pin,
-    TenantQuota,
-    TenantView,
-)
+from engine import operations as ops
 from engine.config import ServerArgs
-from engine.errors import EngineShutdownError, QueueFullError, TierUnavailableError
+from engine.errors import EngineShutdownError, QueueFullError
 from engine.front import (
-    CALL_TIMEOUT_S,
     L3_DRAIN_S,
     SCHEDULER_JOIN_S,
     EngineFront,
     Prompt,
     RequestHandle,
-    SamplingParams,
     StreamChunk,
 )
-from engine.runtime import cache_admin, hicache_setup, tenant_cache
-from engine.runtime.kv_block_view import kv_block_changes
+from engine.runtime import handlers
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Req
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.tree_factory import build_tree_cache
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import TokenizerManager
-from hicache.observe.blocks import BlockChanges
 from hicache.observe.events import CacheEventLog
-from hicache.observe.stats import CacheStats
-from hicache.tree.hiradix import HiRadixCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Engine(EngineFront):
-    def __init__(self, model: str | None = None, device: str = "cpu", **server_args: Any):
-        self.server_args = ServerArgs.from_kwargs(model_path=model, device=device, **server_args)
+    def __init__(self, model_path: str | None = None, device: str = "cpu", **server_args: Any):
+        """``model_path`` (SGLang's name; ``model=`` is accepted too): an HF model directory, a
+        .gguf file, or None for the embedded SmolLM2. Every other option is a ServerArgs field
+        by name (engine/config.py; SGLang's spellings of them too, ``ALIASES``)."""
+        if model_path is not None:
+            server_args["model_path"] = model_path
+        self.server_args = ServerArgs.from_kwargs(device=device, **server_args)
         self.runner = ModelRunner(self.server_args)
         self.tokenizer_manager = TokenizerManager(
             self.runner.tokenizer, self.runner.vocab_size, self.runner.max_context_len
@@ -123,153 +117,19 @@ class Engine(EngineFront):
     def abort(self, rid: str) -> None:
         self.scheduler.request_abort(rid)
 
-    # --- cache and introspection -------------------------------------------------------------
-    def call_in_scheduler(self, fn: Callable[[Scheduler], T], timeout: float | None = 60.0) -> T:
+    # --- operations (engine/operations.py) ------------------------------------------------------
+    def call(self, op: ops.Operation[R]) -> R:
         if self._closed:
             raise EngineShutdownError("the engine has been shut down")
-        return self.scheduler.call(fn).result(timeout)
+        return handlers.answer(self.scheduler, op)
 
-    def cache_stats(self) -> CacheStats:
-        """Every tier's figures and the scheduler's counters (hicache/observe/stats.py)."""
-        return self.call_in_scheduler(_collect_stats)
+    def call_in_scheduler(self, fn: Callable[[Scheduler], T], timeout: float | None = 60.0) -> T:
+        """fn(scheduler) on the scheduler thread between two steps (scripts and tests)."""
+        return self.call(ops.InScheduler(fn, timeout))
 
     def event_log(self) -> CacheEventLog:
-        """The cache's event log; one is attached (to the scheduler and its tree) when the tree
-        brought none, so that Flush's `cleared` events are still observable."""
-        return self.call_in_scheduler(_ensure_event_log)
-
-    def model_info(self) -> dict[str, Any]:
-        return self.runner.model_info()
-
-    def kv_block_changes(
-        self, block_size: int, salt_key: bytes, reset: bool = False
-    ) -> BlockChanges:
-        return self._admin(lambda s: kv_block_changes(s, block_size, salt_key, reset))
-
-    # --- cache admin (engine/runtime/cache_admin.py, tenant_cache.py) -------------------------
-    def _admin(self, fn: Callable[[Scheduler], T]) -> T:
-        return self.call_in_scheduler(fn, CALL_TIMEOUT_S)
-
-    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchInfo:
-        return self._admin(lambda s: cache_admin.match_prefix(s, key, namespace))
-
-    def evict(
-        self,
-        tier: str,
-        num_tokens: int | None = None,
-        prefix: list[int] | None = None,
-        namespace: str | None = None,
-        dry_run: bool = False,
-        namespaces: frozenset[str] | None = None,
-    ) -> EvictInfo:
-        return self._admin(
-            lambda s: cache_admin.evict(
-                s,
-                tier,
-                num_tokens=num_tokens,
-                prefix=prefix,
-                namespace=namespace,
-                dry_run=dry_run,
-                namespaces=namespaces,
-            )
-        )
-
-    def pin(
-        self,
-        key: list[int],
-        namespace: str | None = None,
-        ttl_s: float = 0.0,
-        owner: str | None = None,
-    ) -> Pin | None:
-        return self._admin(lambda s: cache_admin.pin(s, key, namespace, ttl_s, owner=owner))
-
-    def unpin(self, pin_id: str | None = None, owner: str | None = None) -> tuple[int, int]:
-        return self._admin(lambda s: cache_admin.unpin(s, pin_id, owner))
-
-    def pin_summary(self) -> tuple[int, int]:
-        return self._admin(cache_admin.pin_summary)
-
-    def flush(self, tiers: list[str] | None = None) -> FlushInfo:
-        return self._admin(lambda s: cache_admin.flush(s, tiers))
-
-    def flush_namespaces(
-        self, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
-    ) -> FlushInfo:
-        return self._admin(lambda s: tenant_cache.flush(s, namespaces, tiers, owner))
-
-    def inspect_tree(
-        self,
-        offset: int = 0,
-        limit: int = 100,
-        preview_tokens: int = 16,
-        namespaces: frozenset[str] | None = None,
-    ) -> tuple[list[NodeInfo], int]:
-        return self._admin(
-            lambda s: cache_admin.inspect_tree(s, offset, limit, preview_tokens, namespaces)
-        )
-
-    def apply_quotas(self, quotas: Sequence[TenantQuota]) -> None:
-        self._admin(lambda s: tenant_cache.apply_quotas(s, quotas))
-
-    def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> TenantView:
-        return self._admin(lambda s: tenant_cache.tenant_view(s, tenant, namespaces))
-
-    def tenant_figures(self, quotas: Sequence[TenantQuota]) -> dict[str, dict[str, dict[str, int]]]:
-        return self._admin(lambda s: tenant_cache.tenant_figures(s, quotas))
-
-    # --- L3 at run time -----------------------------------------------------------------------
-    def storage_info(self) -> dict[str, Any]:
-        """The attached L3 backend: {"attached", "backend", "address", ...} (see storage_info)."""
-        return self.call_in_scheduler(lambda s: s.tree_cache.storage_info())
-
-    def attach_storage(
-        self, backend: str, url: str | None = None, directory: str | None = None
-    ) -> dict[str, Any]:
-        """Attach an L3 backend to the running engine (none may be attached); its objects
-        are the ones a daemon with the same model and options would use. Returns storage_info.
-        The backend is built here (a directory scan may take a while), attached on the
-        scheduler thread between steps."""
-        tree = self.scheduler.tree_cache
-        if not isinstance(tree, HiRadixCache):
-            raise TierUnavailableError(
-                "L3 needs the hierarchical cache (enable_hierarchical_cache)"
-            )
-        object_size = self.server_args.hicache_storage_page_size
-        assert object_size is not None, "ServerArgs derives it from page_size when not given"
-        storage = hicache_setup.build_storage(
-            self.server_args,
-            hicache_setup.storage_scope(tree.controller.model_fingerprint, tree.host_pool),
-            backend=backend,
-            url=url,
-            directory=directory,
-        )
-        try:
-            self.call_in_scheduler(lambda s: s.tree_cache.attach_storage(storage, object_size))
-        except BaseException:
-            hicache_setup.close_storage(storage)
-            raise
-        a = self.server_args
-        a.hicache_storage_backend = backend
-        a.hicache_storage_url = url if backend == "redis" else None
-        a.hicache_storage_dir = directory if backend == "file" else a.hicache_storage_dir
-        return self.storage_info()
-
-    def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Stop using L3 (pending backups and prefetches finish first; see
-        HiRadixCache.detach_storage). Returns what was attached (storage_info before)."""
-        if not self.scheduler.tree_cache.can_attach_storage():
-            raise TierUnavailableError(
-                "L3 needs the hierarchical cache (enable_hierarchical_cache)"
-            )
-
-        def detach(s: Scheduler) -> dict[str, Any]:
-            before = s.tree_cache.storage_info()
-            hicache_setup.close_storage(s.tree_cache.detach_storage(timeout))
-            return before
-
-        before = self.call_in_scheduler(detach, timeout=timeout + 30.0)
-        self.server_args.hicache_storage_backend = None
-        return before
+        """The cache's event log (attached when the tree brought none)."""
+        return self.call_in_scheduler(handlers.ensure_event_log)
 
     def shutdown(self) -> None:
         """Stop the scheduler, land queued L3 backups (at most ``L3_DRAIN_S``; the objects
@@ -306,31 +166,6 @@ def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Sc
     if not thread.is_alive() and tree.has_storage():
         tree.drain_storage(L3_DRAIN_S)  # the tree is ours now
     tree.shutdown()
-
-
-def _ensure_event_log(scheduler: Scheduler) -> CacheEventLog:
-    if scheduler.event_log is None:
-        scheduler.event_log = CacheEventLog()
-        if scheduler.tree_cache.event_log is None:
-            scheduler.tree_cache.event_log = scheduler.event_log
-    return scheduler.event_log
-
-
-def _collect_stats(s: Scheduler) -> CacheStats:
-    c = s.counters
-    tiers = s.tree_cache.tier_stats(c.hit_tokens, held_tokens=int(s.held_slots().numel()))
-    return CacheStats(
-        l1=tiers.l1,
-        l2=tiers.l2,
-        l3=tiers.l3,
-        prompt_tokens=c.prompt_tokens,
-        miss_tokens=c.miss_tokens,
-        requests=c.requests,
-        finished_requests=c.finished,
-        retractions=c.retractions,
-        running_requests=len(s.running),
-        waiting_requests=len(s.waiting),
-    )
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

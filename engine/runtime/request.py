@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.detokenizer.text import TextStream
-from engine.front import FinishKind, SamplingParams, StreamChunk
+from engine.front import FinishKind, StreamChunk
+from engine.sampling_params import SamplingParams
 from hicache.tier import TIERS
 
 if TYPE_CHECKING:

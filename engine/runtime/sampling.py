@@ -1,5 +1,4 @@
-"""The batched sampler (its parameters, SamplingParams, are the engine boundary's:
-engine/front.py)."""
+"""The batched sampler (its parameters: SamplingParams, engine/sampling_params.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ from typing import Any
 
 import torch
 
-from engine.front import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class Sampler:

@@ -1,21 +1,31 @@
 """CacheAdminService: cache statistics, side-effect-free matching, prefetch, evict, pin, flush,
-tree inspection and the cache event stream, over EngineFront's admin methods (engine/front.py;
-the tree work runs on the scheduler thread)."""
+tree inspection and the cache event stream. Each handler checks its request here, at the edge,
+and asks the engine one operation (engine/operations.py, ``engine.call``; the tree work runs on
+the scheduler thread); a prefetch that must compute runs as an engine request, as Generate's do
+(``EngineRequest``: the drain waits for it, the metrics count it)."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from engine import operations as ops
 from engine.admin_records import FlushInfo
 from engine.errors import NotIdleError
 from engine.front import EngineFront
 from engine.server import validate
+from engine.server.admin_pb import (
+    event_message,
+    node_message,
+    stats_message,
+    storage_info,
+    tenant_stats_message,
+)
 from engine.server.pb import (
     EVENT_TO_ENUM,
     TIER_TO_ENUM,
@@ -25,58 +35,13 @@ from engine.server.pb import (
     tier_tokens,
 )
 from engine.server.settings import ensure_dir
-from engine.server.state import DaemonState, iter_chunks, rpc
-from engine.server.tenants import Principal
+from engine.server.state import DaemonState, EngineRequest, rpc
 from hicache.errors import StorageBusyError
-from hicache.observe.stats import CacheStats, TierStats
-from hicache.tier import Tier
 
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
 DEFAULT_DETACH_TIMEOUT_S = 30.0
-
-
-def tier_message(tier: Tier, stats: TierStats | None) -> admin_pb2.TierStats:
-    """One tier's record as the proto: the fields every tier has one for one, the tier's own
-    numbers in ``extra`` and its facts in ``info``; None: the tier is not configured."""
-    if stats is None:
-        return admin_pb2.TierStats(tier=TIER_TO_ENUM[tier], enabled=False)
-    return admin_pb2.TierStats(
-        tier=TIER_TO_ENUM[tier],
-        enabled=True,
-        extra=stats.figures(),
-        info=stats.facts(),
-        **stats.core(),
-    )
-
-
-def stats_message(
-    stats: CacheStats, admin_pinned_tokens: int, num_pins: int
-) -> admin_pb2.GetCacheStatsResponse:
-    return admin_pb2.GetCacheStatsResponse(
-        tiers=[tier_message(t, stats.tier(t)) for t in Tier],
-        miss_tokens=stats.miss_tokens,
-        admin_pinned_tokens=admin_pinned_tokens,
-        num_pins=num_pins,
-        timestamp=time.time(),
-        prompt_tokens=stats.prompt_tokens,
-        requests=stats.requests,
-        finished_requests=stats.finished_requests,
-        retractions=stats.retractions,
-        running_requests=stats.running_requests,
-        waiting_requests=stats.waiting_requests,
-    )
-
-
-def storage_info(d: dict[str, Any]) -> admin_pb2.StorageInfo:
-    core = ("attached", "backend", "address", "object_tokens", "pending")
-    return admin_pb2.StorageInfo(
-        attached=bool(d.get("attached")),
-        backend=str(d.get("backend", "")),
-        address=str(d.get("address", "")),
-        object_tokens=int(d.get("object_tokens", 0)),
-        pending=int(d.get("pending", 0)),
-        details={k: str(v) for k, v in d.items() if k not in core},
-    )
+# a prefetch that computes: the prompt's prefill, one greedy token (never returned)
+PREFETCH_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
 
 
 class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
@@ -95,41 +60,15 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
     ) -> admin_pb2.GetCacheStatsResponse:
         st = self.state
         engine = await st.require_engine(context)
-        stats = await st.run(engine.cache_stats)
+        stats = await st.run(engine.call, ops.GetCacheStats())
         who = st.principal(context)
-        if who.tenant is not None:
-            return await self._tenant_stats(engine, who, stats)
-        num_pins, pinned = await st.run(engine.pin_summary)
+        if who.tenant is not None:  # its own namespaces' share only
+            namespaces = who.namespaces()
+            assert namespaces is not None, "a tenant always has namespaces"
+            view = await st.run(engine.call, ops.GetTenantView(who.tenant.name, namespaces))
+            return tenant_stats_message(stats, who.tenant, view)
+        num_pins, pinned = await st.run(engine.call, ops.PinSummary())
         return stats_message(stats, pinned, num_pins)
-
-    async def _tenant_stats(
-        self, engine: EngineFront, who: Principal, stats: CacheStats
-    ) -> admin_pb2.GetCacheStatsResponse:
-        """A tenant's view: its namespaces' tokens per tier, its quota as the capacity (the
-        tier's without one), its quota evictions, its pins; nothing of anyone else's."""
-        tenant, namespaces = who.tenant, who.namespaces()
-        assert tenant is not None and namespaces is not None
-        use, pins, evicted = await self.state.run(engine.tenant_view, tenant.name, namespaces)
-        tiers = []
-        for t in Tier:
-            whole = stats.tier(t)
-            msg = admin_pb2.TierStats(tier=TIER_TO_ENUM[t], enabled=whole is not None)
-            if whole is not None:
-                u = use[t]
-                msg.capacity_tokens = tenant.quota(t) or whole.capacity_tokens
-                msg.used_tokens = u.used_tokens
-                msg.evictable_tokens = u.evictable_tokens
-                msg.pinned_tokens = u.pinned_tokens
-                msg.evicted_tokens = evicted.get(t, 0)
-                msg.info["tenant"] = tenant.name
-                msg.info["quota_tokens"] = str(tenant.quota(t))
-            tiers.append(msg)
-        return admin_pb2.GetCacheStatsResponse(
-            tiers=tiers,
-            admin_pinned_tokens=sum(p.tokens for p in pins),
-            num_pins=len(pins),
-            timestamp=time.time(),
-        )
 
     @rpc
     async def MatchPrefix(
@@ -139,7 +78,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         engine = await st.require_engine(context)
         ns = st.principal(context).namespace(validate.namespace(request.cache_namespace))
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
-        m = await st.run(engine.match_prefix, ids, ns)
+        m = await st.run(engine.call, ops.MatchPrefix(ids, ns))
         return admin_pb2.MatchPrefixResponse(
             prompt_tokens=len(ids),
             matched_tokens=m.matched_tokens,
@@ -170,34 +109,34 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                 **kw,
             )
 
-        m = await st.run(engine.match_prefix, ids, ns)
+        m = await st.run(engine.call, ops.MatchPrefix(ids, ns))
         yield resp(admin_pb2.PREFETCH_STAGE_MATCHED, m.per_tier)
         computed = 0
         # The scheduler always computes the last prompt token, so only len-1 can be a device hit.
         if m.per_tier["l1"] < (len(ids) - 1) // m.page_size * m.page_size:
-            rid = who.request_id(f"prefetch-{time.monotonic_ns()}")
-            handle = await st.submit(
-                engine, ids, {"max_new_tokens": 1, "temperature": 0.0}, ns, rid=rid
-            )
-            done = False
+            rid = who.request_id(f"prefetch-{uuid.uuid4().hex[:16]}")
+            run = await EngineRequest.start(st, engine, ids, PREFETCH_PARAMS, ns, rid)
             try:  # NOTE: from here a cancel (even at the next yield) aborts the request
                 yield resp(admin_pb2.PREFETCH_STAGE_RUNNING, m.per_tier)
-                async for chunk in iter_chunks(handle.chunks, st.pool):
-                    if chunk.finished:
-                        done = True
-                        if chunk.finish_reason == "abort":
+                async for chunk in run.chunks():
+                    if chunk.finished and chunk.finish_reason == "abort":
+                        if rid in st.drain_aborted:
                             await context.abort(
-                                grpc.StatusCode.ABORTED, f"prefetch aborted: {chunk.error or ''}"
+                                grpc.StatusCode.UNAVAILABLE,
+                                "the server is shutting down: the prefetch was aborted",
                             )
+                        await context.abort(
+                            grpc.StatusCode.ABORTED, f"prefetch aborted: {chunk.error or ''}"
+                        )
+                    if chunk.finished:
                         computed = chunk.prompt_tokens - chunk.cached_tokens
             finally:
-                if not done:
-                    engine.abort(rid)
+                run.release()  # client cancel, deadline, or server shutdown: the KV is freed
         pin_id = ""
         if request.pin:
-            p = await st.run(engine.pin, ids, ns, ttl, who.name)
+            p = await st.run(engine.call, ops.PinPrefix(ids, ns, ttl, who.name))
             pin_id = p.pin_id if p is not None else ""
-        m = await st.run(engine.match_prefix, ids, ns)
+        m = await st.run(engine.call, ops.MatchPrefix(ids, ns))
         yield resp(
             admin_pb2.PREFETCH_STAGE_DONE, m.per_tier, computed_tokens=computed, pin_id=pin_id
         )
@@ -223,17 +162,9 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             prefix = await self._ids(engine, request.prefix, True, "prefix")
         elif not request.all:
             raise validate.ValidationError("all must be true when it is the target")
-        info = await st.run(
-            functools.partial(
-                engine.evict,
-                tier,
-                num_tokens=num_tokens,
-                prefix=prefix,
-                namespace=ns,
-                dry_run=request.dry_run,
-                namespaces=who.namespaces() if prefix is None else None,
-            )
-        )
+        namespaces = who.namespaces() if prefix is None else None
+        op = ops.Evict(tier, num_tokens, prefix, ns, request.dry_run, namespaces)
+        info = await st.run(engine.call, op)
         if st.metrics is not None and not request.dry_run:
             st.metrics.admin_evicted(tier, info.evicted_tokens)
         return admin_pb2.EvictResponse(
@@ -253,7 +184,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         ns = who.namespace(validate.namespace(request.cache_namespace))
         ttl = validate.seconds(request.ttl_s, "ttl_s")
         ids = await self._ids(engine, request.prompt, request.HasField("prompt"), "prompt")
-        p = await st.run(engine.pin, ids, ns, ttl, who.name)
+        p = await st.run(engine.call, ops.PinPrefix(ids, ns, ttl, who.name))
         if p is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -276,7 +207,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             raise validate.ValidationError("target is required (a pin_id, or all=true)")
         pin_id = request.pin_id if target == "pin_id" else None
         owner = st.principal(context).name
-        n, tokens = await st.run(engine.unpin, pin_id, owner)
+        n, tokens = await st.run(engine.call, ops.Unpin(pin_id, owner))
         if pin_id is not None and n == 0:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no pin {validate.shown(pin_id)} (expired?)"
@@ -297,17 +228,17 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
         )
         who = st.principal(context)
         namespaces = who.namespaces()
-        run: Callable[[], FlushInfo]
+        op: ops.Operation[FlushInfo]
         if namespaces is not None:  # a tenant's only; others' requests may run meanwhile
-            run = functools.partial(engine.flush_namespaces, namespaces, tiers or None, who.name)
+            op = ops.FlushNamespaces(namespaces, tiers or None, who.name)
         else:
-            run = functools.partial(engine.flush, tiers or None)
+            op = ops.Flush(tiers or None)
 
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(timeout, remaining if remaining is not None else timeout)
         while True:
             try:
-                info = await st.run(run)
+                info = await st.run(engine.call, op)
                 break
             except (NotIdleError, StorageBusyError) as e:
                 if time.monotonic() >= deadline:
@@ -346,25 +277,11 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             )
         offset = int(token or 0)
         namespaces = st.principal(context).namespaces()
-        nodes, total = await st.run(engine.inspect_tree, offset, limit, preview, namespaces)
+        nodes, total = await st.run(
+            engine.call, ops.InspectTree(offset, limit, preview, namespaces)
+        )
         texts = await st.run(lambda: [engine.tokenizer.decode(n.preview_ids) for n in nodes])
-        out = [
-            admin_pb2.TreeNodeInfo(
-                node_id=n.node_id,
-                parent_id=n.parent_id,
-                depth=n.depth,
-                token_length=n.token_length,
-                prefix_length=n.prefix_length,
-                preview=text,
-                residency=[TIER_TO_ENUM[t] for t in n.residency],
-                lock_ref=n.lock_ref,
-                pinned=n.pinned,
-                hit_count=n.hit_count,
-                last_access_time=n.last_access_time,
-                num_children=n.num_children,
-            )
-            for n, text in zip(nodes, texts)
-        ]
+        out = [node_message(n, text) for n, text in zip(nodes, texts)]
         nxt = str(offset + len(nodes)) if offset + len(nodes) < total else ""
         return admin_pb2.InspectTreeResponse(nodes=out, next_page_token=nxt, total_nodes=total)
 
@@ -399,18 +316,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
                     or (namespaces is not None and ev.namespace not in namespaces)
                 ):
                     continue
-                yield admin_pb2.WatchCacheEventsResponse(
-                    missed=missed,
-                    event=admin_pb2.CacheEvent(
-                        seq=ev.seq,
-                        kind=EVENT_TO_ENUM[ev.kind],
-                        tier=TIER_TO_ENUM[ev.tier],
-                        num_tokens=ev.num_tokens,
-                        node_id=ev.node_id or 0,
-                        cache_namespace=ev.namespace or "",
-                        time=ev.time,
-                    ),
-                )
+                yield admin_pb2.WatchCacheEventsResponse(missed=missed, event=event_message(ev))
                 missed = 0
 
     @rpc
@@ -419,7 +325,7 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
     ) -> admin_pb2.GetStorageResponse:
         engine = await self.state.require_engine(context)
         return admin_pb2.GetStorageResponse(
-            storage=storage_info(await self.state.run(engine.storage_info))
+            storage=storage_info(await self.state.run(engine.call, ops.GetStorageInfo()))
         )
 
     @rpc
@@ -446,7 +352,8 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             directory = await st.run_input(
                 ensure_dir, request.directory or engine.server_args.hicache_storage_dir or ""
             )
-        info = await st.run_input(engine.attach_storage, backend, request.url or None, directory)
+        op = ops.AttachStorage(backend, request.url or None, directory)
+        info = await st.run_input(engine.call, op)
         return admin_pb2.AttachStorageResponse(storage=storage_info(info))
 
     @rpc
@@ -459,5 +366,5 @@ class CacheAdminServicer(admin_grpc.CacheAdminServiceServicer):
             if request.HasField("timeout_s")
             else DEFAULT_DETACH_TIMEOUT_S
         )
-        before = await self.state.run_input(engine.detach_storage, timeout)
+        before = await self.state.run_input(engine.call, ops.DetachStorage(timeout))
         return admin_pb2.DetachStorageResponse(detached=storage_info(before))

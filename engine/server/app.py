@@ -82,8 +82,7 @@ def default_engine_factory(args: ServerArgs) -> Callable[[], EngineFront]:
         # NOTE: imported here: the split daemon's API server process never loads the runtime
         from engine.runtime.engine import Engine
 
-        kw = args.to_dict()
-        return Engine(model=kw.pop("model_path"), device=kw.pop("device"), **kw)
+        return Engine(**args.to_dict())
 
     return build
 

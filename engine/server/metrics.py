@@ -1,5 +1,6 @@
 """Prometheus metrics on --metrics-port: the cache tiers (from engine.cache_stats() at scrape
-time), the scheduler queues, and request latencies measured at the gRPC edge.
+time), the scheduler queues, and request latencies measured at the API edge (every
+EngineRequest: gRPC Generate, a computing Prefetch, the HTTP API, the SMG worker).
 
 Names follow SGLang's and vLLM's where they export the same quantity (`sglang:num_used_tokens`
 -> `hicache_num_used_tokens`), with our prefix and an underscore: Prometheus reserves ':' for
@@ -294,7 +295,7 @@ class Metrics:
         r = self.registry
         self.ttft = Histogram(
             "hicache_time_to_first_token_seconds",
-            "Time from the Generate call to its first token",
+            "Time from the request's call to its first token",
             registry=r,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
@@ -306,22 +307,22 @@ class Metrics:
         )
         self.e2e = Histogram(
             "hicache_e2e_request_latency_seconds",
-            "Time from the Generate call to its end (requests not aborted)",
+            "Time from the request's call to its end (requests not aborted)",
             registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
         self.requests = Counter(
             "hicache_requests_total",
-            "Finished Generate requests",
+            "Finished requests (Generate, Prefetch, the HTTP API, SMG's)",
             ["finish_reason"],
             registry=r,
         )
         self.generation_tokens = Counter(
             "hicache_generation_tokens_total",
-            "Output tokens of finished Generate requests",
+            "Output tokens of finished requests",
             registry=r,
         )
-        self.streams = Gauge("hicache_active_streams", "Open Generate streams", registry=r)
+        self.streams = Gauge("hicache_active_streams", "Open request streams", registry=r)
         self.admin_evictions = Counter(
             "hicache_admin_evicted_tokens_total",
             "Tokens evicted through the Evict RPC",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import ServerArgs
+from engine.config import ALIASES, SGLANG_EXTRA_CONFIG, ServerArgs, canonical
 from engine.server import tenants as tenancy
 from engine.server.kv_events_config import KvEventsConfig
 from engine.server.kv_events_salt import salt_key
@@ -34,6 +34,11 @@ else:  # pragma: no cover
 
 ENV_PREFIX = "HICACHE_"
 _SECRET = ("token", "admin_token", "kv_events_salt_key")
+# SGLang's names of daemon options that mean the same here (the engine's: config.ALIASES).
+# NOTE: SGLang's `port` / `host` are its HTTP server's; ours are the gRPC server's (the HTTP API:
+# http_port / http_host), so `grpc_port` is the alias that means ours.
+DAEMON_ALIASES = {"grpc_port": "port", "api_key": "token", "admin_api_key": "admin_token"}
+_ALIASES = {**ALIASES, **DAEMON_ALIASES}
 
 # Engine options whose daemon default differs from ServerArgs' (= Engine()'s) default; they apply
 # below TOML / env / flags. NOTE: the L3 entries apply only when the hierarchy resolves on (L3
@@ -168,19 +173,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "quota_l3_tokens=N; repeatable (env HICACHE_TENANTS: entries separated by ';')",
     )
     parser.add_argument(
-        "--model",
-        dest="model_path",
+        "--" + SGLANG_EXTRA_CONFIG.replace("_", "-"),
+        dest=SGLANG_EXTRA_CONFIG,
         default=None,
-        help="HF model dir or .gguf file (default: the embedded SmolLM2)",
+        metavar="JSON",
+        help="(engine) SGLang's extra config: a JSON object with prefetch_threshold, "
+        "prefetch_timeout_base, prefetch_timeout_per_ki_token (= the --hicache-prefetch-* flags)",
     )
     for name, (owner, typ) in _fields().items():
-        if name == "model_path":
-            continue
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + n.replace("_", "-") for n in (name, *_aliases_of(name))]
         note = _DAEMON_DEFAULT_HELP.get(name, "")
+        if name == "model_path":
+            note = "; HF model dir or .gguf file (default: the embedded SmolLM2)"
         if str(typ) in ("bool", "bool | None"):  # --x / --no-x; neither: the default
             parser.add_argument(
-                flag,
+                *flags,
                 dest=name,
                 default=None,
                 action=argparse.BooleanOptionalAction,
@@ -188,12 +195,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             parser.add_argument(
-                flag,
+                *flags,
                 dest=name,
                 default=None,
                 metavar=name.upper(),
                 help=f"({owner}, {typ}{note})",
             )
+
+
+def _aliases_of(name: str) -> list[str]:
+    return [alias for alias, target in _ALIASES.items() if target == name]
+
+
+def _typed(
+    options: Mapping[str, Any], label: Callable[[str], str], source: str = ""
+) -> dict[str, Any]:
+    """One source's options (a TOML file, the environment, the flags), each value converted to
+    its option's type, under our names (SGLang's spellings renamed, config.canonical); ValueError
+    for a name that is no option, TypeError for one option given under two names."""
+    fields = _fields()
+    typed: dict[str, Any] = {}
+    for name, value in options.items():
+        target = _ALIASES.get(name, name)
+        if name == SGLANG_EXTRA_CONFIG:  # checked where it is spread (config.extra_config)
+            typed[name] = value
+        elif target not in fields:
+            raise ValueError(f"{source}: unknown option {name!r}")
+        else:
+            typed[name] = _convert(label(name), fields[target][1], value)
+    return canonical(typed, _ALIASES)
 
 
 def default_storage_dir(env: Mapping[str, str]) -> str:
@@ -231,6 +261,7 @@ def load(
     the dataclass defaults. Pure: creates nothing (see ensure_storage_dir)."""
     env = os.environ if env is None else env
     fields = _fields()
+    names = [*fields, *_ALIASES, SGLANG_EXTRA_CONFIG]  # every name an option may be given by
     values: dict[str, Any] = {}
     tenants: tuple[Tenant, ...] = ()
     cfg = getattr(ns, "config", None) or env.get(ENV_PREFIX + "CONFIG")
@@ -243,23 +274,13 @@ def load(
         flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
         for table in ("server", "engine"):
             flat.update(data.get(table, {}))
-        for key, v in flat.items():
-            name = key.replace("-", "_")
-            if name == "model":
-                name = "model_path"
-            if name not in fields:
-                raise ValueError(f"{cfg}: unknown option {key!r}")
-            values[name] = _convert(name, fields[name][1], v)
-    for name, (_, typ) in fields.items():
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is not None:
-            values[name] = _convert(ENV_PREFIX + name.upper(), typ, raw)
-    if ENV_PREFIX + "MODEL" in env:
-        values["model_path"] = env[ENV_PREFIX + "MODEL"] or None
-    for name, (_, typ) in fields.items():
-        v = getattr(ns, name, None) if ns is not None else None
-        if v is not None:
-            values[name] = _convert("--" + name.replace("_", "-"), typ, v)
+        toml = {key.replace("-", "_"): v for key, v in flat.items()}
+        values.update(_typed(toml, lambda name: name, cfg))
+    environ = {n: env[ENV_PREFIX + n.upper()] for n in names if ENV_PREFIX + n.upper() in env}
+    values.update(_typed(environ, lambda name: ENV_PREFIX + name.upper()))
+    given = {n: getattr(ns, n, None) for n in (*fields, SGLANG_EXTRA_CONFIG)} if ns else {}
+    flags = {n: v for n, v in given.items() if v is not None}
+    values.update(_typed(flags, lambda name: "--" + name.replace("_", "-")))
     # NOTE: the tenant list comes whole from the highest source that sets one.
     if env.get(ENV_PREFIX + "TENANTS") is not None:
         tenants = tenancy.parse_specs(env[ENV_PREFIX + "TENANTS"])

@@ -1,7 +1,9 @@
 """SplitEngine: the EngineFront (engine/front.py) in the API server process, over a scheduler
-process and a detokenizer process (seed 002's layout). Each call is one typed operation
-(engine/ipc.py) that the scheduler process' Engine answers with the method of the same name. Tokenization and validation happen here; the scheduler
-process gets token ids; the detokenizer process returns text increments.
+process and a detokenizer process (seed 002's layout). Requests go as SubmitReq / AbortReq,
+every other call as the operation itself (engine/operations.py) in a CallReq, which the
+scheduler process answers with the operation's handler (engine/runtime/handlers.py), as the
+in-process Engine does (engine/ipc says what travels where). Tokenization and validation happen
+here; the scheduler process gets token ids; the detokenizer process returns text increments.
 
 Start-up waits for each child's ready signal. A child that exits ends every in-flight request
 with EngineShutdownError, fails every pending call, stops the other child and calls
@@ -23,28 +25,18 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
-from engine import ipc
-from engine.admin_records import (
-    EvictInfo,
-    FlushInfo,
-    MatchInfo,
-    NodeInfo,
-    Pin,
-    TenantQuota,
-    TenantView,
-)
+from engine import operations as ops
 from engine.config import ServerArgs
 from engine.detokenizer.process import detokenizer_main
 from engine.errors import EngineShutdownError
 from engine.front import (
-    CALL_TIMEOUT_S,
     L3_DRAIN_S,
     SCHEDULER_JOIN_S,
     EngineFront,
@@ -52,18 +44,18 @@ from engine.front import (
     RequestHandle,
     StreamChunk,
 )
+from engine.ipc import messages, transport
 from engine.tokenizer import TokenizerManager
-from hicache.observe.blocks import BlockChanges
 from hicache.observe.events import CacheEvent
-from hicache.observe.stats import CacheStats
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # model conversion + load on a slow machine
 CALL_MARGIN_S = 10.0  # a call's reply may take this much longer than its own timeout
+R = TypeVar("R")
 
 
 def run_scheduler_process(
-    server_args: ServerArgs, addrs: ipc.Addresses, conn: Connection, log_level: str
+    server_args: ServerArgs, addrs: transport.Addresses, conn: Connection, log_level: str
 ) -> None:
     """The scheduler process' target: the runtime (torch, the model) is imported there only,
     never in this process."""
@@ -89,15 +81,15 @@ class SplitEngine(EngineFront):
         self._handles: dict[str, queue.Queue[StreamChunk | BaseException]] = {}
         self._lock = threading.Lock()  # _pending, _handles, the send socket
         self._dir = tempfile.mkdtemp(prefix="hicache-ipc-")
-        self.addrs = ipc.Addresses.in_dir(self._dir)
+        self.addrs = transport.Addresses.in_dir(self._dir)
         self._ctx = zmq.Context()
-        self._replies = ipc.pull(self._ctx, self.addrs.api_reply)
-        self._chunks = ipc.pull(self._ctx, self.addrs.api_chunks)
-        self._to_sched = ipc.push(self._ctx, self.addrs.sched_in)
+        self._replies = transport.pull(self._ctx, self.addrs.api_reply)
+        self._chunks = transport.pull(self._ctx, self.addrs.api_chunks)
+        self._to_sched = transport.push(self._ctx, self.addrs.sched_in)
         mp = multiprocessing.get_context("spawn")
         self.procs: dict[str, multiprocessing.Process] = {}
         try:
-            info: ipc.SchedulerInfo = self._spawn(
+            info: messages.SchedulerInfo = self._spawn(
                 mp, "scheduler", run_scheduler_process, (server_args, self.addrs), log_level
             )
             self.server_args = info.server_args
@@ -191,13 +183,13 @@ class SplitEngine(EngineFront):
         while not self._stopping.is_set():
             events = dict(poller.poll(200))
             if self._replies in events:
-                for r in ipc.recv(self._replies, 0) or ():
+                for r in transport.recv(self._replies, 0) or ():
                     with self._lock:
                         fut = self._pending.pop(r.call_id, None)
                     if fut is not None and not fut.done():
                         (fut.set_result if r.ok else fut.set_exception)(r.value)
             if self._chunks in events:
-                for m in ipc.recv(self._chunks, 0) or ():
+                for m in transport.recv(self._chunks, 0) or ():
                     with self._lock:
                         q = (self._handles.pop if m.chunk.finished else self._handles.get)(
                             m.rid, None
@@ -211,16 +203,17 @@ class SplitEngine(EngineFront):
                 raise EngineShutdownError(self.failed)
             if fut is not None:
                 self._pending[call_id] = fut
-            ipc.send(self._to_sched, [msg])
+            transport.send(self._to_sched, [msg])
 
-    def _call(self, op: ipc.Operation, timeout: float | None = None) -> Any:
-        """``op`` answered by the scheduler process (waits ``timeout`` plus a margin; None:
-        as long as it takes)."""
+    def _call(self, op: ops.Operation[R]) -> R:
+        """``op`` answered by the scheduler process (waits its ``answer_within()`` plus a
+        margin; None: as long as it takes)."""
         if self._closed:
             raise EngineShutdownError("the engine has been shut down")
         call_id = next(self._ids)
         fut: Future[Any] = Future()
-        self._send(ipc.CallReq(call_id, op), fut, call_id)
+        self._send(messages.CallReq(call_id, op), fut, call_id)
+        timeout = op.answer_within()
         try:
             return fut.result(None if timeout is None else timeout + CALL_MARGIN_S)
         finally:
@@ -248,7 +241,7 @@ class SplitEngine(EngineFront):
                 raise ValueError(f"request id {rid!r} is already running")
             self._handles[rid] = chunks
         try:
-            self._send(ipc.SubmitReq(call_id, rid, ids, params, namespace), fut, call_id)
+            self._send(messages.SubmitReq(call_id, rid, ids, params, namespace), fut, call_id)
             fut.result()
         except BaseException:
             with self._lock:
@@ -259,104 +252,24 @@ class SplitEngine(EngineFront):
 
     def abort(self, rid: str) -> None:
         if self.failed is None and not self._closed:
-            self._send(ipc.AbortReq(rid))
+            self._send(messages.AbortReq(rid))
 
-    # --- cache and introspection -------------------------------------------------------------
+    # --- operations: each one CallReq, answered in the scheduler process ----------------------
+    def call(self, op: ops.Operation[R]) -> R:
+        try:
+            return self._call(op)
+        finally:
+            if op.changes_server_args:  # this process' copy follows the scheduler's
+                self.server_args = self._call(ops.GetServerArgs())
+
     def call_in_scheduler(self, fn: Callable[[Any], Any], timeout: float | None = 60.0) -> Any:
         """fn(scheduler) in the scheduler process: fn must pickle (a module-level function or
         a SchedulerCall of one with plain arguments)."""
-        return self._call(ipc.InScheduler(fn, timeout), timeout=timeout)
-
-    def cache_stats(self) -> CacheStats:
-        """The scheduler process's record (pickled across)."""
-        return self._call(ipc.CacheStats())
-
-    def model_info(self) -> dict[str, Any]:
-        return self._call(ipc.ModelInfo())
+        return self.call(ops.InScheduler(fn, timeout))
 
     def event_log(self) -> RemoteEventLog:
-        self._call(ipc.EventsLastSeq())  # makes sure the scheduler has one
+        self.call(ops.EventsLastSeq())  # makes sure the scheduler has one
         return RemoteEventLog(self)
-
-    def kv_block_changes(
-        self, block_size: int, salt_key: bytes, reset: bool = False
-    ) -> BlockChanges:
-        return self._call(ipc.KvBlockChanges(block_size, salt_key, reset), CALL_TIMEOUT_S)
-
-    # --- cache admin: each call one operation, answered in the scheduler process --------------
-    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchInfo:
-        return self._call(ipc.MatchPrefix(key, namespace), CALL_TIMEOUT_S)
-
-    def evict(
-        self,
-        tier: str,
-        num_tokens: int | None = None,
-        prefix: list[int] | None = None,
-        namespace: str | None = None,
-        dry_run: bool = False,
-        namespaces: frozenset[str] | None = None,
-    ) -> EvictInfo:
-        op = ipc.Evict(tier, num_tokens, prefix, namespace, dry_run, namespaces)
-        return self._call(op, CALL_TIMEOUT_S)
-
-    def pin(
-        self,
-        key: list[int],
-        namespace: str | None = None,
-        ttl_s: float = 0.0,
-        owner: str | None = None,
-    ) -> Pin | None:
-        return self._call(ipc.PinPrefix(key, namespace, ttl_s, owner), CALL_TIMEOUT_S)
-
-    def unpin(self, pin_id: str | None = None, owner: str | None = None) -> tuple[int, int]:
-        return self._call(ipc.Unpin(pin_id, owner), CALL_TIMEOUT_S)
-
-    def pin_summary(self) -> tuple[int, int]:
-        return self._call(ipc.PinSummary(), CALL_TIMEOUT_S)
-
-    def flush(self, tiers: list[str] | None = None) -> FlushInfo:
-        return self._call(ipc.Flush(tiers), CALL_TIMEOUT_S)
-
-    def flush_namespaces(
-        self, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
-    ) -> FlushInfo:
-        return self._call(ipc.FlushNamespaces(namespaces, tiers, owner), CALL_TIMEOUT_S)
-
-    def inspect_tree(
-        self,
-        offset: int = 0,
-        limit: int = 100,
-        preview_tokens: int = 16,
-        namespaces: frozenset[str] | None = None,
-    ) -> tuple[list[NodeInfo], int]:
-        op = ipc.InspectTree(offset, limit, preview_tokens, namespaces)
-        return self._call(op, CALL_TIMEOUT_S)
-
-    def apply_quotas(self, quotas: Sequence[TenantQuota]) -> None:
-        self._call(ipc.ApplyQuotas(tuple(quotas)), CALL_TIMEOUT_S)
-
-    def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> TenantView:
-        return self._call(ipc.TenantView(tenant, namespaces), CALL_TIMEOUT_S)
-
-    def tenant_figures(self, quotas: Sequence[TenantQuota]) -> dict[str, dict[str, dict[str, int]]]:
-        return self._call(ipc.TenantFigures(tuple(quotas)), CALL_TIMEOUT_S)
-
-    def storage_info(self) -> dict[str, Any]:
-        return self._call(ipc.StorageInfo())
-
-    def attach_storage(
-        self, backend: str, url: str | None = None, directory: str | None = None
-    ) -> dict[str, Any]:
-        try:
-            return self._call(ipc.AttachStorage(backend, url, directory))
-        finally:
-            self.server_args = self._call(ipc.GetServerArgs())
-
-    def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
-        try:
-            return self._call(ipc.DetachStorage(timeout), timeout=timeout + 30.0)
-        finally:
-            self.server_args = self._call(ipc.GetServerArgs())
 
     def shutdown(self) -> None:
         """Stops the scheduler (L3 backups land), then the detokenizer; kills what hangs."""
@@ -367,7 +280,7 @@ class SplitEngine(EngineFront):
             call_id = next(self._ids)
             fut: Future[Any] = Future()
             try:
-                self._send(ipc.Shutdown(call_id), fut, call_id)
+                self._send(messages.Shutdown(call_id), fut, call_id)
                 fut.result(SCHEDULER_JOIN_S + L3_DRAIN_S + CALL_MARGIN_S)
             except Exception:  # a hung or dead scheduler is killed below
                 log.exception("the scheduler process did not shut down cleanly")
@@ -408,17 +321,17 @@ class RemoteEventLog:
 
     @property
     def last_seq(self) -> int:
-        return self._engine._call(ipc.EventsLastSeq())
+        return self._engine.call(ops.EventsLastSeq())
 
     @property
     def first_seq(self) -> int:
-        return self._engine._call(ipc.EventsFirstSeq())
+        return self._engine.call(ops.EventsFirstSeq())
 
     def since(self, seq: int, limit: int | None = None) -> list[CacheEvent]:
-        return self._engine._call(ipc.EventsSince(seq, limit))
+        return self._engine.call(ops.EventsSince(seq, limit))
 
     def missed(self, seq: int) -> int:
-        return self._engine._call(ipc.EventsMissed(seq))
+        return self._engine.call(ops.EventsMissed(seq))
 
     def wait_for(self, seq: int, timeout: float | None = None) -> bool:
-        return self._engine._call(ipc.EventsWaitFor(seq, timeout), timeout=timeout)
+        return self._engine.call(ops.EventsWaitFor(seq, timeout))

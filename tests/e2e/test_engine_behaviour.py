@@ -157,6 +157,26 @@ def test_chat_prompt_and_text(eng):
     assert out.prompt_tokens > 3 and isinstance(out.text, str)
 
 
+@pytest.mark.parametrize("how", ["model_path", "model", "positional"])
+def test_the_model_by_sglangs_name_or_ours(llama_dir, how):
+    """Engine(model_path=...) as SGLang spells it, model= (ours) and the positional argument
+    load the same model: the same greedy tokens as transformers."""
+    prompts = _prompts(2, seed=5)
+    ref = hf_greedy(llama_dir, prompts, 16)
+    args = (llama_dir,) if how == "positional" else ()
+    kw = {} if how == "positional" else {how: llama_dir}
+    with Engine(*args, **kw, max_total_tokens=1024) as e:
+        assert e.server_args.model_path == llama_dir
+        assert [o.token_ids for o in e.generate(prompts, GREEDY)] == ref
+
+
+def test_the_model_under_both_names_is_refused_before_loading(llama_dir):
+    with pytest.raises(TypeError, match="model and model_path are the same option"):
+        Engine(llama_dir, model=llama_dir)
+    with pytest.raises(TypeError, match="same option"):
+        Engine(model_path=llama_dir, model="/elsewhere")
+
+
 def test_disable_radix_cache(llama_dir):
     prompts = _prompts(3, seed=11)
     ref = hf_greedy(llama_dir, prompts, 16)

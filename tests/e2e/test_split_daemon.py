@@ -52,6 +52,9 @@ def test_split_streams_equal_the_in_process_engine(tiny_llama_dir):
         want_chat = ref.generate(
             [{"role": "user", "content": "hi"}], {"max_new_tokens": 8, **GREEDY}
         )
+        # the operations on the cache those requests left (the same sequences in both)
+        want_match = [ref.match_prefix(ref.tokenize(p)) for p in PROMPTS]
+        want_evictable = ref.evict("l1", dry_run=True).evicted_tokens
     finally:
         ref.shutdown()
     dt = DaemonThread(DaemonSettings(port=0, processes="split"), _args(tiny_llama_dir)).start()
@@ -77,6 +80,12 @@ def test_split_streams_equal_the_in_process_engine(tiny_llama_dir):
             assert (ids, text) == (want_chat.token_ids, want_chat.text)
             info = c.server_info()
             assert json.loads(info.config["process.scheduler"]) != os.getpid()
+            # operations answered in the scheduler process equal the in-process engine's
+            for p, want in zip(PROMPTS, want_match):
+                got = c.match_prefix(p)
+                assert got.matched_tokens == want.matched_tokens > 0
+                assert got.matched_per_tier.l1 == want.per_tier["l1"]
+            assert c.evict("l1", all=True, dry_run=True).evicted_tokens == want_evictable > 0
     finally:
         dt.stop()
 

@@ -112,8 +112,8 @@ def test_row_ops_are_invariant_and_match_torch(op):
 
 
 def test_seeded_sampling_with_row_ops_does_not_depend_on_the_batch():
-    from engine.front import SamplingParams
     from engine.runtime.sampling import Sampler
+    from engine.sampling_params import SamplingParams
 
     sampler = Sampler(batch_invariant=True)
     assert sampler.row_ops is bi

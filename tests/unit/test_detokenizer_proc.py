@@ -11,10 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import ipc
 from engine.detokenizer.process import Detokenizer
-from engine.front import SamplingParams, StreamChunk
+from engine.front import StreamChunk
+from engine.ipc import messages
 from engine.runtime.request import Req
+from engine.sampling_params import SamplingParams
 from tests.tiny_models import make_tokenizer
 
 EOS = 0
@@ -64,12 +65,12 @@ def test_split_text_equals_in_process(
     )
     want, _ = _run(tok, params, outputs, steps)
 
-    sent: list[ipc.TokenOut] = []
+    sent: list[messages.TokenOut] = []
     start = (skip_special, stop)
 
     def sink(chunk: StreamChunk) -> None:  # what the scheduler process sends
         nonlocal start
-        sent.append(pickle.loads(pickle.dumps(ipc.TokenOut("r", chunk, start))))
+        sent.append(pickle.loads(pickle.dumps(messages.TokenOut("r", chunk, start))))
         start = None
 
     _run(tok, params, outputs, steps, sink)

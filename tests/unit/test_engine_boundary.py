@@ -1,5 +1,6 @@
 """The engine boundary (engine/front.py): both engines implement all of EngineFront with its
-signatures, and neither the boundary nor the API server's modules load torch or the runtime
+signatures, its named operations are written once for both, and neither the boundary nor the
+API server's modules load torch or the runtime
 (tests/e2e/test_daemon_process.py checks the running API server process)."""
 
 from __future__ import annotations
@@ -31,20 +32,40 @@ def _declared() -> dict[str, inspect.Signature]:
 def test_engines_implement_every_declared_method(engine_cls):
     # NOTE: what instantiating them checks (an ABC with an abstract method left refuses)
     assert not inspect.isabstract(engine_cls), engine_cls.__abstractmethods__
-    assert EngineFront.__abstractmethods__ >= {
-        "submit",
-        "abort",
-        "match_prefix",
-        "flush",
-        "kv_block_changes",
-        "shutdown",
-    }
+    # what differs between the engines: requests, how an operation travels, the event log
+    assert EngineFront.__abstractmethods__ == {"submit", "abort", "call", "event_log", "shutdown"}
     for name, declared in _declared().items():
         got = inspect.signature(getattr(engine_cls, name))
         # callers pass arguments by name: the same names, in the same order, same defaults
         assert [(p.name, p.default) for p in got.parameters.values()] == [
             (p.name, p.default) for p in declared.parameters.values()
         ], (engine_cls, name)
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SplitEngine])
+def test_named_operations_are_written_once(engine_cls):
+    """Every admin method is EngineFront's own: `call` of one operation, the same code for
+    both engines (engine/operations.py); neither engine spells one out again."""
+    for name in (
+        "cache_stats",
+        "model_info",
+        "kv_block_changes",
+        "match_prefix",
+        "evict",
+        "pin",
+        "unpin",
+        "pin_summary",
+        "flush",
+        "flush_namespaces",
+        "inspect_tree",
+        "apply_quotas",
+        "tenant_view",
+        "tenant_figures",
+        "storage_info",
+        "attach_storage",
+        "detach_storage",
+    ):
+        assert getattr(engine_cls, name) is getattr(EngineFront, name), (engine_cls, name)
 
 
 def _loaded_after(code: str) -> set[str]:
@@ -68,7 +89,8 @@ def _loaded_after(code: str) -> set[str]:
 def test_the_boundary_loads_neither_torch_nor_the_runtime():
     assert (
         _loaded_after(
-            "import engine.front, engine.admin_records, engine.ipc, "
+            "import engine.front, engine.admin_records, engine.operations, "
+            "engine.sampling_params, engine.ipc.messages, engine.ipc.transport, "
             "engine.tokenizer, engine.server.split_engine"
         )
         == set()

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from engine.errors import EngineShutdownError
-from engine.front import CALL_TIMEOUT_S
+from engine.operations import CALL_TIMEOUT_S
 from engine.runtime.scheduler.inbox import Abort, Arrival, Call, Inbox, Wake
 
 

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine
-from engine.server.admin import stats_message
+from engine.server.admin_pb import stats_message
 from engine.server.metrics import Metrics
 from hicache.observe.stats import CacheStats, L3Stats, Moves, l3_stats
 from tests import stats_records as rec

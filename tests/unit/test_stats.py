@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from engine.client import cli_args
-from engine.server.admin import stats_message, tier_message
+from engine.server.admin_pb import stats_message, tier_message
 from engine.server.metrics import Metrics
 from engine.server.pb import admin_pb2
 from hicache.observe.stats import CacheStats, L1Stats, L2Stats, L3Stats, TierStats, l3_stats
