@@ -21,10 +21,9 @@ from engine.admin_records import (
     TenantView,
 )
 from engine.config import ServerArgs
-from engine.errors import EngineShutdownError, QueueFullError, TierUnavailableError
+from engine.errors import EngineShutdownError, QueueFullError
 from engine.front import (
     CALL_TIMEOUT_S,
-    L3_DRAIN_S,
     SCHEDULER_JOIN_S,
     EngineFront,
     Prompt,
@@ -37,12 +36,11 @@ from engine.runtime.kv_block_view import kv_block_changes
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Req
 from engine.runtime.scheduler import Scheduler
-from engine.runtime.tree_factory import build_tree_cache
+from engine.runtime.tree_factory import build_tree_cache, stop_tree_cache
 from engine.tokenizer import TokenizerManager
 from hicache.observe.blocks import BlockChanges
 from hicache.observe.events import CacheEventLog
 from hicache.observe.stats import CacheStats
-from hicache.tree.hiradix import HiRadixCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -131,12 +129,12 @@ class Engine(EngineFront):
 
     def cache_stats(self) -> CacheStats:
         """Every tier's figures and the scheduler's counters (hicache/observe/stats.py)."""
-        return self.call_in_scheduler(_collect_stats)
+        return self.call_in_scheduler(cache_admin.cache_stats)
 
     def event_log(self) -> CacheEventLog:
         """The cache's event log; one is attached (to the scheduler and its tree) when the tree
         brought none, so that Flush's `cleared` events are still observable."""
-        return self.call_in_scheduler(_ensure_event_log)
+        return self.call_in_scheduler(cache_admin.event_log)
 
     def model_info(self) -> dict[str, Any]:
         return self.runner.model_info()
@@ -220,7 +218,7 @@ class Engine(EngineFront):
     # --- L3 at run time -----------------------------------------------------------------------
     def storage_info(self) -> dict[str, Any]:
         """The attached L3 backend: {"attached", "backend", "address", ...} (see storage_info)."""
-        return self.call_in_scheduler(lambda s: s.tree_cache.storage_info())
+        return self.call_in_scheduler(cache_admin.storage_info)
 
     def attach_storage(
         self, backend: str, url: str | None = None, directory: str | None = None
@@ -229,47 +227,23 @@ class Engine(EngineFront):
         are the ones a daemon with the same model and options would use. Returns storage_info.
         The backend is built here (a directory scan may take a while), attached on the
         scheduler thread between steps."""
-        tree = self.scheduler.tree_cache
-        if not isinstance(tree, HiRadixCache):
-            raise TierUnavailableError(
-                "L3 needs the hierarchical cache (enable_hierarchical_cache)"
-            )
-        object_size = self.server_args.hicache_storage_page_size
-        assert object_size is not None, "ServerArgs derives it from page_size when not given"
-        storage = hicache_setup.build_storage(
-            self.server_args,
-            hicache_setup.storage_scope(tree.controller.model_fingerprint, tree.host_pool),
-            backend=backend,
-            url=url,
-            directory=directory,
+        storage = hicache_setup.build_storage_for(
+            self.server_args, self.scheduler.tree_cache, backend, url, directory
         )
         try:
-            self.call_in_scheduler(lambda s: s.tree_cache.attach_storage(storage, object_size))
+            return self.call_in_scheduler(
+                lambda s: cache_admin.attach_storage(s, storage, backend, url, directory)
+            )
         except BaseException:
             hicache_setup.close_storage(storage)
             raise
-        a = self.server_args
-        a.hicache_storage_backend = backend
-        a.hicache_storage_url = url if backend == "redis" else None
-        a.hicache_storage_dir = directory if backend == "file" else a.hicache_storage_dir
-        return self.storage_info()
 
     def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
         """Stop using L3 (pending backups and prefetches finish first; see
-        HiRadixCache.detach_storage). Returns what was attached (storage_info before)."""
-        if not self.scheduler.tree_cache.can_attach_storage():
-            raise TierUnavailableError(
-                "L3 needs the hierarchical cache (enable_hierarchical_cache)"
-            )
-
-        def detach(s: Scheduler) -> dict[str, Any]:
-            before = s.tree_cache.storage_info()
-            hicache_setup.close_storage(s.tree_cache.detach_storage(timeout))
-            return before
-
-        before = self.call_in_scheduler(detach, timeout=timeout + 30.0)
-        self.server_args.hicache_storage_backend = None
-        return before
+        L3Tier.detach_storage). Returns what was attached (storage_info before)."""
+        return self.call_in_scheduler(
+            lambda s: cache_admin.detach_storage(s, timeout), timeout=timeout + 30.0
+        )
 
     def shutdown(self) -> None:
         """Stop the scheduler, land queued L3 backups (at most ``L3_DRAIN_S``; the objects
@@ -288,7 +262,8 @@ class Engine(EngineFront):
         # a new one held both sets at once (measured: 7.6 GB each, OOM-killed at the third).
         self.runner.kv_pool.release_memory()
         self.runner.model = None
-        tree.release_host_memory()
+        if tree.host is not None:
+            tree.host.release_memory()
 
     def __enter__(self) -> Engine:  # noqa: PYI034
         return self
@@ -302,35 +277,7 @@ def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Sc
     stop.set()
     scheduler.wake()
     thread.join(timeout=SCHEDULER_JOIN_S)
-    tree = scheduler.tree_cache
-    if not thread.is_alive() and tree.has_storage():
-        tree.drain_storage(L3_DRAIN_S)  # the tree is ours now
-    tree.shutdown()
-
-
-def _ensure_event_log(scheduler: Scheduler) -> CacheEventLog:
-    if scheduler.event_log is None:
-        scheduler.event_log = CacheEventLog()
-        if scheduler.tree_cache.event_log is None:
-            scheduler.tree_cache.event_log = scheduler.event_log
-    return scheduler.event_log
-
-
-def _collect_stats(s: Scheduler) -> CacheStats:
-    c = s.counters
-    tiers = s.tree_cache.tier_stats(c.hit_tokens, held_tokens=int(s.held_slots().numel()))
-    return CacheStats(
-        l1=tiers.l1,
-        l2=tiers.l2,
-        l3=tiers.l3,
-        prompt_tokens=c.prompt_tokens,
-        miss_tokens=c.miss_tokens,
-        requests=c.requests,
-        finished_requests=c.finished,
-        retractions=c.retractions,
-        running_requests=len(s.running),
-        waiting_requests=len(s.waiting),
-    )
+    stop_tree_cache(scheduler.tree_cache, drain=not thread.is_alive())  # the tree is ours now
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

@@ -3,10 +3,9 @@
 One thread owns every cache structure; other threads talk to it only through the inbox.
 The loop never spins: when a step does nothing it blocks on the inbox, which new requests,
 aborts, admin calls and every cache-copy acknowledgement (``wake``) feed, with a timeout for
-prefetch deadlines. A waiting request's prefix match is computed on arrival and again only
-when the tree changed (``tree_cache.version``). The cache decides its L3 prefetch (the
-``l3_*`` calls: start on arrival, again if its prefix was evicted while it waited, whether it
-may be admitted while the prefetch runs).
+prefetch deadlines. What it asks of the cache goes through its ``CacheManager``
+(``scheduler/cache.py``): a waiting request's match, its L3 read and whether it may be admitted
+while that runs, its load back, its hit per tier, the host reads around a forward.
 
 With overlap (``ServerArgs.overlap_enabled``), forwards run on a ``ForwardWorker`` thread: a step launches its
 batch, then handles the previous batch's results while that forward runs (``overlap``).
@@ -27,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import ServerArgs
-from engine.runtime.cache_admin import expire_pins, settle
+from engine.runtime.cache_admin import expire_pins
 from engine.runtime.forward_batch import ForwardBatch
 from engine.runtime.pins import PinTable
 from engine.runtime.request import FinishReason, Req
 from engine.runtime.scheduler import invariants
 from engine.runtime.scheduler.batch import BatchBuilder, OutOfKVError
+from engine.runtime.scheduler.cache import CacheManager
 from engine.runtime.scheduler.inbox import Abort, Arrival, Call, Inbox
 from engine.runtime.scheduler.oom import OomAction, OomRecovery
 from engine.runtime.scheduler.overlap import ForwardWorker, Launched
@@ -40,7 +40,6 @@ from engine.runtime.scheduler.policy import SchedulePolicy
 from engine.runtime.scheduler.prefill import AddResult, PrefillAdder
 from engine.runtime.scheduler.stats import CacheCounters
 from hicache.tree.base import BasePrefixCache
-from hicache.tree.request import locked_node
 
 if TYPE_CHECKING:
     from engine.runtime.model_runner import ModelRunner
@@ -100,14 +99,30 @@ class Scheduler:
             args.page_size,
             runner.device,
         )
+        self.worker = (
+            ForwardWorker(runner, args.max_running_requests + 8) if args.overlap_enabled() else None
+        )
+        self.counters = CacheCounters()
+        # CPU: a prefill reads the KV of its L2 hit from host memory in place (cache.py)
+        reads_host_kv = (
+            self.worker is None
+            and runner.device.type == "cpu"
+            and runner.attn_backend.reads_host_kv
+        )
+        self.cache_manager = CacheManager(
+            tree_cache, self.counters, reads_host_kv, self._wait_forwards
+        )
         self.policy = SchedulePolicy(
-            args.schedule_policy, tree_cache, args.random_seed, max_bypass=args.schedule_max_bypass
+            args.schedule_policy,
+            tree_cache,
+            self.cache_manager.l3_hit,
+            args.random_seed,
+            max_bypass=args.schedule_max_bypass,
         )
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.inbox = Inbox()
-        self.counters = CacheCounters()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.event_log = tree_cache.event_log
         self.admin_pins = PinTable()  # admin / tenant pins (cache_admin.pin)
@@ -125,20 +140,9 @@ class Scheduler:
         # finished (or aborted) while a launched forward still writes their KV: released once
         # their last launched batch is handled
         self.deferred: list[Req] = []
-        self.worker = (
-            ForwardWorker(runner, args.max_running_requests + 8) if args.overlap_enabled() else None
-        )
-        # CPU: a prefill reads the KV of its L2 hit from host memory in place while the copy
-        # to the device pool waits until after it (``_launch``): on a CPU the copy would only
-        # take cores and memory bandwidth from that forward
-        self.reads_host_kv = (
-            self.worker is None
-            and runner.device.type == "cpu"
-            and runner.attn_backend.reads_host_kv
-        )
         self.oom = OomRecovery()
         self.loop_iterations = 0  # run_loop passes (each one a step or a wake-up)
-        tree_cache.set_wake(self.wake)  # copy acks wake a sleeping loop
+        self.cache_manager.set_wake(self.wake)  # copy acks wake a sleeping loop
 
     # --- step hooks --------------------------------------------------------------------------
     def add_step_hook(self, hook: StepHook) -> StepHookHandle:
@@ -158,9 +162,10 @@ class Scheduler:
             self.remove_step_hook(self._quota_hook)
             self._quota_hook = None
         self.quota_enforcer = enforcer
-        self.tree_cache.set_backup_gate(
-            None if enforcer is None else enforcer.backup_gate(self.tree_cache)
-        )
+        if self.tree_cache.l3 is not None:
+            self.tree_cache.l3.backup.gate = (
+                None if enforcer is None else enforcer.backup_gate(self.tree_cache)
+            )
         if enforcer is not None:
             self._quota_hook = self.add_step_hook(enforcer)
 
@@ -239,13 +244,13 @@ class Scheduler:
                 self.event_log.close()
 
     def _sleep_time(self) -> float:
-        deadline = self.tree_cache.prefetch_deadline()
+        deadline = self.cache_manager.deadline()
         if deadline is None:
             return IDLE_WAIT_S
         return min(IDLE_WAIT_S, max(0.001, deadline - time.monotonic()))
 
     def step(self) -> bool:
-        self.tree_cache.check()  # finished host writes / loads / L3 work
+        self.cache_manager.check()  # finished host writes / loads / L3 work
         for hook in list(self._step_hooks.values()):  # a hook may add or remove hooks
             hook(self)
         if self.launched and self.launched[-1].is_extend and (self.waiting or self.chunked_req):
@@ -277,21 +282,14 @@ class Scheduler:
         chunked: Req | None = None,
     ) -> Launched:
         """Run (or hand to the worker) the forward + sampling of ``fb``."""
-        fb.wait_layer = self._pending_layer_wait()
-        if fb.wait_layer is not None and self.reads_host_kv:
-            fb.wait_layer = None
-            if is_extend:  # reads the loading slots from host: no wait
-                fb.host_reads = self.tree_cache.host_reads()
-            else:  # the fused CPU decode reads the pool with no per-layer wait
-                self._wait_pending_loads()
+        self.cache_manager.before_forward(fb, is_extend)
         job = Launched(reqs, lens, is_extend, chunked)
         self.forward_ct += 1
         if self.worker is None:
             try:
                 logits = self.runner.forward(fb)
             finally:
-                if fb.host_reads is not None:
-                    self.tree_cache.release_loads()  # the held copies go now
+                self.cache_manager.after_forward(fb)
             job.future.set_result(self.runner.sample(logits, reqs).tolist())  # the host sync
         else:
             slot = self.worker.reserve(len(reqs))
@@ -354,27 +352,8 @@ class Scheduler:
         )
 
     def _on_arrival(self, req: Req) -> None:
-        """A new request: its match, its L3 prefetch."""
         self.waiting.append(req)
-        self._match(req)
-        self.tree_cache.l3_start(req)
-
-    def _match(self, req: Req) -> None:
-        """The request's L1 + L2 prefix match, recomputed only when the tree changed. A match
-        does not count as a hit (``record_hit`` at admission does)."""
-        kv = req.kv
-        if kv.match_result is not None and kv.match_version == self.tree_cache.version:
-            return
-        kv.fill_ids = req.all_ids()
-        # Keep at least one token to compute: its logits give the next token.
-        key = kv.fill_ids[: len(kv.fill_ids) - 1]
-        res = self.tree_cache.match_prefix(key, namespace=req.cache_namespace, touch=False)
-        kv.prefix_indices = res.device_indices
-        kv.last_node = res.last_device_node
-        kv.host_hit_length = res.host_hit_length
-        kv.match_result = res
-        kv.match_version = self.tree_cache.version  # after the match: it may drain acks
-        self.tree_cache.l3_matched(req)  # its prefix evicted while it waited: L3 may hold it
+        self.cache_manager.arrive(req)
 
     def get_new_batch_prefill(self) -> list[Req] | None:
         if not self.waiting and self.chunked_req is None:
@@ -383,7 +362,9 @@ class Scheduler:
         if len(self.running) >= max_running and self.chunked_req is None:
             return None
         deprioritized = (
-            self.policy.calc_priority(self.waiting, self._match) if self.waiting else set()
+            self.policy.calc_priority(self.waiting, self.cache_manager.match)
+            if self.waiting
+            else set()
         )
         adder = PrefillAdder(
             self.tree_cache,
@@ -405,11 +386,11 @@ class Scheduler:
                     continue
                 if self.oom.prefill_cap is not None and len(adder.can_run) >= self.oom.prefill_cap:
                     break
-                if not self.tree_cache.l3_ready(req, self.waiting[i + 1 :], self._match):
+                if not self.cache_manager.ready(req, self.waiting[i + 1 :]):
                     continue  # its L3 prefetch policy says wait; later requests may go
-                self._match(req)  # an earlier admission or the prefetch may have changed it
+                self.cache_manager.match(req)  # an earlier admission or L3 read may change it
                 res = adder.add_one_req(
-                    req, num_running=len(self.running), load_back=self._load_back
+                    req, num_running=len(self.running), load_back=self.cache_manager.load_back
                 )
                 if res != AddResult.CONTINUE:
                     break
@@ -421,40 +402,8 @@ class Scheduler:
         self.policy.count_bypasses(self.waiting, [r for r in adder.can_run if id(r) != cont])
         self.chunked_req = adder.new_chunked_req
         for req in adder.can_run:
-            self._count_hit(req)
+            self.cache_manager.count_hit(req)
         return adder.can_run
-
-    def _load_back(self, req: Req) -> None:
-        """HiRadixCache hook: bring the host-resident part of ``req``'s match to the device.
-        NOTE: wait=False: the load overlaps the next forward layer by layer (run_extend sets
-        fb.wait_layer); every path that skips that forward calls _wait_pending_loads."""
-        kv = req.kv
-        if not kv.host_hit_length:
-            return
-        self._wait_forwards()  # the load writes device slots a running forward may use
-        indices, node = self.tree_cache.init_load_back(
-            locked_node(req), kv.match_result, wait=False, hold=self.reads_host_kv
-        )
-        kv.prefix_indices, kv.last_node = indices, node
-
-    def _pending_layer_wait(self) -> Callable[[int], None] | None:
-        """HiRadixCache: per-layer wait on the in-flight load (None when nothing is loading)."""
-        return self.tree_cache.pending_layer_wait()
-
-    def _wait_pending_loads(self) -> None:
-        self.tree_cache.wait_pending_loads()
-
-    def _count_hit(self, req: Req) -> None:
-        """Admission: the hit counts once (the tree's ``admit``) in the request and here."""
-        adm = req.admission
-        if adm.hit_counted:
-            return  # a chunk of an admitted request, or a retracted one coming back
-        adm.hit_counted = True
-        adm.cached_tokens_per_tier.update(self.tree_cache.admit(req))
-        adm.cached_tokens = len(req.kv.prefix_indices)
-        self.counters.record_match(
-            adm.cached_tokens_per_tier, len(req.origin_input_ids) - adm.cached_tokens
-        )
 
     # --- extend ------------------------------------------------------------------------------
     def run_extend(self, reqs: list[Req]) -> Launched | None:
@@ -465,7 +414,7 @@ class Scheduler:
             # The budget was too optimistic: nothing was allocated, so requeue and decode.
             log.warning("prefill batch of %d did not fit the KV pool (%s); requeued", len(reqs), e)
             self._sync()  # launched steps may finish requests and free their KV
-            self._wait_pending_loads()  # no forward will wait: land the loads (acked later)
+            self.cache_manager.wait_pending_loads()  # no forward will wait for them
             self._requeue(reqs)
             self._inflight = []
             return self._on_prefill_oom(reqs, str(e))
@@ -486,11 +435,11 @@ class Scheduler:
         action = self.oom.on_oom(len(reqs), bool(self.running))
         if action is OomAction.DECODE:
             return self.run_decode()
-        settle(self.tree_cache)
+        self.cache_manager.settle()
         if action is OomAction.FAIL:
             req = reqs[0]
             self.waiting.remove(req)
-            self.tree_cache.l3_forget(req)
+            self.cache_manager.forget(req)
             req.finished_reason = FinishReason(
                 "abort", message=f"the KV pool cannot hold this request even when empty ({why})"
             )
@@ -524,7 +473,7 @@ class Scheduler:
     def _retire(self, req: Req) -> None:
         """A finished request's KV goes to the tree once no launched forward writes it: now, or
         when its last launched batch is handled (``deferred`` till then)."""
-        self.tree_cache.l3_forget(req)
+        self.cache_manager.forget(req)
         if req.kv.num_pending:
             self.deferred.append(req)
         else:
@@ -602,7 +551,7 @@ class Scheduler:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                self.tree_cache.l3_forget(req)
+                self.cache_manager.forget(req)
                 req.finished_reason = FinishReason("abort", message="aborted by the client")
                 req.emit()
                 return
@@ -623,8 +572,7 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         # NOTE: the launched forwards end first; their KV counts as never written
         self._wait_forwards()
-        # no forward will read held loads from host: copy them now
-        self.tree_cache.release_loads()
+        self.cache_manager.release_loads()  # no forward will read held loads from host
         pending = [r for j in self.launched for r in j.reqs] + self._inflight
         self.launched.clear()
         self._inflight = []
@@ -651,7 +599,7 @@ class Scheduler:
             if req.kv.last_node is not None and req.kv.req_pool_idx is None:
                 req.kv.last_node = None  # matched but never locked
             try:
-                self.tree_cache.l3_forget(req)
+                self.cache_manager.forget(req)
             except Exception:
                 log.exception("cancelling the prefetch of %s failed", req.rid)
             req.finished_reason = FinishReason("abort", message=message)
