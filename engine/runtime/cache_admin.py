@@ -4,7 +4,7 @@ dry run, a tenant's scope) into the tree operations (``hicache.tree.ops``: ``wal
 ``plan_eviction`` + the tree's ``evict_plan`` / ``lock_prefix`` / ``flush_tier``) and the tiers'
 parts (``tree.host``, ``tree.l3``): a side-effect-free match, eviction by count / prefix /
 namespace (a dry run is the same plan unexecuted), pins with a TTL, flush, tree inspection, the
-cache's figures and event log, L3 attached and detached at run time.
+cache's event log, L3 attached and detached at run time.
 
 The records they return and the errors they raise are the engine boundary's
 (engine/admin_records.py, engine/errors.py, hicache/errors.py): they reach the API server as
@@ -18,15 +18,16 @@ scheduler expires them every step (``expire_pins``, a step hook its constructor 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.admin_records import EvictInfo, FlushInfo, MatchInfo, NodeInfo, Pin
+from engine.config import ServerArgs
 from engine.errors import NotIdleError, TierUnavailableError
-from engine.runtime.hicache_setup import close_storage
+from engine.runtime import hicache_setup
 from engine.runtime.pins import PinTable
 from hicache.errors import StorageBusyError
 from hicache.observe.events import CacheEventLog
-from hicache.observe.stats import CacheStats
 from hicache.tier import MEMORY_TIERS, TIERS
 from hicache.tree.base import BasePrefixCache
 from hicache.tree.node import TreeNode
@@ -281,25 +282,7 @@ def inspect_tree(
     return out, len(order)
 
 
-# --- figures and events ----------------------------------------------------------------------
-def cache_stats(scheduler: Scheduler) -> CacheStats:
-    """Every tier's figures (``CacheManager.tier_stats``) and the scheduler's counters."""
-    c = scheduler.counters
-    tiers = scheduler.cache_manager.tier_stats(held_tokens=int(scheduler.held_slots().numel()))
-    return CacheStats(
-        l1=tiers.l1,
-        l2=tiers.l2,
-        l3=tiers.l3,
-        prompt_tokens=c.prompt_tokens,
-        miss_tokens=c.miss_tokens,
-        requests=c.requests,
-        finished_requests=c.finished,
-        retractions=c.retractions,
-        running_requests=len(scheduler.running),
-        waiting_requests=len(scheduler.waiting),
-    )
-
-
+# --- events ----------------------------------------------------------------------
 def event_log(scheduler: AdminScheduler) -> CacheEventLog:
     """The cache's event log; one is attached (to the scheduler and its tree) when the tree
     brought none, so that Flush's ``cleared`` events are still observable."""
@@ -318,6 +301,26 @@ def storage_info(scheduler: AdminScheduler) -> dict[str, Any]:
     return l3.storage_info() if l3 is not None else {"attached": False}
 
 
+def build_and_attach_storage(
+    args: ServerArgs,
+    cache: BasePrefixCache,
+    in_scheduler: Callable[[Callable[[Scheduler], dict[str, Any]]], dict[str, Any]],
+    backend: str,
+    url: str | None,
+    directory: str | None,
+) -> dict[str, Any]:
+    """Any thread but the scheduler's: build the backend ``backend`` / ``url`` / ``directory``
+    name for ``cache`` (a directory scan may take a while), then attach it on the scheduler
+    thread (``in_scheduler(fn)``: ``fn(scheduler)`` there, between two steps). Returns
+    ``storage_info``; the backend is closed when it cannot be attached."""
+    storage = hicache_setup.build_storage_for(args, cache, backend, url, directory)
+    try:
+        return in_scheduler(lambda s: attach_storage(s, storage, backend, url, directory))
+    except BaseException:
+        hicache_setup.close_storage(storage)
+        raise
+
+
 def attach_storage(
     scheduler: Scheduler,
     storage: StorageBackend,
@@ -325,18 +328,13 @@ def attach_storage(
     url: str | None,
     directory: str | None,
 ) -> dict[str, Any]:
-    """Use ``storage`` (``hicache_setup.build_storage_for``, built off this thread: a directory
-    scan may take a while) as L3 from now on (none may be attached); the options record it.
-    Returns ``storage_info``. NOTE: the backend is closed when it cannot be attached."""
-    try:
-        l3 = _l3_of(scheduler.tree_cache)
-        a = scheduler.args
-        object_size = a.hicache_storage_page_size
-        assert object_size is not None, "ServerArgs derives it from page_size when not given"
-        l3.attach_storage(storage, object_size)
-    except BaseException:
-        close_storage(storage)
-        raise
+    """Use ``storage`` (built off this thread: ``build_and_attach_storage``, which closes it
+    when this raises) as L3 from now on (none may be attached); the options record it.
+    Returns ``storage_info``."""
+    a = scheduler.args
+    object_size = a.hicache_storage_page_size
+    assert object_size is not None, "ServerArgs derives it from page_size when not given"
+    _l3_of(scheduler.tree_cache).attach_storage(storage, object_size)
     a.hicache_storage_backend = backend
     a.hicache_storage_url = url if backend == "redis" else None
     a.hicache_storage_dir = directory if backend == "file" else a.hicache_storage_dir
@@ -348,7 +346,7 @@ def detach_storage(scheduler: Scheduler, timeout: float) -> dict[str, Any]:
     ``L3Tier.detach_storage``) and close the backend. Returns ``storage_info`` before."""
     l3 = _l3_of(scheduler.tree_cache)
     before = l3.storage_info()
-    close_storage(l3.detach_storage(timeout))
+    hicache_setup.close_storage(l3.detach_storage(timeout))
     scheduler.args.hicache_storage_backend = None
     return before
 

@@ -31,11 +31,12 @@ from engine.front import (
     SamplingParams,
     StreamChunk,
 )
-from engine.runtime import cache_admin, hicache_setup, tenant_cache
+from engine.runtime import cache_admin, tenant_cache
 from engine.runtime.kv_block_view import kv_block_changes
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Req
 from engine.runtime.scheduler import Scheduler
+from engine.runtime.scheduler.stats import cache_stats
 from engine.runtime.tree_factory import build_tree_cache, stop_tree_cache
 from engine.tokenizer import TokenizerManager
 from hicache.observe.blocks import BlockChanges
@@ -53,7 +54,7 @@ class Engine(EngineFront):
         self.tokenizer_manager = TokenizerManager(
             self.runner.tokenizer, self.runner.vocab_size, self.runner.max_context_len
         )
-        self.eos_token_ids = _eos_ids(self.runner.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.tokenizer)
         tree_cache = build_tree_cache(self.server_args, self.runner)
         self.scheduler = Scheduler(self.server_args, self.runner, tree_cache, self.max_context_len)
         self._stop = threading.Event()
@@ -115,21 +116,21 @@ class Engine(EngineFront):
             namespace,
             sink,
         )
-        self.scheduler.submit(req)
+        self.scheduler.inbox.put_request(req)
         return RequestHandle(req.rid, req.stream.chunks, self._thread.is_alive)
 
     def abort(self, rid: str) -> None:
-        self.scheduler.request_abort(rid)
+        self.scheduler.inbox.put_abort(rid)
 
     # --- cache and introspection -------------------------------------------------------------
     def call_in_scheduler(self, fn: Callable[[Scheduler], T], timeout: float | None = 60.0) -> T:
         if self._closed:
             raise EngineShutdownError("the engine has been shut down")
-        return self.scheduler.call(fn).result(timeout)
+        return self.scheduler.inbox.put_call(fn).result(timeout)
 
     def cache_stats(self) -> CacheStats:
         """Every tier's figures and the scheduler's counters (hicache/observe/stats.py)."""
-        return self.call_in_scheduler(cache_admin.cache_stats)
+        return self.call_in_scheduler(cache_stats)
 
     def event_log(self) -> CacheEventLog:
         """The cache's event log; one is attached (to the scheduler and its tree) when the tree
@@ -227,16 +228,14 @@ class Engine(EngineFront):
         are the ones a daemon with the same model and options would use. Returns storage_info.
         The backend is built here (a directory scan may take a while), attached on the
         scheduler thread between steps."""
-        storage = hicache_setup.build_storage_for(
-            self.server_args, self.scheduler.tree_cache, backend, url, directory
+        return cache_admin.build_and_attach_storage(
+            self.server_args,
+            self.scheduler.tree_cache,
+            self.call_in_scheduler,
+            backend,
+            url,
+            directory,
         )
-        try:
-            return self.call_in_scheduler(
-                lambda s: cache_admin.attach_storage(s, storage, backend, url, directory)
-            )
-        except BaseException:
-            hicache_setup.close_storage(storage)
-            raise
 
     def detach_storage(self, timeout: float = 30.0) -> dict[str, Any]:
         """Stop using L3 (pending backups and prefetches finish first; see
@@ -275,12 +274,13 @@ class Engine(EngineFront):
 def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Scheduler) -> None:
     """Stop the scheduler thread, land the L3 backups it queued, stop the cache's threads."""
     stop.set()
-    scheduler.wake()
+    scheduler.inbox.wake()
     thread.join(timeout=SCHEDULER_JOIN_S)
     stop_tree_cache(scheduler.tree_cache, drain=not thread.is_alive())  # the tree is ours now
 
 
-def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    """The model's end-of-sequence token ids (its config's and its tokenizer's)."""
     ids: set[int] = set()
     eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, int):

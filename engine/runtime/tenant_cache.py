@@ -4,7 +4,7 @@ scheduler thread after its requests are cached), and a flush of its namespaces o
 Runs on the scheduler thread (step hooks, the Engine's tenant methods). Knows namespaces, not
 tokens: the daemon maps tokens to tenants (engine/server/tenants.py) and hands the engine their
 quotas (``TenantQuota``, engine/admin_records.py), which become a QuotaEnforcer (``apply_quotas``
--> ``Scheduler.set_quota_enforcer``; a later one replaces it).
+-> ``set_quota_enforcer``; a later one replaces it).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def usage(cache: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierU
 
 
 class QuotaEnforcer:
-    """A scheduler step hook (``Scheduler.set_quota_enforcer``): after requests finish (and are
+    """A scheduler step hook (``set_quota_enforcer``): after requests finish (and are
     cached), each tenant over a quota has its least valuable unlocked nodes evicted from that
     tier until it is within quota; and the L3 backup gate that stops backups of a tenant at its
     L3 quota."""
@@ -143,7 +143,21 @@ def apply_quotas(scheduler: Scheduler, quotas: Sequence[TenantQuota]) -> None:
     enforcer = QuotaEnforcer(quotas)
     if scheduler.quota_enforcer is not None:
         enforcer.carry_over(scheduler.quota_enforcer)
-    scheduler.set_quota_enforcer(enforcer)
+    set_quota_enforcer(scheduler, enforcer)
+
+
+def set_quota_enforcer(scheduler: Scheduler, enforcer: QuotaEnforcer | None) -> None:
+    """``enforcer`` replaces the scheduler's (None: no quotas), as its step hook and as the
+    tree's L3 backup gate; read back as ``scheduler.quota_enforcer``."""
+    if scheduler.quota_hook is not None:
+        scheduler.step_hooks.remove(scheduler.quota_hook)
+        scheduler.quota_hook = None
+    scheduler.quota_enforcer = enforcer
+    l3 = scheduler.tree_cache.l3
+    if l3 is not None:
+        l3.backup.gate = None if enforcer is None else enforcer.backup_gate(scheduler.tree_cache)
+    if enforcer is not None:
+        scheduler.quota_hook = scheduler.step_hooks.add(enforcer)
 
 
 def flush(

@@ -301,10 +301,10 @@ def test_prefetch_of_a_later_request_gives_its_l2_room(tiny_llama_dir, tmp_path,
         eng.generate(a_prompt, GREEDY)  # shutdown flushes both to L3
     with Engine(tiny_llama_dir, **opts) as eng:
         gate = threading.Event()
-        eng.scheduler.call(lambda s: gate.wait(30))  # B and A arrive in one inbox drain
+        eng.scheduler.inbox.put_call(lambda s: gate.wait(30))  # B and A arrive in one inbox drain
         b = eng.submit(b_prompt, GREEDY)
         # B's prefetch lands (288 of L2's 528) before A arrives: A's 416 do not fit
-        eng.scheduler.call(
+        eng.scheduler.inbox.put_call(
             lambda s: (
                 s.tree_cache.host.controller.wait_storage_idle(10),
                 s.tree_cache.host.check(),

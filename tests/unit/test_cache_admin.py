@@ -470,19 +470,19 @@ def test_the_scheduler_expires_pins_by_its_own_step_hook():
 def test_step_hooks_run_in_order_until_removed():
     calls: list[str] = []
     s, _ = _real_scheduler(step_hooks=[lambda sch: calls.append("ctor")])
-    handle = s.add_step_hook(lambda sch: calls.append("added"))
+    handle = s.step_hooks.add(lambda sch: calls.append("added"))
     s.step()
-    s.remove_step_hook(handle)
+    s.step_hooks.remove(handle)
     s.step()
     assert calls == ["ctor", "added", "ctor"]
     with pytest.raises(KeyError):
-        s.remove_step_hook(handle)
+        s.step_hooks.remove(handle)
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_a_quota_enforcer_replaces_the_one_before(hierarchical):
     from engine.admin_records import TenantQuota
-    from engine.runtime.tenant_cache import apply_quotas
+    from engine.runtime.tenant_cache import apply_quotas, set_quota_enforcer
 
     s, alloc = _real_scheduler(hierarchical=hierarchical)  # L3 part: its backups take the gate
     tree = s.tree_cache
@@ -511,6 +511,6 @@ def test_a_quota_enforcer_replaces_the_one_before(hierarchical):
     assert gate() is None
     apply_quotas(s, quota(2))  # the evictions counted so far carry over
     assert s.quota_enforcer.by_name["t"].evicted_tokens["l1"] == 8
-    s.set_quota_enforcer(None)
+    set_quota_enforcer(s, None)
     assert s.quota_enforcer is None and gate() is None
     s.step()
