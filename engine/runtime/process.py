@@ -1,6 +1,23 @@
-"""The scheduler process: owns the Engine (model runner, pools, radix / hierarchical cache and
-its controller, the scheduler thread). Takes tokenized requests and admin calls from the API
-server, sends token ids to the detokenizer and call results back to the API server."""
+"""The scheduler process: one loop, on its main thread, reads its ZMQ socket and runs the
+scheduler (engine/runtime/scheduler: the model runner, the KV pools, the radix / hierarchical
+cache and its controller). Takes tokenized requests and admin calls from the API server, sends
+token ids to the detokenizer and call results back to the API server.
+
+    loop      drain the socket (SubmitReq: a request added to the scheduler; AbortReq; CallReq;
+              Shutdown), run one scheduler pass (``Scheduler.run_once``: its inbox, a step); a
+              pass that did nothing polls the socket and the scheduler's inbox (copy acks, the
+              threads below) until the scheduler's next deadline (``sleep_time``)
+    calls     answered by the loop between two steps, every launched step's results handled
+              first (``Scheduler.run_call``), with the function each operation names; those
+              that wait run on threads: reads of the event log (WatchCacheEvents streams wait
+              there) and an L3 attach (building the backend scans its directory), whose work on
+              the scheduler goes back to the loop through the scheduler's inbox
+    shutdown  the loop stops, the scheduler closes (no forward outlives it), the queued L3
+              backups land, the copy threads stop; the detokenizer is told, the Shutdown answered
+
+The in-process ``Engine`` (engine/runtime/engine.py) is the same scheduler on a thread of a
+script's process; this process runs none.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +26,28 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any, assert_never
+from typing import Any, TypeVar, assert_never
 
 import zmq
 
 from engine import ipc
 from engine.config import ServerArgs
+from engine.errors import QueueFullError
 from engine.front import StreamChunk
+from engine.runtime import cache_admin, tenant_cache
+from engine.runtime.kv_block_view import kv_block_changes
+from engine.runtime.request import Req
+from engine.runtime.scheduler import Scheduler, lifecycle
+from engine.runtime.scheduler.stats import cache_stats
+from engine.runtime.tree_factory import stop_tree_cache
+from hicache.observe.events import CacheEventLog
 
 log = logging.getLogger(__name__)
-CALL_THREADS = 16  # admin calls that may block (on the scheduler thread) run side by side
+T = TypeVar("T")
+CALL_THREADS = 4  # L3 attaches (a backend is built off the loop)
 EVENT_THREADS = 32  # event-log reads: WatchCacheEvents streams wait here, not on admin calls
 
 
@@ -37,96 +64,146 @@ class _Sink:
 
 
 class SchedulerServer:
-    def __init__(self, engine: Any, addrs: ipc.Addresses, ctx: zmq.Context):
-        self.engine = engine
-        self.inbox = ipc.pull(ctx, addrs.sched_in)
+    """The loop of the scheduler process over ``scheduler`` (whose thread it runs on)."""
+
+    def __init__(
+        self, scheduler: Scheduler, eos_token_ids: set[int], addrs: ipc.Addresses, ctx: zmq.Context
+    ):
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.sock = ipc.pull(ctx, addrs.sched_in)
         self.outbox = ipc.Outbox(
             {"api": ipc.push(ctx, addrs.api_reply), "detok": ipc.push(ctx, addrs.detok_in)}
         )
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(scheduler.inbox.fileno(), zmq.POLLIN)
         self.calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="hicache-call")
         self.event_calls = ThreadPoolExecutor(EVENT_THREADS, thread_name_prefix="hicache-events")
-        self._events: Any = None
+        self._events: CacheEventLog | None = None
         self._events_lock = threading.Lock()
 
     def serve(self) -> None:
-        """Until Shutdown: then the engine shuts down (L3 backups land), the detokenizer is
-        told, and the Shutdown is answered."""
+        """Until Shutdown: then the scheduler stops (L3 backups land), the detokenizer is told,
+        and the Shutdown is answered."""
+        s = self.scheduler
         while True:
-            batch = ipc.recv(self.inbox, 1000)
-            for msg in batch or ():
-                if isinstance(msg, ipc.SubmitReq):
-                    self._submit(msg)
-                elif isinstance(msg, ipc.AbortReq):
-                    self.engine.abort(msg.rid)
-                elif isinstance(msg, ipc.CallReq):
-                    pool = self.event_calls if isinstance(msg.op, ipc.EventCall) else self.calls
-                    pool.submit(self._call, msg)
-                elif isinstance(msg, ipc.Shutdown):
+            for msg in self._received():
+                if isinstance(msg, ipc.Shutdown):
                     self._shutdown(msg)
                     return
+                self._on(msg)
+            if not s.run_once():
+                self.poller.poll(max(1, round(s.sleep_time() * 1000)))
 
-    def _reply(self, call_id: int, fn: Any, *args: Any) -> None:
+    def _received(self) -> list[Any]:
+        """Every message the socket holds now (no wait)."""
+        msgs: list[Any] = []
+        while (batch := ipc.recv(self.sock, 0)) is not None:
+            msgs.extend(batch)
+        return msgs
+
+    def _on(self, msg: Any) -> None:
+        if isinstance(msg, ipc.SubmitReq):
+            self._reply(msg.call_id, self._submit, msg)
+        elif isinstance(msg, ipc.AbortReq):
+            lifecycle.abort(self.scheduler, msg.rid)
+        elif isinstance(msg, ipc.CallReq):
+            op = msg.op
+            if isinstance(op, ipc.EventCall):
+                self.event_calls.submit(self._reply, msg.call_id, self._run, op)
+            elif isinstance(op, ipc.AttachStorage):
+                self.calls.submit(self._reply, msg.call_id, self._run, op)
+            else:
+                self._reply(msg.call_id, self.scheduler.run_call, lambda s: self._run(op))
+
+    def _reply(self, call_id: int, fn: Callable[..., Any], *args: Any) -> None:
         try:
             reply = ipc.Reply(call_id, True, fn(*args))
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             reply = ipc.Reply(call_id, False, ipc.picklable_error(e))
         self.outbox.put("api", reply)
 
-    def _submit(self, m: ipc.SubmitReq) -> None:
+    def _submit(self, m: ipc.SubmitReq) -> str:
+        s = self.scheduler
+        if s.num_queued() >= s.args.max_queued_requests:
+            raise QueueFullError(
+                f"{s.args.max_queued_requests} requests are already queued; retry later"
+            )
         sink = _Sink(m.rid, (m.params.skip_special_tokens, list(m.params.stop)), self.outbox)
-        self._reply(
-            m.call_id, lambda: self.engine.enqueue(m.ids, m.params, m.namespace, m.rid, sink).rid
+        req = Req.new(
+            m.rid,
+            m.ids,
+            m.params,
+            s.runner.tokenizer,
+            self.eos_token_ids,
+            s.max_context_len,
+            s.runner.device,
+            m.namespace,
+            sink,
         )
+        s.add_request(req)
+        return req.rid
 
-    def _call(self, m: ipc.CallReq) -> None:
-        self._reply(m.call_id, self._run, m)
+    def _in_loop(self, fn: Callable[[Scheduler], T]) -> T:
+        """From a call thread: ``fn(scheduler)`` on the loop, between two steps."""
+        return self.scheduler.inbox.put_call(fn).result()
 
-    def _run(self, m: ipc.CallReq) -> Any:
-        """The answer to one operation: each names the method that serves it."""
-        op = m.op
+    def _run(self, op: ipc.Operation) -> Any:
+        """The answer to one operation: each names the function that serves it (on the loop,
+        but for the event log's and an L3 attach, which run on a call thread)."""
+        s = self.scheduler
         match op:
             case ipc.InScheduler():
-                return self.engine.call_in_scheduler(op.fn, op.timeout)
+                return op.fn(s)
             case ipc.CacheStats():
-                return self.engine.cache_stats()
+                return cache_stats(s)
             case ipc.ModelInfo():
-                return self.engine.model_info()
+                return s.runner.model_info()
             case ipc.StorageInfo():
-                return self.engine.storage_info()
+                return cache_admin.storage_info(s)
             case ipc.GetServerArgs():
-                return self.engine.server_args
+                return s.args
             case ipc.AttachStorage():
-                return self.engine.attach_storage(op.backend, op.url, op.directory)
+                return cache_admin.build_and_attach_storage(
+                    s.args, s.tree_cache, self._in_loop, op.backend, op.url, op.directory
+                )
             case ipc.DetachStorage():
-                return self.engine.detach_storage(op.timeout)
+                return cache_admin.detach_storage(s, op.timeout)
             case ipc.KvBlockChanges():
-                return self.engine.kv_block_changes(op.block_size, op.salt_key, op.reset)
+                return kv_block_changes(s, op.block_size, op.salt_key, op.reset)
             case ipc.MatchPrefix():
-                return self.engine.match_prefix(op.key, op.namespace)
+                return cache_admin.match_prefix(s, op.key, op.namespace)
             case ipc.Evict():
-                return self.engine.evict(
-                    op.tier, op.num_tokens, op.prefix, op.namespace, op.dry_run, op.namespaces
+                return cache_admin.evict(
+                    s,
+                    op.tier,
+                    num_tokens=op.num_tokens,
+                    prefix=op.prefix,
+                    namespace=op.namespace,
+                    dry_run=op.dry_run,
+                    namespaces=op.namespaces,
                 )
             case ipc.PinPrefix():
-                return self.engine.pin(op.key, op.namespace, op.ttl_s, op.owner)
+                return cache_admin.pin(s, op.key, op.namespace, op.ttl_s, owner=op.owner)
             case ipc.Unpin():
-                return self.engine.unpin(op.pin_id, op.owner)
+                return cache_admin.unpin(s, op.pin_id, op.owner)
             case ipc.PinSummary():
-                return self.engine.pin_summary()
+                return cache_admin.pin_summary(s)
             case ipc.Flush():
-                return self.engine.flush(op.tiers)
+                return cache_admin.flush(s, op.tiers)
             case ipc.FlushNamespaces():
-                return self.engine.flush_namespaces(op.namespaces, op.tiers, op.owner)
+                return tenant_cache.flush(s, op.namespaces, op.tiers, op.owner)
             case ipc.InspectTree():
-                return self.engine.inspect_tree(
-                    op.offset, op.limit, op.preview_tokens, op.namespaces
+                return cache_admin.inspect_tree(
+                    s, op.offset, op.limit, op.preview_tokens, op.namespaces
                 )
             case ipc.ApplyQuotas():
-                return self.engine.apply_quotas(op.quotas)
+                return tenant_cache.apply_quotas(s, op.quotas)
             case ipc.TenantView():
-                return self.engine.tenant_view(op.tenant, op.namespaces)
+                return tenant_cache.tenant_view(s, op.tenant, op.namespaces)
             case ipc.TenantFigures():
-                return self.engine.tenant_figures(op.quotas)
+                return tenant_cache.tenant_figures(s, op.quotas)
             case ipc.EventsLastSeq():
                 return self._event_log().last_seq
             case ipc.EventsFirstSeq():
@@ -140,19 +217,25 @@ class SchedulerServer:
             case _:
                 assert_never(op)
 
-    def _event_log(self) -> Any:
-        """The engine's event log (the scheduler always has one), fetched once."""
+    def _event_log(self) -> CacheEventLog:
+        """The scheduler's event log (made on the loop the first time), fetched once."""
         with self._events_lock:
             if self._events is None:
-                self._events = self.engine.event_log()
+                self._events = self._in_loop(cache_admin.event_log)
             return self._events
 
     def _shutdown(self, m: ipc.Shutdown) -> None:
         self.calls.shutdown(wait=False, cancel_futures=True)
         self.event_calls.shutdown(wait=False, cancel_futures=True)
-        self._reply(m.call_id, self.engine.shutdown)
+        self._reply(m.call_id, self._stop)
         self.outbox.put("detok", ipc.DetokStop())
         self.outbox.close()
+
+    def _stop(self) -> None:
+        """The loop has stopped: the scheduler closes, the queued L3 backups land (at most
+        ``L3_DRAIN_S``), the copy threads stop."""
+        self.scheduler.close()
+        stop_tree_cache(self.scheduler.tree_cache, drain=True)
 
 
 def scheduler_main(
@@ -161,23 +244,22 @@ def scheduler_main(
     """The process' entry point: load, say ready (or why not) on `conn`, serve."""
     ipc.child_setup("scheduler", log_level)
     try:
-        from engine.runtime.engine import Engine
+        from engine.runtime.engine import eos_token_ids
+        from engine.runtime.model_runner import ModelRunner
+        from engine.runtime.tree_factory import build_tree_cache
 
-        kw = server_args.to_dict()
-        engine = Engine(model=kw.pop("model_path"), device=kw.pop("device"), **kw)
+        args = ServerArgs.from_kwargs(**server_args.to_dict())
+        runner = ModelRunner(args)
+        tree = build_tree_cache(args, runner)
+        scheduler = Scheduler(args, runner, tree, runner.max_context_len)
+        eos = eos_token_ids(runner.hf_config, runner.tokenizer)
     except BaseException:  # noqa: BLE001 - reported to the API server, which exits
         conn.send(("error", traceback.format_exc()))
         return
     ctx = zmq.Context()
-    server = SchedulerServer(engine, addrs, ctx)
-    conn.send(
-        (
-            "ready",
-            ipc.SchedulerInfo(
-                engine.tokenizer, engine.vocab_size, engine.max_context_len, engine.server_args
-            ),
-        )
-    )
+    server = SchedulerServer(scheduler, eos, addrs, ctx)
+    info = ipc.SchedulerInfo(runner.tokenizer, runner.vocab_size, runner.max_context_len, args)
+    conn.send(("ready", info))
     log.info("scheduler ready")
     server.serve()
     ctx.destroy(linger=2000)

@@ -22,6 +22,7 @@ import pytest
 from engine.client import HicacheClient
 from engine.config import ServerArgs
 from engine.runtime.engine import Engine
+from engine.runtime.scheduler import SchedulerCall
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
 from tests.daemon_process import wait_serving
@@ -77,8 +78,17 @@ def test_split_streams_equal_the_in_process_engine(tiny_llama_dir):
             assert (ids, text) == (want_chat.token_ids, want_chat.text)
             info = c.server_info()
             assert json.loads(info.config["process.scheduler"]) != os.getpid()
+        # one loop in the scheduler process: the scheduler runs on its main thread, no other
+        main, names = dt.daemon.state.engine.call_in_scheduler(SchedulerCall(_loop_thread))
+        assert main and "hicache-scheduler" not in names
     finally:
         dt.stop()
+
+
+def _loop_thread(scheduler: object) -> tuple[bool, list[str]]:
+    """Where a scheduler call runs: (on its process' main thread, that process' threads)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    return on_main, sorted(t.name for t in threading.enumerate())
 
 
 # --- process faults, on `hicache serve` ----------------------------------------------------

@@ -1,10 +1,13 @@
 """The operations the API server asks of the scheduler process (engine/ipc.py): each one is
-answered by the engine or event-log method it names, survives pickling, and nothing else can
-be asked for."""
+answered by the scheduler-side function it names (engine/runtime/cache_admin.py, tenant_cache.py,
+kv_block_view.py, scheduler/stats.py; the event log's reads), survives pickling, and nothing else
+can be asked for."""
 
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,7 +15,9 @@ import zmq
 
 from engine import ipc
 from engine.admin_records import TenantQuota
+from engine.runtime import process
 from engine.runtime.process import SchedulerServer
+from engine.runtime.scheduler.inbox import Inbox
 
 
 class FakeEventLog:
@@ -35,115 +40,70 @@ class FakeEventLog:
         return True
 
 
-class FakeEngine:
+class FakeScheduler:
+    """The scheduler as the process' loop uses it: its inbox (polled with the socket; calls
+    from the call threads run at once here), its options, its model runner and its tree."""
+
+    name = "the scheduler"
+
     def __init__(self) -> None:
+        self.inbox = Inbox()
+        self.args = SimpleNamespace(hicache_storage_backend=None)
+        self.runner = SimpleNamespace(model_info=lambda: {"model": "tiny"})
+        self.tree_cache = SimpleNamespace(name="the tree")
+        self.in_loop: list[Any] = []
+
+    def run_call(self, fn: Any) -> Any:
+        return fn(self)
+
+
+class Functions:
+    """Stands for the modules the scheduler process calls: each function records its name and
+    arguments (the scheduler given as "S") and answers with them."""
+
+    def __init__(self, scheduler: FakeScheduler, events: FakeEventLog) -> None:
+        self.scheduler, self.events = scheduler, events
         self.calls: list[tuple[Any, ...]] = []
-        self.server_args = {"hicache_storage_backend": None}
-        self.events = FakeEventLog()
         self.event_logs_made = 0
 
-    def call_in_scheduler(self, fn: Any, timeout: float | None) -> Any:
-        self.calls.append(("call_in_scheduler", timeout))
-        return fn("the scheduler")
+    def __getattr__(self, name: str) -> Any:
+        def fn(*args: Any, **kw: Any) -> Any:
+            args = tuple("S" if a is self.scheduler else a for a in args)
+            call = (name, *args, *kw.values())
+            self.calls.append(call)
+            return call
 
-    def cache_stats(self) -> dict[str, int]:
-        self.calls.append(("cache_stats",))
-        return {"hits": 1}
+        return fn
 
-    def model_info(self) -> dict[str, str]:
-        self.calls.append(("model_info",))
-        return {"model": "tiny"}
-
-    def storage_info(self) -> dict[str, str]:
-        self.calls.append(("storage_info",))
-        return {"backend": "file"}
-
-    def attach_storage(
-        self, backend: str, url: str | None = None, directory: str | None = None
-    ) -> dict[str, str]:
-        self.calls.append(("attach_storage", backend, url, directory))
-        return {"attached": backend}
-
-    def detach_storage(self, timeout: float = 30.0) -> dict[str, bool]:
-        self.calls.append(("detach_storage", timeout))
-        return {"detached": True}
-
-    def event_log(self) -> FakeEventLog:
+    def event_log(self, scheduler: FakeScheduler) -> FakeEventLog:
+        assert scheduler is self.scheduler
         self.event_logs_made += 1
         return self.events
 
-    # the cache admin methods of EngineFront: each records its name and arguments
-    def _admin(self, name: str, *args: Any) -> tuple[Any, ...]:
-        self.calls.append((name, *args))
-        return (name, *args)
 
-    def kv_block_changes(self, block_size: int, salt_key: bytes, reset: bool = False) -> Any:
-        return self._admin("kv_block_changes", block_size, salt_key, reset)
-
-    def match_prefix(self, key: list[int], namespace: str | None = None) -> Any:
-        return self._admin("match_prefix", key, namespace)
-
-    def evict(
-        self,
-        tier: str,
-        num_tokens: int | None = None,
-        prefix: list[int] | None = None,
-        namespace: str | None = None,
-        dry_run: bool = False,
-        namespaces: frozenset[str] | None = None,
-    ) -> Any:
-        return self._admin("evict", tier, num_tokens, prefix, namespace, dry_run, namespaces)
-
-    def pin(
-        self,
-        key: list[int],
-        namespace: str | None = None,
-        ttl_s: float = 0.0,
-        owner: str | None = None,
-    ) -> Any:
-        return self._admin("pin", key, namespace, ttl_s, owner)
-
-    def unpin(self, pin_id: str | None = None, owner: str | None = None) -> Any:
-        return self._admin("unpin", pin_id, owner)
-
-    def pin_summary(self) -> Any:
-        return self._admin("pin_summary")
-
-    def flush(self, tiers: list[str] | None = None) -> Any:
-        return self._admin("flush", tiers)
-
-    def flush_namespaces(
-        self, namespaces: frozenset[str], tiers: list[str] | None, owner: str | None
-    ) -> Any:
-        return self._admin("flush_namespaces", namespaces, tiers, owner)
-
-    def inspect_tree(
-        self,
-        offset: int = 0,
-        limit: int = 100,
-        preview_tokens: int = 16,
-        namespaces: frozenset[str] | None = None,
-    ) -> Any:
-        return self._admin("inspect_tree", offset, limit, preview_tokens, namespaces)
-
-    def apply_quotas(self, quotas: Any) -> Any:
-        return self._admin("apply_quotas", quotas)
-
-    def tenant_view(self, tenant: str, namespaces: frozenset[str]) -> Any:
-        return self._admin("tenant_view", tenant, namespaces)
-
-    def tenant_figures(self, quotas: Any) -> Any:
-        return self._admin("tenant_figures", quotas)
-
-
-def shout(who: str) -> str:
-    return who.upper()
+def shout(s: FakeScheduler) -> str:
+    return s.name.upper()
 
 
 @pytest.fixture
-def server(tmp_path):
+def server(tmp_path, monkeypatch):
     ctx = zmq.Context()
-    srv = SchedulerServer(FakeEngine(), ipc.Addresses.in_dir(tmp_path), ctx)
+    sched = FakeScheduler()
+
+    def in_loop(fn: Any) -> Future:  # the loop takes it at its next pass
+        fut: Future = Future()
+        sched.in_loop.append(fn)
+        fut.set_result(fn(sched))
+        return fut
+
+    monkeypatch.setattr(sched.inbox, "put_call", in_loop)
+    funcs = Functions(sched, FakeEventLog())
+    for module in ("cache_admin", "tenant_cache"):
+        monkeypatch.setattr(process, module, funcs)
+    for fn in ("kv_block_changes", "cache_stats"):
+        monkeypatch.setattr(process, fn, getattr(funcs, fn))
+    srv = SchedulerServer(sched, {2}, ipc.Addresses.in_dir(tmp_path), ctx)  # type: ignore[arg-type]
+    srv.funcs = funcs  # type: ignore[attr-defined]
     yield srv
     srv.calls.shutdown()
     srv.event_calls.shutdown()
@@ -155,61 +115,65 @@ def ask(server: SchedulerServer, op: ipc.Operation) -> Any:
     """``op`` as it travels (pickled in a CallReq), answered by the scheduler process."""
     req = pickle.loads(pickle.dumps(ipc.CallReq(1, op)))
     assert req.op == op
-    return server._run(req)
+    return server._run(req.op)
 
 
-def test_engine_operations_call_the_method_they_name(server):
-    engine = server.engine
+def test_engine_operations_call_the_function_they_name(server):
+    funcs = server.funcs
     assert ask(server, ipc.InScheduler(shout, 5.0)) == "THE SCHEDULER"
-    assert ask(server, ipc.CacheStats()) == {"hits": 1}
+    assert ask(server, ipc.CacheStats()) == ("cache_stats", "S")
     assert ask(server, ipc.ModelInfo()) == {"model": "tiny"}
-    assert ask(server, ipc.StorageInfo()) == {"backend": "file"}
-    assert ask(server, ipc.AttachStorage("redis", "redis://h:1", None)) == {"attached": "redis"}
-    assert ask(server, ipc.DetachStorage(12.5)) == {"detached": True}
-    assert ask(server, ipc.GetServerArgs()) is engine.server_args
-    assert engine.calls == [
-        ("call_in_scheduler", 5.0),
-        ("cache_stats",),
-        ("model_info",),
-        ("storage_info",),
-        ("attach_storage", "redis", "redis://h:1", None),
-        ("detach_storage", 12.5),
+    assert ask(server, ipc.StorageInfo()) == ("storage_info", "S")
+    attach = ask(server, ipc.AttachStorage("redis", "redis://h:1", None))
+    assert attach[:2] == ("build_and_attach_storage", server.scheduler.args)
+    assert attach[2] is server.scheduler.tree_cache and attach[4:] == ("redis", "redis://h:1", None)
+    in_loop = attach[3]  # the attach itself runs on the loop, through the scheduler's inbox
+    assert in_loop(lambda s: s.name) == "the scheduler" and server.scheduler.in_loop
+    assert ask(server, ipc.DetachStorage(12.5)) == ("detach_storage", "S", 12.5)
+    assert ask(server, ipc.GetServerArgs()) is server.scheduler.args
+    assert [c[0] for c in funcs.calls] == [
+        "cache_stats",
+        "storage_info",
+        "build_and_attach_storage",
+        "detach_storage",
     ]
-    assert engine.event_logs_made == 0
+    assert funcs.event_logs_made == 0
 
 
-def test_cache_admin_operations_call_the_method_they_name(server):
+def test_cache_admin_operations_call_the_function_they_name(server):
     ns = frozenset({"a", "b"})
     quotas = (TenantQuota("t", ns, {"l1": 8, "l2": 0, "l3": 0}),)
     cases = [
-        (ipc.KvBlockChanges(4, b"k", True), ("kv_block_changes", 4, b"k", True)),
-        (ipc.MatchPrefix([1, 2], "a"), ("match_prefix", [1, 2], "a")),
-        (ipc.Evict("l2", 5, [1], "a", True, ns), ("evict", "l2", 5, [1], "a", True, ns)),
-        (ipc.PinPrefix([3], None, 2.5, "t"), ("pin", [3], None, 2.5, "t")),
-        (ipc.Unpin("pin-1", "t"), ("unpin", "pin-1", "t")),
-        (ipc.PinSummary(), ("pin_summary",)),
-        (ipc.Flush(["l1"]), ("flush", ["l1"])),
-        (ipc.FlushNamespaces(ns, None, "t"), ("flush_namespaces", ns, None, "t")),
-        (ipc.InspectTree(10, 20, 4, ns), ("inspect_tree", 10, 20, 4, ns)),
-        (ipc.ApplyQuotas(quotas), ("apply_quotas", quotas)),
-        (ipc.TenantView("t", ns), ("tenant_view", "t", ns)),
-        (ipc.TenantFigures(quotas), ("tenant_figures", quotas)),
+        (ipc.KvBlockChanges(4, b"k", True), ("kv_block_changes", "S", 4, b"k", True)),
+        (ipc.MatchPrefix([1, 2], "a"), ("match_prefix", "S", [1, 2], "a")),
+        (ipc.Evict("l2", 5, [1], "a", True, ns), ("evict", "S", "l2", 5, [1], "a", True, ns)),
+        (ipc.PinPrefix([3], None, 2.5, "t"), ("pin", "S", [3], None, 2.5, "t")),
+        (ipc.Unpin("pin-1", "t"), ("unpin", "S", "pin-1", "t")),
+        (ipc.PinSummary(), ("pin_summary", "S")),
+        (ipc.Flush(["l1"]), ("flush", "S", ["l1"])),
+        (ipc.FlushNamespaces(ns, None, "t"), ("flush", "S", ns, None, "t")),  # tenant_cache's
+        (ipc.InspectTree(10, 20, 4, ns), ("inspect_tree", "S", 10, 20, 4, ns)),
+        (ipc.ApplyQuotas(quotas), ("apply_quotas", "S", quotas)),
+        (ipc.TenantView("t", ns), ("tenant_view", "S", "t", ns)),
+        (ipc.TenantFigures(quotas), ("tenant_figures", "S", quotas)),
     ]
     for op, call in cases:
         assert ask(server, op) == call
-    assert server.engine.calls == [call for _, call in cases]
+    assert server.funcs.calls == [call for _, call in cases]
     assert not any(isinstance(op, ipc.EventCall) for op, _ in cases)
 
 
 def test_event_operations_read_one_event_log(server):
-    engine = server.engine
+    funcs = server.funcs
     assert ask(server, ipc.EventsLastSeq()) == 7
     assert ask(server, ipc.EventsFirstSeq()) == 3
     assert ask(server, ipc.EventsSince(4, 10)) == ["e4", "e5"]
     assert ask(server, ipc.EventsMissed(1)) == 2
     assert ask(server, ipc.EventsWaitFor(9, 0.5)) is True
-    assert engine.events.calls == [("since", 4, 10), ("missed", 1), ("wait_for", 9, 0.5)]
-    assert engine.event_logs_made == 1 and engine.calls == []
+    assert funcs.events.calls == [("since", 4, 10), ("missed", 1), ("wait_for", 9, 0.5)]
+    # made once, on the loop (through the scheduler's inbox)
+    assert funcs.event_logs_made == 1 and len(server.scheduler.in_loop) == 1
+    assert funcs.calls == []
 
 
 def test_only_event_operations_are_event_calls():
@@ -235,5 +199,5 @@ def test_only_event_operations_are_event_calls():
 
 def test_an_operation_that_is_not_declared_cannot_be_asked(server):
     with pytest.raises(AssertionError):
-        server._run(ipc.CallReq(1, "cache_stats"))  # type: ignore[arg-type]
-    assert server.engine.calls == []
+        server._run("cache_stats")  # type: ignore[arg-type]
+    assert server.funcs.calls == []
