@@ -12,8 +12,8 @@ taken here (``check``), on the scheduler thread.
     load   (l2 -> l1)  ``load_back``: device slots taken now for the host part of a path,
                        the path locked until the ack; a failed load drops them again. The next
                        forward waits for it layer by layer (``pending_layer_wait``), or reads
-                       the loading KV from host in place (``host_reads``, then
-                       ``release_loads``)
+                       the loading KV from host in place (``host_reads``, then the
+                       controller's ``release_loads``)
 
 The scheduler's cache manager (engine/runtime/scheduler/cache.py) calls ``check`` every step,
 ``load_back`` at admission and the wait / host-read calls around each forward.
@@ -222,7 +222,7 @@ class HostTier:
         landed; ``wait=False`` returns with the load in flight (layer-wise overlap): the caller
         must then run the next forward with ``pending_layer_wait()`` (or call
         ``wait_pending_loads()``) before anything reads the returned slots. ``hold`` (with
-        ``wait=False``): the copy waits for ``release_loads()``; the next forward reads the KV
+        ``wait=False``): the copy waits for ``controller.release_loads()``; the next forward reads the KV
         from host in place (``host_reads``) instead of waiting for it."""
         self.check()
         target = match_result.last_host_node if match_result is not None else last_node
@@ -284,7 +284,7 @@ class HostTier:
     def host_reads(self) -> HostReads | None:
         """The device slots of loads still in flight and their host copies, or None. A forward
         that reads these slots' KV from ``layer_kv`` instead of the device pool needs no wait;
-        then ``release_loads()`` lets the held copies go."""
+        then ``controller.release_loads()`` lets the held copies go."""
         ops = self.controller.pending_loads()
         if not ops:
             return None
@@ -298,10 +298,6 @@ class HostTier:
         """Block until every started load landed (e.g. a batch that will not run its forward);
         the acks (unlock / error handling) are taken by the next ``check``."""
         self.controller.current_load.wait_finished()
-
-    def release_loads(self) -> None:
-        """Let held loads copy (``load_back(hold=True)``: no forward reads them from host)."""
-        self.controller.release_loads()
 
     # ---- figures -------------------------------------------------------------------------------
     def moves(self) -> Moves:

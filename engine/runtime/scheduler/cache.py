@@ -219,7 +219,7 @@ class CacheManager:
     def release_loads(self) -> None:
         """No forward will read held loads from host: let them copy."""
         if self.tree.host is not None:
-            self.tree.host.release_loads()
+            self.tree.host.controller.release_loads()
 
     # ---- figures -------------------------------------------------------------------------------
     def tier_stats(self, held_tokens: int) -> TierSet:

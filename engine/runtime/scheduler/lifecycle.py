@@ -1,8 +1,9 @@
 """How a request leaves the scheduler's lists, and what each way gives back. Every function
 runs on the scheduler thread, on its ``Scheduler``:
 
-    finished   ``retire``: its L3 read is forgotten; its KV goes to the tree (``release``) once
-               no launched forward writes it (``scheduler.deferred`` till then)
+    finished   ``after_token`` sees it, ``retire``: its L3 read is forgotten; its KV goes to the
+               tree (``release``) once no launched forward writes it (``scheduler.deferred``
+               till then); a prefill's KV goes to the tree at once (``cache_unfinished``)
     retracted  ``retract_one``: the decode batch has no room: the request with the fewest
                outputs gives its KV to the tree and waits again (mostly a cache hit then)
     requeued   ``requeue``: a prefill batch that did not fit goes back to the queue, its
@@ -51,6 +52,21 @@ def _free_uncommitted(s: Scheduler, req: Req) -> None:
         r2t = s.runner.req_to_token_pool.req_to_token
         s.runner.allocator.free(r2t[kv.req_pool_idx, start : kv.kv_alloc].long())
     kv.kv_alloc = kv.kv_len
+
+
+def cache_unfinished(s: Scheduler, req: Req) -> None:
+    """A prefill (or a chunk) ran: the KV it computed goes to the tree, the request keeps its
+    lock on it and goes on."""
+    req.kv.fill_ids = req.all_ids()[: req.kv.kv_len]
+    s.tree_cache.cache_unfinished_req(req)
+
+
+def after_token(s: Scheduler, req: Req) -> None:
+    """A token was sampled for ``req``: its chunk goes out; finished, it retires."""
+    req.check_finished(s.max_context_len)
+    req.emit()
+    if req.finished():
+        retire(s, req)
 
 
 def retire(s: Scheduler, req: Req) -> None:

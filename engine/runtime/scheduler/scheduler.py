@@ -1,14 +1,12 @@
 """Scheduler: waiting queue -> prefill/decode batches -> results.
 
 One thread owns every cache structure: the one its loop runs on. A loop pass (``run_once``)
-takes the inbox's messages (new requests, aborts, calls between steps, copy acks' wake-ups:
-``scheduler/inbox.py``) and runs a step; a pass that did nothing sleeps until the next message
-or prefetch deadline (``sleep_time``), never spinning. Two loops run it: ``run_loop`` on the
-in-process Engine's thread, and the scheduler process' own loop, which also reads its ZMQ
-socket (engine/runtime/process.py). What it asks of the cache goes through its ``CacheManager``
-(``scheduler/cache.py``): a waiting request's match, its L3 read and whether it may be admitted
-while that runs, its load back, its hit per tier, the host reads around a forward. How a request
-leaves (finished, retracted, requeued, aborted, failed) is ``scheduler/lifecycle.py``.
+takes the inbox's messages (new requests, aborts, calls, copy acks' wake-ups: ``inbox.py``) and
+runs a step; a pass that did nothing sleeps until the next message or prefetch deadline
+(``sleep_time``), never spinning. Two loops run it: ``run_loop`` on the in-process Engine's
+thread, and the scheduler process' own, which also reads its ZMQ socket (runtime/process.py).
+What it asks of the cache goes through its ``CacheManager`` (``cache.py``); how a request
+leaves (finished, retracted, requeued, aborted, failed) is ``lifecycle.py``.
 
 With overlap (``ServerArgs.overlap_enabled``), forwards run on a ``ForwardWorker`` thread: a step
 launches its batch, then handles the previous batch's results while that forward runs
@@ -286,12 +284,12 @@ class Scheduler:
                     lifecycle.release(self, req)
                 continue
             if req is job.chunked:
-                self._cache_unfinished(req)
+                lifecycle.cache_unfinished(self, req)
                 continue
             req.output_ids.append(tok)
-            self._after_token(req)
+            lifecycle.after_token(self, req)
             if job.is_extend and not req.finished():
-                self._cache_unfinished(req)
+                lifecycle.cache_unfinished(self, req)
         self.running = [r for r in self.running if not r.finished()]
         self.inflight = []
 
@@ -376,16 +374,6 @@ class Scheduler:
                 self.running.append(req)  # decodes next step, its first token as a placeholder
         self.inflight = []
         return job
-
-    def _cache_unfinished(self, req: Req) -> None:
-        req.kv.fill_ids = req.all_ids()[: req.kv.kv_len]
-        self.tree_cache.cache_unfinished_req(req)
-
-    def _after_token(self, req: Req) -> None:
-        req.check_finished(self.max_context_len)
-        req.emit()
-        if req.finished():
-            lifecycle.retire(self, req)
 
     # --- decode ------------------------------------------------------------------------------
     def run_decode(self) -> Launched | None:
