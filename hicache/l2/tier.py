@@ -63,11 +63,9 @@ class HostTier:
         pool: MHATokenToKVPoolHost,
         controller: HiCacheController,
         l3: L3Tier,
-        write_policy: str = "write_through",
+        write_policy: str = "write_through",  # one of WRITE_POLICIES (HiRadixCache checks)
         load_back_threshold: int = 0,
     ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write_policy {write_policy!r}")
         self.tree = tree
         self.allocator = allocator
         self.pool = pool

@@ -70,6 +70,8 @@ class HiRadixCache(RadixCache):
         prefetch_timeout_base: float = 1.0,
         prefetch_timeout_per_ki_token: float = 0.25,
     ) -> None:
+        if write_policy not in WRITE_POLICIES:  # before any part exists: nothing to undo
+            raise ValueError(f"unknown write_policy {write_policy!r}")
         self.l3 = L3Tier(
             self,
             host_pool,
