@@ -703,3 +703,11 @@ def test_kv_block_view_follows_demotion_and_load_back(rigs):
     res = r.tree.match_prefix(key)
     r.tree.host.load_back(res.last_device_node, res)
     assert view.snapshot(r.tree) == both
+
+
+def test_an_unknown_write_policy_is_refused(rigs):
+    """Checked before any part of the tree is built (the rig's controller stays unused)."""
+    r = rigs()
+    with pytest.raises(ValueError, match="write_policy"):
+        HiRadixCache(None, r.allocator, 1, r.host_pool, r.controller, write_policy="sometimes")
+    assert r.controller.notify is None
