@@ -38,6 +38,7 @@ from typing import Any
 
 from engine import Engine
 from engine.runtime.cache_admin import evict
+from hicache.tree.ops import flush_tier
 from tools.benchlib import Header, markdown_table, median, save_figure, subplots, write_json
 from tools.benchlib.inproc import (
     WARMUP,
@@ -92,10 +93,10 @@ def run_ttft(a: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
     try:
         for p in prompts:
             timed_request(eng, p, a.output_len, a.request_timeout)
-        eng.call_in_scheduler(lambda s: s.tree_cache.controller.wait_storage_idle(60))
+        eng.call_in_scheduler(lambda s: s.tree_cache.host.controller.wait_storage_idle(60))
         for p in prompts:
             eng.call_in_scheduler(
-                lambda s: (s.tree_cache.flush_tier("l1"), s.tree_cache.flush_tier("l2"))
+                lambda s: (flush_tier(s.tree_cache, "l1"), flush_tier(s.tree_cache, "l2"))
             )
             steps.run(eng, "redis_l3_live", p)
     finally:
@@ -123,7 +124,7 @@ def object_bytes(a: argparse.Namespace) -> tuple[int, int]:
     try:
         tree = eng.scheduler.tree_cache
         tokens = eng.server_args.hicache_storage_page_size
-        return tokens * tree.controller.bytes_per_token, tokens
+        return tokens * tree.host.controller.bytes_per_token, tokens
     finally:
         eng.shutdown()
 

@@ -16,18 +16,17 @@ from engine import operations as ops
 from engine.config import ServerArgs
 from engine.errors import EngineShutdownError, QueueFullError
 from engine.front import (
-    L3_DRAIN_S,
     SCHEDULER_JOIN_S,
     EngineFront,
     Prompt,
     RequestHandle,
     StreamChunk,
 )
-from engine.runtime import handlers
+from engine.runtime import cache_admin, handlers
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Req
 from engine.runtime.scheduler import Scheduler
-from engine.runtime.tree_factory import build_tree_cache
+from engine.runtime.tree_factory import build_tree_cache, stop_tree_cache
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TokenizerManager
 from hicache.observe.events import CacheEventLog
@@ -49,7 +48,7 @@ class Engine(EngineFront):
         self.tokenizer_manager = TokenizerManager(
             self.runner.tokenizer, self.runner.vocab_size, self.runner.max_context_len
         )
-        self.eos_token_ids = _eos_ids(self.runner.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.tokenizer)
         tree_cache = build_tree_cache(self.server_args, self.runner)
         self.scheduler = Scheduler(self.server_args, self.runner, tree_cache, self.max_context_len)
         self._stop = threading.Event()
@@ -111,11 +110,11 @@ class Engine(EngineFront):
             namespace,
             sink,
         )
-        self.scheduler.submit(req)
+        self.scheduler.inbox.put_request(req)
         return RequestHandle(req.rid, req.stream.chunks, self._thread.is_alive)
 
     def abort(self, rid: str) -> None:
-        self.scheduler.request_abort(rid)
+        self.scheduler.inbox.put_abort(rid)
 
     # --- operations (engine/operations.py) ------------------------------------------------------
     def call(self, op: ops.Operation[R]) -> R:
@@ -129,7 +128,7 @@ class Engine(EngineFront):
 
     def event_log(self) -> CacheEventLog:
         """The cache's event log (attached when the tree brought none)."""
-        return self.call_in_scheduler(handlers.ensure_event_log)
+        return self.call_in_scheduler(cache_admin.event_log)
 
     def shutdown(self) -> None:
         """Stop the scheduler, land queued L3 backups (at most ``L3_DRAIN_S``; the objects
@@ -148,7 +147,8 @@ class Engine(EngineFront):
         # a new one held both sets at once (measured: 7.6 GB each, OOM-killed at the third).
         self.runner.kv_pool.release_memory()
         self.runner.model = None
-        tree.release_host_memory()
+        if tree.host is not None:
+            tree.host.release_memory()
 
     def __enter__(self) -> Engine:  # noqa: PYI034
         return self
@@ -160,15 +160,13 @@ class Engine(EngineFront):
 def _stop_threads(stop: threading.Event, thread: threading.Thread, scheduler: Scheduler) -> None:
     """Stop the scheduler thread, land the L3 backups it queued, stop the cache's threads."""
     stop.set()
-    scheduler.wake()
+    scheduler.inbox.wake()
     thread.join(timeout=SCHEDULER_JOIN_S)
-    tree = scheduler.tree_cache
-    if not thread.is_alive() and tree.has_storage():
-        tree.drain_storage(L3_DRAIN_S)  # the tree is ours now
-    tree.shutdown()
+    stop_tree_cache(scheduler.tree_cache, drain=not thread.is_alive())  # the tree is ours now
 
 
-def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    """The model's end-of-sequence token ids (its config's and its tokenizer's)."""
     ids: set[int] = set()
     eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, int):

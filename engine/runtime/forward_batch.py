@@ -21,9 +21,9 @@ import torch
 
 if TYPE_CHECKING:
     from engine.runtime.layers.attention import AttentionBackend
+    from hicache.l2.tier import HostReads
     from hicache.memory.kv_pool import MHATokenToKVPool
     from hicache.memory.req_to_token import ReqToTokenPool
-    from hicache.tree.base import HostReads
 
 
 class ForwardMode(IntEnum):

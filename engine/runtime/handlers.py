@@ -20,14 +20,13 @@ from typing import Any, TypeVar, cast
 from engine import operations as ops
 from engine.admin_records import EvictInfo, FlushInfo, MatchInfo, NodeInfo, Pin, TenantView
 from engine.config import ServerArgs
-from engine.errors import TierUnavailableError
-from engine.runtime import cache_admin, hicache_setup, tenant_cache
+from engine.runtime import cache_admin, tenant_cache
 from engine.runtime.kv_block_view import kv_block_changes
 from engine.runtime.scheduler import Scheduler
+from engine.runtime.scheduler.stats import cache_stats
 from hicache.observe.blocks import BlockChanges
 from hicache.observe.events import CacheEvent, CacheEventLog
 from hicache.observe.stats import CacheStats
-from hicache.tree.hiradix import HiRadixCache
 
 R = TypeVar("R")
 O = TypeVar("O", bound=ops.Operation[Any])
@@ -54,34 +53,31 @@ def handles(op_type: type[O], caller_thread: bool = False) -> Callable[[Fn[O]], 
     return register
 
 
-def answer(scheduler: Scheduler, op: ops.Operation[R]) -> R:
-    """``op`` answered by its handler (TypeError: not a declared operation; nothing runs)."""
-    handler = HANDLERS.get(type(op))
-    if handler is None:
+def handler(op: ops.Operation[Any]) -> Handler:
+    """``op``'s handler (TypeError: not a declared operation; nothing runs)."""
+    found = HANDLERS.get(type(op))
+    if found is None:
         raise TypeError(f"{type(op).__name__} is not an engine operation (engine/operations.py)")
-    if handler.caller_thread:
-        return cast(R, handler.fn(scheduler, op))
-    future = scheduler.call(lambda s: handler.fn(s, op))
-    return cast(R, future.result(op.answer_within()))
+    return found
+
+
+def answer(scheduler: Scheduler, op: ops.Operation[R]) -> R:
+    """``op`` answered by its handler, from any thread but the scheduler loop's."""
+    h = handler(op)
+    if h.caller_thread:
+        return cast(R, h.fn(scheduler, op))
+    return cast(R, in_loop(scheduler, lambda s: h.fn(s, op), op.answer_within()))
+
+
+def in_loop(scheduler: Scheduler, fn: Callable[[Scheduler], R], timeout: float | None) -> R:
+    """From any thread but the loop's: ``fn(scheduler)`` on the loop, between two steps."""
+    return cast(R, scheduler.inbox.put_call(fn).result(timeout))
 
 
 # --- the cache: figures and events -----------------------------------------------------------
 @handles(ops.GetCacheStats)
-def cache_stats(s: Scheduler, op: ops.GetCacheStats) -> CacheStats:
-    c = s.counters
-    tiers = s.tree_cache.tier_stats(c.hit_tokens, held_tokens=int(s.held_slots().numel()))
-    return CacheStats(
-        l1=tiers.l1,
-        l2=tiers.l2,
-        l3=tiers.l3,
-        prompt_tokens=c.prompt_tokens,
-        miss_tokens=c.miss_tokens,
-        requests=c.requests,
-        finished_requests=c.finished,
-        retractions=c.retractions,
-        running_requests=len(s.running),
-        waiting_requests=len(s.waiting),
-    )
+def get_cache_stats(s: Scheduler, op: ops.GetCacheStats) -> CacheStats:
+    return cache_stats(s)
 
 
 @handles(ops.KvBlockChanges)
@@ -89,22 +85,12 @@ def block_changes(s: Scheduler, op: ops.KvBlockChanges) -> BlockChanges:
     return kv_block_changes(s, op.block_size, op.salt_key, op.reset)
 
 
-def ensure_event_log(s: Scheduler) -> CacheEventLog:
-    """The scheduler's event log; one is attached (to the scheduler and its tree) when the tree
-    brought none, so that Flush's `cleared` events are still observable. Scheduler thread."""
-    if s.event_log is None:
-        s.event_log = CacheEventLog()
-        if s.tree_cache.event_log is None:
-            s.tree_cache.event_log = s.event_log
-    return s.event_log
-
-
 def event_log(s: Scheduler) -> CacheEventLog:
-    """Any thread: the event log, attached on the scheduler thread the first time."""
+    """Any thread but the loop's: the event log, attached on the loop the first time."""
     log = s.event_log
     if log is not None:
         return log
-    return cast(CacheEventLog, s.call(ensure_event_log).result(ops.CALL_TIMEOUT_S))
+    return in_loop(s, cache_admin.event_log, ops.CALL_TIMEOUT_S)
 
 
 @handles(ops.EventsLastSeq, caller_thread=True)
@@ -200,54 +186,28 @@ def tenant_figures(s: Scheduler, op: ops.GetTenantFigures) -> dict[str, dict[str
 # --- L3 at run time --------------------------------------------------------------------------
 @handles(ops.GetStorageInfo)
 def storage_info(s: Scheduler, op: ops.GetStorageInfo) -> dict[str, Any]:
-    return s.tree_cache.storage_info()
+    return cache_admin.storage_info(s)
 
 
 @handles(ops.AttachStorage, caller_thread=True)
 def attach_storage(s: Scheduler, op: ops.AttachStorage) -> dict[str, Any]:
-    """The backend is built here (a directory scan may take a while), attached on the scheduler
-    thread between steps; the engine's options then name it."""
-    tree = s.tree_cache
-    if not isinstance(tree, HiRadixCache):
-        raise TierUnavailableError("L3 needs the hierarchical cache (enable_hierarchical_cache)")
-    args = s.args
-    object_size = args.hicache_storage_page_size
-    assert object_size is not None, "ServerArgs derives it from page_size when not given"
-    storage = hicache_setup.build_storage(
-        args,
-        hicache_setup.storage_scope(tree.controller.model_fingerprint, tree.host_pool),
-        backend=op.backend,
-        url=op.url,
-        directory=op.directory,
+    """The backend is built here (a directory scan may take a while), attached on the loop
+    between steps; the engine's options then name it."""
+    return cache_admin.build_and_attach_storage(
+        s.args,
+        s.tree_cache,
+        lambda fn: in_loop(s, fn, ops.STATS_TIMEOUT_S),
+        op.backend,
+        op.url,
+        op.directory,
     )
-    try:
-        s.call(lambda s: s.tree_cache.attach_storage(storage, object_size)).result(
-            ops.STATS_TIMEOUT_S
-        )
-    except BaseException:
-        hicache_setup.close_storage(storage)
-        raise
-    args.hicache_storage_backend = op.backend
-    args.hicache_storage_url = op.url if op.backend == "redis" else None
-    args.hicache_storage_dir = op.directory if op.backend == "file" else args.hicache_storage_dir
-    return answer(s, ops.GetStorageInfo())
 
 
 @handles(ops.DetachStorage, caller_thread=True)
 def detach_storage(s: Scheduler, op: ops.DetachStorage) -> dict[str, Any]:
-    """Pending backups and prefetches finish first (HiRadixCache.detach_storage); answers what
-    was attached."""
-    if not s.tree_cache.can_attach_storage():
-        raise TierUnavailableError("L3 needs the hierarchical cache (enable_hierarchical_cache)")
-
-    def detach(s: Scheduler) -> dict[str, Any]:
-        before = s.tree_cache.storage_info()
-        hicache_setup.close_storage(s.tree_cache.detach_storage(op.timeout))
-        return before
-
-    before = cast(dict[str, Any], s.call(detach).result(op.answer_within()))
-    s.args.hicache_storage_backend = None
-    return before
+    """Pending backups and prefetches finish first (L3Tier.detach_storage); answers what was
+    attached."""
+    return in_loop(s, lambda s: cache_admin.detach_storage(s, op.timeout), op.answer_within())
 
 
 # --- the engine itself -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Builds the HiRadixCache (L1 device + L2 host + optional L3 storage) from ServerArgs."""
+"""Builds the HiRadixCache (L1 device + L2 host + optional L3 storage) from ServerArgs, and the
+L3 backends it attaches (at start, or at run time: ``build_storage_for``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from engine.config import ServerArgs
+from engine.errors import TierUnavailableError
 from hicache.memory.host_pool import MHATokenToKVPoolHost, host_pool_size
 from hicache.storage.base import StorageBackend
 from hicache.transfer.controller import HiCacheController
+from hicache.tree.base import BasePrefixCache
 from hicache.tree.hiradix import HiRadixCache
 
 if TYPE_CHECKING:
@@ -78,6 +81,25 @@ def build_storage(
     return FileStorageBackend(
         directory, int(args.hicache_storage_size_gb * (1 << 30)), reconcile_interval_s=None
     )
+
+
+def build_storage_for(
+    args: ServerArgs,
+    cache: BasePrefixCache,
+    backend: str,
+    url: str | None = None,
+    directory: str | None = None,
+) -> StorageBackend:
+    """The backend ``backend`` / ``url`` / ``directory`` name, for ``cache`` to attach at run
+    time (its objects are the ones a daemon with the same model and options would use).
+    TierUnavailableError, before anything is built, for a cache without L3. Any thread."""
+    if cache.host is None or cache.l3 is None:
+        raise TierUnavailableError("L3 needs the hierarchical cache (enable_hierarchical_cache)")
+    scope = storage_scope(cache.host.controller.model_fingerprint, cache.host.pool)
+    storage = build_storage(args, scope, backend=backend, url=url, directory=directory)
+    if storage is None:
+        raise ValueError("no L3 backend named")
+    return storage
 
 
 def build_hiradix_cache(args: ServerArgs, runner: ModelRunner) -> HiRadixCache:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from hicache.l3.index import L3BlockView
+from hicache.l3.index import L3BlockView, L3Index
 from hicache.observe.blocks import TIERS, Block, BlockChanges, BlockView
+from hicache.tree.base import BasePrefixCache
 
 if TYPE_CHECKING:
     from engine.runtime.scheduler.scheduler import Scheduler
@@ -25,12 +26,17 @@ def _views(scheduler: Scheduler, block_size: int, salt_key: bytes) -> tuple[Bloc
     return views
 
 
+def _l3_objects(tree: BasePrefixCache) -> L3Index | None:
+    """The L3 objects the cache knows are stored; None without L3 attached."""
+    return tree.l3.l3_index if tree.l3 is not None else None
+
+
 def kv_blocks(scheduler: Scheduler, block_size: int, salt_key: bytes) -> dict[str, list[Block]]:
     """tier -> the cache's full blocks in that tier now, parents before children."""
     tree = scheduler.tree_cache
     return {
         **BlockView(block_size, salt_key).snapshot(tree),
-        **L3BlockView(block_size, salt_key).snapshot(tree.l3_objects()),
+        **L3BlockView(block_size, salt_key).snapshot(_l3_objects(tree)),
     }
 
 
@@ -42,7 +48,7 @@ def kv_block_changes(
     tree_view, l3_view = _views(scheduler, block_size, salt_key)
     reset = reset or tree_view.fresh or l3_view.fresh  # both whole, or both changes
     ch = tree_view.changes(scheduler.tree_cache, reset)
-    l3_stored, l3_removed = l3_view.changes(scheduler.tree_cache.l3_objects(), reset)
+    l3_stored, l3_removed = l3_view.changes(_l3_objects(scheduler.tree_cache), reset)
     stored, removed = {**ch.stored, **l3_stored}, {**ch.removed, **l3_removed}
     assert set(stored) == set(removed) == set(TIERS)
     return BlockChanges(stored, removed, reset)

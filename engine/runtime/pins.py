@@ -1,5 +1,5 @@
 """Admin pins: each keeps the device-cached prefix of a key locked in the tree
-(``BasePrefixCache.lock_prefix``) until it is unpinned or its TTL passes.
+(``hicache.tree.ops.lock_prefix``) until it is unpinned or its TTL passes.
 
 The table is the engine's record of them (ids, TTL, owner); the locks are the tree's, taken and
 released through its API only. A ``Pin`` is plain data (engine/admin_records.py: it crosses to
@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 
 from engine.admin_records import Pin
-from hicache.tree.base import BasePrefixCache, PrefixLock
+from hicache.tree.base import BasePrefixCache
+from hicache.tree.ops import PrefixLock, unlock_prefix
 
 
 class PinTable:
@@ -44,7 +45,7 @@ class PinTable:
         tokens = 0
         for i in ids:
             tokens += self.pins.pop(i).tokens
-            tree.unlock_prefix(self._locks.pop(i))
+            unlock_prefix(tree, self._locks.pop(i))
         return len(ids), tokens
 
     def pinned_tokens(self) -> int:

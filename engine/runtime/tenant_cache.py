@@ -4,7 +4,7 @@ scheduler thread after its requests are cached), and a flush of its namespaces o
 Runs on the scheduler thread (step hooks, the Engine's tenant methods). Knows namespaces, not
 tokens: the daemon maps tokens to tenants (engine/server/tenants.py) and hands the engine their
 quotas (``TenantQuota``, engine/admin_records.py), which become a QuotaEnforcer (``apply_quotas``
--> ``Scheduler.set_quota_enforcer``; a later one replaces it).
+-> ``set_quota_enforcer``; a later one replaces it).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from engine.runtime import cache_admin
 from hicache.tier import MEMORY_TIERS
 from hicache.tree.base import BasePrefixCache
 from hicache.tree.node import TreeNode
+from hicache.tree.ops import namespace_nodes, namespace_roots, radix_tree
+from hicache.tree.radix import RadixCache
 
 if TYPE_CHECKING:
     from engine.runtime.scheduler import Scheduler
@@ -26,12 +28,15 @@ TIERS = cache_admin.TIERS
 RETRY_S = 0.25  # how often a tenant still over a quota (its nodes locked) is looked at again
 
 
-def usage(tree: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUsage]:
+def usage(cache: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUsage]:
     """Tokens the nodes of `namespaces` hold in each tier. L3: the whole objects ending inside
-    nodes this tree knows are stored (objects of `tree.object_size` tokens)."""
-    per_object = tree.object_size
+    nodes this tree knows are stored (objects of `l3.object_size` tokens)."""
     totals = {tier: [0, 0, 0] for tier in TIERS}  # used, evictable, pinned
-    roots = tree.namespace_roots(namespaces)
+    tree = radix_tree(cache)
+    if tree is None:
+        return {tier: TierUsage(*t) for tier, t in totals.items()}
+    per_object = tree.l3.object_size if tree.l3 is not None else 0
+    roots = namespace_roots(tree, namespaces)
     stack = [(c, 0) for c in roots]  # (node, tokens before it)
     while stack:
         n, start = stack.pop()
@@ -54,7 +59,7 @@ def usage(tree: BasePrefixCache, namespaces: frozenset[str]) -> dict[str, TierUs
 
 
 class QuotaEnforcer:
-    """A scheduler step hook (``Scheduler.set_quota_enforcer``): after requests finish (and are
+    """A scheduler step hook (``set_quota_enforcer``): after requests finish (and are
     cached), each tenant over a quota has its least valuable unlocked nodes evicted from that
     tier until it is within quota; and the L3 backup gate that stops backups of a tenant at its
     L3 quota."""
@@ -66,11 +71,11 @@ class QuotaEnforcer:
         self._seen_finished = -1
         self._over: set[str] = set()  # tenants still over a quota (locked nodes): retried
         self._next_retry = 0.0
-        self.tree: BasePrefixCache | None = None
+        self.tree: RadixCache | None = None
 
-    def backup_gate(self, tree: BasePrefixCache) -> Callable[[TreeNode], bool] | None:
-        """The gate for ``tree.set_backup_gate`` (None: no tenant has an L3 quota)."""
-        self.tree = tree
+    def backup_gate(self, cache: BasePrefixCache) -> Callable[[TreeNode], bool] | None:
+        """The gate for ``cache.l3.backup.gate`` (None: no tenant has an L3 quota)."""
+        self.tree = radix_tree(cache)
         return self.allow_backup if any(q.quota_tokens.get("l3") for q in self.quotas) else None
 
     def carry_over(self, previous: QuotaEnforcer) -> None:
@@ -104,7 +109,7 @@ class QuotaEnforcer:
         within = True
         for tier in MEMORY_TIERS:
             quota = q.quota_tokens.get(tier, 0)
-            if not quota or (tier == "l2" and not tree.has_host_tier()):
+            if not quota or (tier == "l2" and tree.host is None):
                 continue
             over = usage(tree, q.namespaces)[tier].used_tokens - quota
             if over > 0:
@@ -121,14 +126,14 @@ class QuotaEnforcer:
         """The tree's backup gate: False while the node's tenant is at its L3 quota, counting
         what the tree knows is stored and the backups in flight."""
         tree = self.tree
-        if tree is None:
+        if tree is None or tree.l3 is None:
             return True  # no tree, no tenant: nothing to gate
-        ns = tree.split_key(tuple(node.key[:1]))[0]
+        ns = tree.keys.split_key(tuple(node.key[:1]))[0]
         q = self.by_namespace.get(ns) if ns is not None else None
         quota = q.quota_tokens.get("l3", 0) if q is not None else 0
         if q is None or not quota:
             return True
-        in_flight = tree.backup_in_flight_tokens(q.namespaces)
+        in_flight = tree.l3.backup.in_flight_tokens(q.namespaces)
         return usage(tree, q.namespaces)["l3"].used_tokens + in_flight < quota
 
 
@@ -138,7 +143,21 @@ def apply_quotas(scheduler: Scheduler, quotas: Sequence[TenantQuota]) -> None:
     enforcer = QuotaEnforcer(quotas)
     if scheduler.quota_enforcer is not None:
         enforcer.carry_over(scheduler.quota_enforcer)
-    scheduler.set_quota_enforcer(enforcer)
+    set_quota_enforcer(scheduler, enforcer)
+
+
+def set_quota_enforcer(scheduler: Scheduler, enforcer: QuotaEnforcer | None) -> None:
+    """``enforcer`` replaces the scheduler's (None: no quotas), as its step hook and as the
+    tree's L3 backup gate; read back as ``scheduler.quota_enforcer``."""
+    if scheduler.quota_hook is not None:
+        scheduler.step_hooks.remove(scheduler.quota_hook)
+        scheduler.quota_hook = None
+    scheduler.quota_enforcer = enforcer
+    l3 = scheduler.tree_cache.l3
+    if l3 is not None:
+        l3.backup.gate = None if enforcer is None else enforcer.backup_gate(scheduler.tree_cache)
+    if enforcer is not None:
+        scheduler.quota_hook = scheduler.step_hooks.add(enforcer)
 
 
 def flush(
@@ -150,15 +169,15 @@ def flush(
     """Empties the chosen tiers of `namespaces` only (None = every enabled tier): the owner's
     pins are released, unlocked L1 / L2 nodes evicted, and the L3 objects of the nodes this tree
     knows deleted. Other namespaces' requests may keep running."""
-    tree = scheduler.tree_cache
-    wanted = cache_admin.flush_tiers(tree, tiers)
-    if tree.disable:
+    wanted = cache_admin.flush_tiers(scheduler.tree_cache, tiers)
+    tree = radix_tree(scheduler.tree_cache)
+    if tree is None:
         return cache_admin.FlushInfo(wanted, 0, 0)
     cache_admin.check_storage_idle(tree, wanted)
     unpinned, _ = cache_admin.unpin(scheduler, None, owner)
     freed = 0
-    if "l3" in wanted:  # before L1 / L2 drop the nodes that name the objects
-        tree.delete_from_storage([n for n in tree.namespace_nodes(namespaces) if n.in_storage])
+    if "l3" in wanted and tree.l3 is not None:  # before L1 / L2 drop the nodes naming objects
+        tree.l3.delete_from_storage([n for n in namespace_nodes(tree, namespaces) if n.in_storage])
     for t in MEMORY_TIERS:
         if t in wanted:
             freed += cache_admin.evict(scheduler, t, namespaces=namespaces).evicted_tokens

@@ -1,7 +1,7 @@
-"""TierTree: the tree operations HiRadixCache's L1 / L2 parts call: the writes and loads between
-device and host (``hicache.l2.copies``) and the eviction from both tiers
-(``hicache.l2.eviction``). HiRadixCache implements them; the parts reach the tree through
-nothing else (the pools and the controller are given to them explicitly).
+"""TierTree: the tree operations HiRadixCache's host tier calls: the writes and loads between
+device and host (``hicache.l2.tier``) and the eviction from both tiers
+(``hicache.l2.eviction``). HiRadixCache implements them; the host tier reaches the tree through
+nothing else (the pools and the controller are given to it explicitly).
 
 Every change of a node's tiers goes through ``set_value`` / ``drop_value`` / ``set_host`` /
 ``evict_leaf`` / ``delete_leaf``, so the tree's size counters and ``version`` stay true.
@@ -23,16 +23,8 @@ class TierTree(Protocol):
     disable: bool
     evicted_tokens: int  # cumulative L1 tokens freed (demoted or deleted)
 
-    def check(self) -> None:
-        """Take every finished copy's acknowledgement (writes, loads, L3 work)."""
-        ...
-
     def all_nodes(self) -> list[TreeNode]:
         """Every node of the tree, the root included."""
-        ...
-
-    def subtree(self, node: TreeNode) -> list[TreeNode]:
-        """``node`` and its descendants, parents first."""
         ...
 
     def path_of(self, node: TreeNode) -> list[TreeNode]:
@@ -83,8 +75,4 @@ class TierTree(Protocol):
 
     def evict(self, num_tokens: int) -> int:
         """Free >= ``num_tokens`` device slots if possible; returns the tokens freed."""
-        ...
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free >= ``num_tokens`` host slots if possible; returns the tokens freed."""
         ...

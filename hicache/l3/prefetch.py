@@ -79,7 +79,7 @@ class L3Prefetch:
 
     def prefetch_keys(self, token_ids: list[int], namespace: str | None) -> list[str]:
         """The object keys of a request's tokens (compute once per request)."""
-        return self.tier.storage_keys(self.tree.tree_key(token_ids, namespace))
+        return self.tier.storage_keys(self.tree.keys.tree_key(token_ids, namespace))
 
     def start_prefetch(
         self,
@@ -98,7 +98,7 @@ class L3Prefetch:
         if io is None or req_id in self.ongoing_prefetch:
             return PrefetchStart(0, 0)
         S = self.tier.object_size
-        key = self.tree.tree_key(token_ids, namespace)
+        key = self.tree.keys.tree_key(token_ids, namespace)
         keys = self.tier.storage_keys(key) if keys is None else keys[: len(key) // S]
         if not keys:
             return PrefetchStart(0, 0)
@@ -107,7 +107,7 @@ class L3Prefetch:
         self.tier.index.found(namespace, token_ids, keys, hit)
         in_l3 = hit * S
         if hit < matched // S:
-            self.tier.repair(key, hit, matched // S, keys[hit])
+            self.tier.backup.repair(key, hit, matched // S, keys[hit])
         first = matched // S
         new_tokens = hit * S - matched
         if new_tokens <= 0 or new_tokens < self.prefetch_threshold:
@@ -116,7 +116,7 @@ class L3Prefetch:
         self._protect_host(anchor)
         need = (hit - first) * S
         if self.host_pool.available_size() < need:
-            self.tree.evict_host(need - self.host_pool.available_size())
+            self.tree.host.eviction.evict_host(need - self.host_pool.available_size())
         # L2 too full for all of it: the leading objects that fit, if still worth it
         fit = min(hit - first, self.host_pool.available_size() // S)
         new_tokens = (first + fit) * S - matched

@@ -1,6 +1,7 @@
-"""L3Tree: the tree operations the L3 tier (``hicache.l3.tier``) calls. HiRadixCache implements
-them; the L3 tier reaches the tree through nothing else (its bytes: the host pool and the
-controller, given to it explicitly).
+"""L3Tree: the tree operations the L3 tier (``hicache.l3.tier``, its backups and prefetches)
+calls. HiRadixCache implements them; the L3 tier reaches the tree through nothing else (its
+bytes: the host pool and the controller, given to it explicitly; L2's room and acks: the tree's
+host tier).
 
 NOTE: every call runs on the scheduler thread, like the tree's own.
 """
@@ -12,23 +13,17 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from hicache.l2.tier import HostTier
     from hicache.tree.base import MatchResult
+    from hicache.tree.keys import TreeKeys
     from hicache.tree.node import TreeNode
 
 
 class L3Tree(Protocol):
     page_size: int
     root_node: TreeNode
-
-    def tree_key(
-        self, token_ids: list[int] | tuple[int, ...], namespace: str | None
-    ) -> tuple[int, ...]:
-        """The page-aligned, namespaced key the tree stores for ``token_ids``."""
-        ...
-
-    def split_key(self, key: tuple[int, ...]) -> tuple[str | None, list[int]]:
-        """(namespace, token ids) of a tree key."""
-        ...
+    keys: TreeKeys  # tree keys of token ids, (namespace, token ids) of a tree key
+    host: HostTier  # L2: its room (eviction) and its acks (check)
 
     def path_of(self, node: TreeNode) -> list[TreeNode]:
         """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree (so
@@ -53,22 +48,10 @@ class L3Tree(Protocol):
         its objects are in L3)."""
         ...
 
-    def evict_host(self, num_tokens: int) -> int:
-        """Free >= ``num_tokens`` host slots if possible; returns the tokens freed."""
-        ...
-
     def all_nodes(self) -> list[TreeNode]:
         """Every node of the tree, the root included."""
         ...
 
     def bump_version(self) -> None:
         """What the tree holds changed (matches kept by callers are stale)."""
-        ...
-
-    def writes_in_flight(self) -> bool:
-        """Are device -> host writes not yet acknowledged?"""
-        ...
-
-    def check(self) -> None:
-        """Take every finished copy's acknowledgement (writes queue their L3 backups)."""
         ...

@@ -152,7 +152,7 @@ class BlockView:
         hit = self._cache.get(node)
         if hit is not None and hit[0] == chain and hit[1] == len(node.key):
             return hit[2], hit[3]
-        namespace, tokens = tree.split_key(node.key)
+        namespace, tokens = tree.keys.split_key(node.key)
         blocks, out = chain_blocks(chain, self._salt(namespace), tokens, self.block_size)
         self._cache[node] = (chain, len(node.key), blocks, out)
         return blocks, out

@@ -1,6 +1,6 @@
 """Cache statistics as typed records: one per tier (`L1Stats` device, `L2Stats` host, `L3Stats`
-storage) and `CacheStats` for the whole cache. The trees build the tier records
-(``BasePrefixCache.tier_stats``), the engine adds the scheduler's figures; GetCacheStats, the
+storage) and `CacheStats` for the whole cache. ``tier_stats`` builds the tier records from a
+cache and its parts (host tier, L3), the engine adds the scheduler's figures; GetCacheStats, the
 Prometheus collector and `hicache stats` copy the fields as they are.
 
 `TierStats`' fields are the proto's `TierStats` fields one for one (`tier`, `enabled`, `extra`
@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from hicache.tier import Tier
+
+if TYPE_CHECKING:
+    from hicache.tree.base import BasePrefixCache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,3 +262,35 @@ def l3_stats(
         bytes_out=b.bytes_written,
     )
     return l3, moves
+
+
+def tier_stats(cache: BasePrefixCache, hit_tokens: Mapping[str, int], held_tokens: int) -> TierSet:
+    """Each tier's record of ``cache``: L1 from the core, L2 and L3 from its parts where it has
+    them (L3: attached). ``hit_tokens`` (prompt tokens each tier served, by tier name) and
+    ``held_tokens`` (device tokens running requests hold outside the tree) are the scheduler's
+    figures."""
+    host, l3 = cache.host, cache.l3
+    l3_record, l3_moves = (
+        l3.storage_stats(hit_tokens[Tier.L3])
+        if l3 is not None and l3.has_storage()
+        else (None, Moves())
+    )
+    alloc = cache.token_to_kv_pool_allocator
+    moves = host.moves() if host is not None else Moves()
+    l1 = L1Stats(
+        capacity_tokens=alloc.size,
+        used_tokens=alloc.size - alloc.available_size(),
+        evictable_tokens=cache.evictable_size(),
+        pinned_tokens=cache.protected_size(),
+        hit_tokens=hit_tokens[Tier.L1],
+        evicted_tokens=cache.evicted_tokens,
+        promoted_tokens=moves.promoted_tokens,
+        demoted_tokens=moves.demoted_tokens,
+        bytes_in=moves.bytes_in,
+        bytes_out=moves.bytes_out,
+        errors=0,
+        cached_tokens=cache.total_size(),
+        held_by_requests_tokens=held_tokens,
+    )
+    l2 = host.stats(hit_tokens[Tier.L2], l3_moves) if host is not None else None
+    return TierSet(l1, l2, l3_record)

@@ -1,6 +1,6 @@
 """ChunkCache: the prefix cache used with ``--disable-radix-cache``.
 
-Same API as RadixCache, but nothing is shared between requests: a match is always empty, a finished
+The core of BasePrefixCache, but nothing is shared between requests: a match is always empty, a finished
 request frees every slot it holds, an unfinished (chunked) one keeps them.
 """
 
@@ -92,9 +92,6 @@ class ChunkCache(BasePrefixCache):
 
     def all_device_slots(self) -> torch.Tensor:
         return self._empty()
-
-    def pretty_print(self) -> None:
-        print("ChunkCache (radix cache disabled): no tree")
 
     def check_integrity(self) -> None:
         pass

@@ -1,8 +1,8 @@
-"""Eviction plans: which nodes an eviction from one tier frees, in the tree's own order, worked
-out without changing the tree (``BasePrefixCache.plan_eviction``); ``evict_plan`` then frees
-exactly those nodes through the tree's normal per-node eviction.
+"""The eviction order, and eviction plans: which nodes an eviction from one tier frees, in the
+tree's own order, worked out without changing the tree (``hicache.tree.ops.plan_eviction``);
+the tree's ``evict_plan`` then frees exactly those nodes through its normal per-node eviction.
 
-The order is the one ``evict`` follows: a heap of the nodes that are leaves *in the tier* (no
+The order is the one ``evict`` follows (``evict_in_order``, every tree's eviction loop): a heap of the nodes that are leaves *in the tier* (no
 child still holds KV there), smallest ``eviction_priority`` first, a parent joining the heap once
 its last child holding the tier is gone:
 
@@ -65,3 +65,31 @@ def eviction_order(
             if blocking[parent.id] == 0:
                 heapq.heappush(heap, (priority(parent), parent.id, parent))
     return order
+
+
+def evict_in_order(
+    leaves: Iterable[TreeNode],
+    is_leaf: Callable[[TreeNode], bool],
+    evict_one: Callable[[TreeNode], int],
+    priority: Callable[[TreeNode], Any],
+    num_tokens: int,
+) -> int:
+    """Evict ``leaves`` smallest ``priority`` first, a parent joining once it became a leaf,
+    until ``num_tokens`` are freed or none is left; returns the tokens freed. ``is_leaf(node)``:
+    still evictable now (checked again when popped); ``evict_one(node)``: the tokens it freed
+    (0: kept, and its parent does not join)."""
+    heap = [(priority(n), n.id, n) for n in leaves]
+    heapq.heapify(heap)
+    freed = 0
+    while freed < num_tokens and heap:
+        _, _, node = heapq.heappop(heap)
+        if not is_leaf(node):
+            continue
+        parent = node.parent
+        n = evict_one(node)
+        if not n:
+            continue
+        freed += n
+        if parent is not None and is_leaf(parent):
+            heapq.heappush(heap, (priority(parent), parent.id, parent))
+    return freed

@@ -48,6 +48,16 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
+def subtree(node: TreeNode) -> list[TreeNode]:
+    """``node`` and its descendants, parents first."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out
+
+
 def device_value(node: TreeNode) -> torch.Tensor:
     """The device slots of a node known to be on device."""
     if node.value is None:

@@ -3,23 +3,28 @@
 The tree holds slot indices, never KV bytes. Every key and value length is a multiple of
 page_size; children are keyed by the first page of their key. A node with ``lock_ref > 0`` is used
 by a running request (protected); unlocked leaves are evicted by LRU or LFU.
-NOTE: ``node.value`` may be None in a subclass (HiRadixCache: evicted to host); the helpers below
-(_split_node, _collect_leaves, _evict_leaf, _delete_leaf, _touch) are the override points.
+
+Beyond the core (``BasePrefixCache``) a tree has what its tiers' parts and the tree operations
+(``hicache.tree.ops``) use: its keys (``keys``: pages, namespaces), which tier holds a node
+(``holds``), a tier's eviction candidates and the eviction of exactly a plan, and the node
+changes every tier change goes through (``path_of``, ``evict_leaf``, ``delete_leaf``, ``emit``).
+NOTE: ``node.value`` may be None in a subclass (HiRadixCache: evicted to host); _split_node,
+_collect_leaves, evict_leaf, delete_leaf and _touch are the override points.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import torch
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.req_to_token import ReqToTokenPool
-from hicache.tier import MEMORY_TIERS
-from hicache.tree.base import BasePrefixCache, MatchResult, PathStep, PrefixLock
-from hicache.tree.eviction_plan import EvictionPlan
-from hicache.tree.node import TreeNode, access_time, device_value
+from hicache.tier import Tier
+from hicache.tree.base import BasePrefixCache, MatchResult
+from hicache.tree.eviction_plan import EvictionPlan, StalePlanError, evict_in_order
+from hicache.tree.keys import TreeKeys
+from hicache.tree.node import TreeNode, access_time, device_value, subtree
 from hicache.tree.request import CacheRequest, finished_kv_len, locked_node, row_of
 
 __all__ = ["MatchResult", "RadixCache"]
@@ -47,47 +52,24 @@ class RadixCache(BasePrefixCache):
         self.event_log = None
         self.evicted_tokens = 0  # cumulative L1 tokens freed by evict()
         self.version = 0
-        # namespace <-> id (key_of). NOTE: reset() keeps them: a namespace's id never changes
-        self._ns_ids: dict[str, int] = {}
-        self._ns_names: dict[int, str] = {}
+        self.keys = TreeKeys(page_size)  # NOTE: reset() keeps it: namespace ids never change
         self.reset()
 
     # ---- public API -------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop the whole tree. NOTE: slots are not freed; clear the allocator alongside."""
-        self._bump()
+        self.bump_version()
         self.root_node = TreeNode()
         self.root_node.value = self._empty()
         self.root_node.lock_ref = 1  # the root is never evicted
         self._evictable_size = 0
         self._protected_size = 0
 
-    # ---- namespaces ---------------------------------------------------------------------------
-    # NOTE: a namespace (tenant salt) is folded into every key element as token + (ns_id << 32),
-    # so tenants never share a node while sharing one pool and one eviction order.
-    def key_of(
-        self, token_ids: list[int] | tuple[int, ...], namespace: str | None = None
-    ) -> tuple[int, ...]:
-        if not namespace:
-            return tuple(token_ids)
-        ns_id = self._ns_ids.get(namespace)
-        if ns_id is None:
-            ns_id = self._ns_ids[namespace] = len(self._ns_ids) + 1
-            self._ns_names[ns_id] = namespace
-        off = ns_id << 32
-        return tuple(t + off for t in token_ids)
-
-    def _emit(self, kind: str, tier: str, num_tokens: int, node: TreeNode | None = None) -> None:
+    def emit(self, kind: str, tier: str, num_tokens: int, node: TreeNode | None = None) -> None:
+        """Report a cache event (stored, removed, promoted, demoted) to the event log."""
         if self.event_log is not None and num_tokens:
-            ns = self.split_key(node.key)[0] if node is not None else None
+            ns = self.keys.split_key(node.key)[0] if node is not None else None
             self.event_log.emit(kind, tier, num_tokens, node.id if node else None, ns)
-
-    def split_key(self, key: tuple[int, ...]) -> tuple[str | None, list[int]]:
-        """(namespace, token ids) of a tree key."""
-        if not key or key[0] < (1 << 32):
-            return None, list(key)
-        ns = self._ns_names.get(key[0] >> 32)
-        return ns, [t & 0xFFFFFFFF for t in key]
 
     def match_prefix(
         self, key: list[int] | tuple[int, ...], namespace: str | None = None, touch: bool = True
@@ -96,7 +78,7 @@ class RadixCache(BasePrefixCache):
         ``touch``: count a hit on the matched nodes (access time, hit count). The scheduler
         matches waiting requests with ``touch=False`` and counts the hit once, at admission
         (``record_hit``), so re-matching never skews LRU / LFU."""
-        key = self._align(self.key_of(key, namespace))
+        key = self.keys.tree_key(key, namespace)
         if self.disable or not key:
             return MatchResult(self._empty(), self.root_node, self.root_node)
         values, node, _ = self._match_helper(key, hit=True if touch else None)
@@ -106,7 +88,7 @@ class RadixCache(BasePrefixCache):
     def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor) -> int:
         """Insert ``key`` -> ``value`` (page-aligned part); returns the prefix length already
         present, whose slots in ``value`` the caller still owns (duplicates to free)."""
-        key = self._align(key)
+        key = self.keys.align(key)
         if self.disable or not key:
             return 0
         _, node, prefix_len = self._match_helper(key, hit=False)
@@ -128,7 +110,7 @@ class RadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free(kv_indices)
             rows.free(row)
             return
-        token_ids = self.key_of(
+        token_ids = self.keys.key_of(
             (list(req.origin_input_ids) + list(req.output_ids))[:kv_len], req.cache_namespace
         )
         aligned_len = kv_len // self.page_size * self.page_size
@@ -152,7 +134,7 @@ class RadixCache(BasePrefixCache):
         node.
         """
         kv = req.kv
-        token_ids = self.key_of(kv.fill_ids, req.cache_namespace)
+        token_ids = self.keys.key_of(kv.fill_ids, req.cache_namespace)
         kv_len, row, rows = len(token_ids), row_of(req), self._rows()
         kv_indices = rows.req_to_token[row, :kv_len].long()  # [kv_len] on device
         if self.disable:
@@ -180,7 +162,7 @@ class RadixCache(BasePrefixCache):
             self._touch(cur, hit=True)
             cur = cur.parent
 
-    def _bump(self) -> None:
+    def bump_version(self) -> None:
         """The set of cached tokens or their tiers changed: cached matches are stale."""
         self.version += 1
 
@@ -211,58 +193,37 @@ class RadixCache(BasePrefixCache):
         nothing is evictable; returns the number of tokens freed."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(self.eviction_priority(n), n.id, n) for n in self._collect_leaves()]
-        heapq.heapify(heap)
-        num_evicted = 0
         self.token_to_kv_pool_allocator.free_group_begin()
-        while num_evicted < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            if node.lock_ref > 0 or node.children:
-                continue
-            parent = node.parent
-            num_evicted += self._evict_leaf(node)
-            if (
-                parent is not None
-                and parent is not self.root_node
-                and not parent.children
-                and parent.lock_ref == 0
-            ):
-                heapq.heappush(heap, (self.eviction_priority(parent), parent.id, parent))
+        num_evicted = evict_in_order(
+            self._collect_leaves(),
+            self._is_leaf,
+            self.evict_leaf,
+            self.eviction_priority,
+            num_tokens,
+        )
         self.token_to_kv_pool_allocator.free_group_end()
         return num_evicted
 
-    # ---- tree operations (see BasePrefixCache: walk, plan and evict, lock a prefix) ------------
-    def walk(self, key: Sequence[int]) -> list[PathStep]:
-        """The cached path of a tree key: no split, no access-time or hit update."""
-        key = self._align(tuple(key))
-        path: list[PathStep] = []
-        node, pos = self.root_node, 0
-        while pos < len(key):
-            child = node.children.get(self._page_key(key[pos:]))
-            if child is None:
-                break
-            tier = next((t for t in MEMORY_TIERS if self.holds(child, t)), None)
-            if tier is None:
-                break
-            matched = self._key_match(child.key, key[pos:])  # >= a page: the child's key
-            path.append(PathStep(child, matched, tier))
-            pos += matched
-            if matched < len(child.key):
-                break
-            node = child
-        return path
+    # ---- what the tree operations read (hicache.tree.ops) ----------------------------------------
+    def holds(self, node: TreeNode, tier: str) -> bool:
+        """Does ``node`` hold its KV in memory tier ``tier`` ("l1" device, "l2" host)?"""
+        return tier == Tier.L1 and node.value is not None
 
-    def _eviction_candidates(self, tier: str, nodes: Sequence[TreeNode]) -> list[TreeNode]:
-        if tier != "l1":
+    def eviction_candidates(self, tier: str, nodes: Sequence[TreeNode]) -> list[TreeNode]:
+        """Those of ``nodes`` that eviction may take from ``tier`` once they are leaves of it
+        (unlocked, holding the tier)."""
+        if tier != Tier.L1:
             return []
         return [
             n for n in nodes if n is not self.root_node and n.value is not None and n.lock_ref == 0
         ]
 
     def evict_plan(self, plan: EvictionPlan) -> int:
-        """Frees the plan's nodes as ``evict`` frees a leaf (``_evict_leaf``)."""
+        """Evict exactly ``plan``'s nodes (``hicache.tree.ops.plan_eviction``), in its order, as
+        ``evict`` frees a leaf (``evict_leaf``); returns the tokens freed (``plan.tokens``).
+        StalePlanError, before anything changes, when the tree changed since the plan."""
         self._check_plan(plan)
-        if plan.tier != "l1":
+        if plan.tier != Tier.L1:
             return 0
         freed = 0
         self.token_to_kv_pool_allocator.free_group_begin()
@@ -270,22 +231,17 @@ class RadixCache(BasePrefixCache):
             for node in plan.nodes:
                 if node.children or node.lock_ref:
                     raise AssertionError(f"planned {node!r} is not an unlocked leaf")
-                freed += self._evict_leaf(node)
+                freed += self.evict_leaf(node)
         finally:
             self.token_to_kv_pool_allocator.free_group_end()
         return freed
 
-    def lock_prefix(self, key: Sequence[int], min_tokens: int = 1) -> PrefixLock | None:
-        """Locks the device part of ``key``'s cached prefix; matching it counts as a use (a
-        hit), as a request's would."""
-        device = sum(s.tokens for s in self.walk(key) if s.tier == "l1")
-        if device < max(min_tokens, 1):
-            return None
-        res = self.match_prefix(tuple(key[:device]))  # splits the node the prefix ends in
-        if len(res.device_indices) < max(min_tokens, 1):
-            return None
-        self.inc_lock_ref(res.last_device_node)
-        return PrefixLock(res.last_device_node, len(res.device_indices))
+    def _check_plan(self, plan: EvictionPlan) -> None:
+        if plan.version != self.version:
+            raise StalePlanError(
+                f"the tree changed since the plan (version {plan.version} "
+                f"!= {self.version}); nothing was evicted"
+            )
 
     def evictable_size(self) -> int:
         return self._evictable_size
@@ -295,11 +251,11 @@ class RadixCache(BasePrefixCache):
 
     def total_size(self) -> int:
         """Tokens whose KV the tree holds on device."""
-        return sum(len(n.value) for n in self._all_nodes() if n.value is not None)
+        return sum(len(n.value) for n in self.all_nodes() if n.value is not None)
 
     def all_device_slots(self) -> torch.Tensor:
         """Every device slot the tree holds ([total_size] int64 on device)."""
-        values = [n.value for n in self._all_nodes() if n.value is not None]
+        values = [n.value for n in self.all_nodes() if n.value is not None]
         return torch.cat(values) if values else self._empty()
 
     def pretty_print(self) -> None:
@@ -317,11 +273,11 @@ class RadixCache(BasePrefixCache):
     def check_integrity(self) -> None:
         """Raise AssertionError unless keys, values, locks and size counters are consistent."""
         evictable = protected = 0
-        for node in self._all_nodes():
+        for node in self.all_nodes():
             if node is self.root_node:
                 continue
             parent = node.parent
-            if parent is None or parent.children.get(self._page_key(node.key)) is not node:
+            if parent is None or parent.children.get(self.keys.page_key(node.key)) is not node:
                 raise AssertionError(f"{node!r} not under its parent's page key")
             if not node.key or len(node.key) % self.page_size:
                 raise AssertionError(f"{node!r} key length not a positive page multiple")
@@ -365,22 +321,6 @@ class RadixCache(BasePrefixCache):
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
-    def _align(self, key: list[int] | tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(key[: len(key) // self.page_size * self.page_size])
-
-    def _page_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(key[: self.page_size])
-
-    def _key_match(self, node_key: tuple[int, ...], key: tuple[int, ...]) -> int:
-        """Length of the common prefix, rounded down to a page."""
-        n = min(len(node_key), len(key))
-        if node_key[:n] == key[:n]:
-            return n
-        i = 0
-        while node_key[i] == key[i]:
-            i += 1
-        return i // self.page_size * self.page_size
-
     def _touch(self, node: TreeNode, hit: bool = True) -> None:
         node.last_access_time = access_time()
         if hit:
@@ -402,12 +342,12 @@ class RadixCache(BasePrefixCache):
         values: list[torch.Tensor] = []
         node, matched = self.root_node, 0
         while matched < len(key):
-            child = node.children.get(self._page_key(key[matched:]))
+            child = node.children.get(self.keys.page_key(key[matched:]))
             if child is None:
                 break
             if hit is not None:
                 self._touch(child, hit)
-            prefix_len = self._key_match(child.key, key[matched:])
+            prefix_len = self.keys.match_len(child.key, key[matched:])
             node = child if prefix_len == len(child.key) else self._split_node(child, prefix_len)
             if node.value is not None:  # NOTE: None only on HiRadixCache's host-only nodes
                 values.append(node.value)
@@ -429,47 +369,48 @@ class RadixCache(BasePrefixCache):
         new_node.in_storage = child.in_storage  # objects ending in either part were stored
         child.key = child.key[split_len:]
         child.value = None if child.value is None else child.value[split_len:]
-        new_node.children = {self._page_key(child.key): child}
+        new_node.children = {self.keys.page_key(child.key): child}
         child.parent = new_node
-        self._parent(new_node).children[self._page_key(new_node.key)] = new_node
+        self._parent(new_node).children[self.keys.page_key(new_node.key)] = new_node
         return new_node
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor) -> TreeNode:
-        self._bump()
+        self.bump_version()
         node = TreeNode(key, value)
         node.hit_count = 1  # the request that computed it used it once
         node.parent = parent
-        parent.children[self._page_key(key)] = node
+        parent.children[self.keys.page_key(key)] = node
         self._evictable_size += len(key)
-        self._emit("stored", "l1", len(key), node)
+        self.emit("stored", "l1", len(key), node)
         return node
 
     def _collect_leaves(self) -> list[TreeNode]:
         """Unlocked device leaves: the eviction candidates."""
-        return [
-            n
-            for n in self._all_nodes()
-            if not n.children and n.lock_ref == 0 and n is not self.root_node
-        ]
+        return [n for n in self.all_nodes() if self._is_leaf(n)]
 
-    def _evict_leaf(self, node: TreeNode) -> int:
+    def _is_leaf(self, n: TreeNode) -> bool:
+        return not n.children and n.lock_ref == 0 and n is not self.root_node
+
+    def evict_leaf(self, node: TreeNode) -> int:
         """Free a leaf's slots and drop it; returns the tokens freed."""
         value = device_value(node)
         self.token_to_kv_pool_allocator.free(value)
         num_tokens = len(value)
-        self._delete_leaf(node)
+        self.delete_leaf(node)
         self.evicted_tokens += num_tokens
-        self._emit("removed", "l1", num_tokens, node)
+        self.emit("removed", "l1", num_tokens, node)
         return num_tokens
 
-    def _delete_leaf(self, node: TreeNode) -> None:
-        self._bump()
-        del self._parent(node).children[self._page_key(node.key)]
+    def delete_leaf(self, node: TreeNode) -> None:
+        """Drop a leaf from the tree (its slots: freed by the caller)."""
+        self.bump_version()
+        del self._parent(node).children[self.keys.page_key(node.key)]
         if node.value is not None:
             self._evictable_size -= len(node.key)
 
-    def _path(self, node: TreeNode) -> list[TreeNode]:
-        """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree."""
+    def path_of(self, node: TreeNode) -> list[TreeNode]:
+        """Root-exclusive path root -> ``node``, cut where a node is no longer in the tree (so
+        ``path[-1] is node`` iff ``node`` is in the tree)."""
         path: list[TreeNode] = []
         cur: TreeNode | None = node
         while cur is not self.root_node and cur is not None:
@@ -478,19 +419,15 @@ class RadixCache(BasePrefixCache):
         path.reverse()
         at, out = self.root_node, []
         for n in path:
-            if at.children.get(self._page_key(n.key)) is not n:
+            if at.children.get(self.keys.page_key(n.key)) is not n:
                 break
             out.append(n)
             at = n
         return out
 
-    def _all_nodes(self) -> list[TreeNode]:
-        out, stack = [], [self.root_node]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
+    def all_nodes(self) -> list[TreeNode]:
+        """Every node of the tree, the root included, parents first."""
+        return subtree(self.root_node)
 
     def _free_duplicates(self, kv_indices: torch.Tensor, prefix_len: int, new_len: int) -> None:
         """Free the request's own slots of ``[prefix_len, new_len)``: the tree already has them.

@@ -246,7 +246,7 @@ def test_shutdown_gives_the_pools_back_at_once(tiny_llama_dir, tmp_path):
     }
     eng = Engine(tiny_llama_dir, **opts)
     want = eng.generate(list(range(5, 60)), {"max_new_tokens": 4}).token_ids
-    host = eng.scheduler.tree_cache.host_pool
+    host = eng.scheduler.tree_cache.host.pool
     pool = eng.runner.kv_pool
     assert host.kv_buffer.numel() > 0 and pool.k_buffer
     eng.shutdown()

@@ -78,11 +78,11 @@ def test_shutdown_logs_the_objects_a_hung_store_did_not_take(
 ):
     """Shutdown waits for queued L3 backups a bounded time; what a hung store did not take is
     logged (never lost silently) and the backup thread takes no more jobs."""
-    import engine.runtime.engine as engine_mod
     from engine import Engine
+    from engine.runtime import tree_factory
     from tests.storage_fakes import gate_writes
 
-    monkeypatch.setattr(engine_mod, "L3_DRAIN_S", 0.5)
+    monkeypatch.setattr(tree_factory, "L3_DRAIN_S", 0.5)  # how long stop_tree_cache waits
     eng = Engine(
         tiny_llama_dir,
         enable_hierarchical_cache=True,

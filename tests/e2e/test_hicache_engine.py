@@ -122,7 +122,7 @@ def _wait_in_l3(eng: Engine, ids: list[int], timeout: float = 60.0) -> None:
     S = eng.server_args.hicache_storage_page_size
     want = (len(ids) - 1) // S * S
     deadline = time.monotonic() + timeout
-    while (got := eng.call_in_scheduler(lambda s: s.tree_cache.storage_prefix_len(ids))) < want:
+    while (got := eng.call_in_scheduler(lambda s: s.tree_cache.l3.storage_prefix_len(ids))) < want:
         assert time.monotonic() < deadline, f"L3 holds {got} of {want} tokens"
         time.sleep(0.02)
 
@@ -131,8 +131,8 @@ def _wait_backups_landed(eng: Engine, timeout: float = 60.0) -> None:
     """Until no L3 backup is queued, running or waiting for room."""
 
     def busy(s) -> bool:
-        s.tree_cache.check()
-        return s.tree_cache.storage_busy() or bool(s.tree_cache.l3.deferred_backups)
+        s.tree_cache.host.check()
+        return s.tree_cache.l3.storage_busy() or bool(s.tree_cache.l3.backup.deferred_backups)
 
     deadline = time.monotonic() + timeout
     while eng.call_in_scheduler(busy):

@@ -271,7 +271,10 @@ def test_abort_while_prefetching_frees_everything(tiny_llama_dir, tmp_path, gate
         out = handle.result()
         store.reads.open()
         eng.call_in_scheduler(
-            lambda s: (s.tree_cache.controller.wait_storage_idle(10), s.tree_cache.check())
+            lambda s: (
+                s.tree_cache.host.controller.wait_storage_idle(10),
+                s.tree_cache.host.check(),
+            )
         )
         stats = eng.cache_stats()
     assert out.finish_reason == "abort"
@@ -298,11 +301,14 @@ def test_prefetch_of_a_later_request_gives_its_l2_room(tiny_llama_dir, tmp_path,
         eng.generate(a_prompt, GREEDY)  # shutdown flushes both to L3
     with Engine(tiny_llama_dir, **opts) as eng:
         gate = threading.Event()
-        eng.scheduler.call(lambda s: gate.wait(30))  # B and A arrive in one inbox drain
+        eng.scheduler.inbox.put_call(lambda s: gate.wait(30))  # B and A arrive in one inbox drain
         b = eng.submit(b_prompt, GREEDY)
         # B's prefetch lands (288 of L2's 528) before A arrives: A's 416 do not fit
-        eng.scheduler.call(
-            lambda s: (s.tree_cache.controller.wait_storage_idle(10), s.tree_cache.check())
+        eng.scheduler.inbox.put_call(
+            lambda s: (
+                s.tree_cache.host.controller.wait_storage_idle(10),
+                s.tree_cache.host.check(),
+            )
         )
         a = eng.submit(a_prompt, GREEDY)
         gate.set()

@@ -120,7 +120,7 @@ def _wait_in_l3(eng: Engine, prompts: list[list[int]]) -> None:
         want = (len(p) - 1) // size * size
         eng.call_in_scheduler(lambda s: cache_admin.settle(s.tree_cache))
         deadline = time.monotonic() + 60
-        while eng.call_in_scheduler(lambda s, p=p: s.tree_cache.storage_prefix_len(p)) < want:
+        while eng.call_in_scheduler(lambda s, p=p: s.tree_cache.l3.storage_prefix_len(p)) < want:
             assert time.monotonic() < deadline, "the L3 backups did not land"
             time.sleep(0.02)
 

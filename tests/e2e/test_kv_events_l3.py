@@ -88,7 +88,7 @@ def _cache_state(dt: DaemonThread) -> State:
 
 
 def _storage_idle(scheduler: Any) -> bool:
-    return not scheduler.tree_cache.storage_busy()
+    return not scheduler.tree_cache.l3.storage_busy()
 
 
 class Follower:

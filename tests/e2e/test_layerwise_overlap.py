@@ -25,10 +25,10 @@ LAYER_DELAY_S = 0.05
 
 
 def _push_to_l2(s, reads_host_kv: bool):
-    s.reads_host_kv = reads_host_kv
+    s.cache_manager.reads_host_kv = reads_host_kv
     tree = s.tree_cache
-    tree.controller.wait_idle()  # backups acked: the nodes can be demoted
-    tree.check()
+    tree.host.controller.wait_idle()  # backups acked: the nodes can be demoted
+    tree.host.check()
     tree.evict(tree.evictable_size())
     # NaN into every free device slot: a read of a slot before its load landed shows
     alloc, pool = s.runner.allocator, s.runner.kv_pool
@@ -36,7 +36,7 @@ def _push_to_l2(s, reads_host_kv: bool):
     slots = (pages[:, None] * alloc.page_size + torch.arange(alloc.page_size)).flatten()
     for buf in pool.k_buffer + pool.v_buffer:
         buf[slots] = float("nan")
-    return tree.controller
+    return tree.host.controller
 
 
 def _slow_loads(controller, monkeypatch, lock):
@@ -117,7 +117,7 @@ def test_forward_overlaps_layerwise_load(tmp_path, monkeypatch):
 def test_cpu_prefill_reads_loading_kv_from_host(tmp_path, monkeypatch):
     model_dir, prompt, eng = _engine(tmp_path, seed=8)
     with eng:
-        assert eng.call_in_scheduler(lambda s: s.reads_host_kv)  # the CPU default
+        assert eng.call_in_scheduler(lambda s: s.cache_manager.reads_host_kv)  # the CPU default
         first = eng.generate(prompt, GREEDY)
         controller = eng.call_in_scheduler(lambda s: _push_to_l2(s, reads_host_kv=True))
         lock = threading.Lock()
@@ -173,7 +173,7 @@ def test_failed_load_back_leaves_the_prefix_in_l2(tmp_path, monkeypatch):
         after = eng.call_in_scheduler(
             lambda s: (
                 s.runner.allocator.available_size(),
-                s.tree_cache.host_pool.protected_size(),
+                s.tree_cache.host.pool.protected_size(),
                 s.tree_cache.match_prefix(prompt, touch=False).tier_tokens,
             )
         )

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from engine import Engine
+from engine.runtime.scheduler import invariants
 from tests.tiny_models import hf_greedy, make_tiny_model_dir
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -30,8 +31,9 @@ def _settled(eng: Engine) -> None:
     """Every KV page is free or in the tree, nothing is launched or waits for a release."""
 
     def check(s):
-        s.check_kv_invariant()
-        return s.is_idle(), len(s.held_slots()), len(s.deferred), len(s.launched)
+        invariants.check(s)
+        held = invariants.scheduler_held_slots(s)
+        return s.is_idle(), len(held), len(s.deferred), len(s.launched)
 
     assert eng.call_in_scheduler(check) == (True, 0, 0, 0)
 

@@ -44,7 +44,7 @@ class HoldPrefetch:
         if not self.release.is_set() and any("prefetch-" in r.rid for r in s.waiting):
             self.held.set()
             self.release.wait(120)
-            s.process_inbox(block=False)
+            s.take_inbox()
 
 
 def _daemon(tiny_llama_dir: str, **settings) -> DaemonThread:
@@ -56,7 +56,7 @@ def _daemon(tiny_llama_dir: str, **settings) -> DaemonThread:
 
 def _hold(dt: DaemonThread) -> HoldPrefetch:
     hook = HoldPrefetch()
-    dt.daemon.state.engine.call_in_scheduler(lambda s: s.add_step_hook(hook))
+    dt.daemon.state.engine.call_in_scheduler(lambda s: s.step_hooks.add(hook))
     return hook
 
 

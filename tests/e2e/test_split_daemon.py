@@ -22,6 +22,7 @@ import pytest
 from engine.client import HicacheClient
 from engine.config import ServerArgs
 from engine.runtime.engine import Engine
+from engine.runtime.scheduler import SchedulerCall
 from engine.server.app import DaemonThread
 from engine.server.settings import DaemonSettings
 from tools.benchlib.daemon import wait_serving
@@ -86,8 +87,17 @@ def test_split_streams_equal_the_in_process_engine(tiny_llama_dir):
                 assert got.matched_tokens == want.matched_tokens > 0
                 assert got.matched_per_tier.l1 == want.per_tier["l1"]
             assert c.evict("l1", all=True, dry_run=True).evicted_tokens == want_evictable > 0
+        # one loop in the scheduler process: the scheduler runs on its main thread, no other
+        main, names = dt.daemon.state.engine.call_in_scheduler(SchedulerCall(_loop_thread))
+        assert main and "hicache-scheduler" not in names
     finally:
         dt.stop()
+
+
+def _loop_thread(scheduler: object) -> tuple[bool, list[str]]:
+    """Where a scheduler call runs: (on its process' main thread, that process' threads)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    return on_main, sorted(t.name for t in threading.enumerate())
 
 
 # --- process faults, on `hicache serve` ----------------------------------------------------

@@ -1,6 +1,7 @@
-"""BasePrefixCache: every concrete cache implements the abstract core, and a cache without a tier
-answers the optional calls neutrally (what the scheduler, admin and engine rely on instead of
-probing for attributes)."""
+"""BasePrefixCache: every concrete cache implements the whole interface (every method it
+declares is abstract: no do-nothing defaults), and a tier only some caches have is a part the
+cache holds (``host``, ``l3``; None where absent), which the scheduler's cache manager, the
+figures and the tree operations check instead of probing for attributes."""
 
 from __future__ import annotations
 
@@ -11,12 +12,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.runtime import cache_admin
+from engine.runtime.request import Req
+from engine.runtime.scheduler.cache import CacheManager
+from engine.runtime.scheduler.stats import CacheCounters
+from engine.sampling_params import SamplingParams
+from hicache.l2.tier import HostTier
+from hicache.l3.tier import L3Tier
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.req_to_token import ReqToTokenPool
+from hicache.observe.stats import tier_stats
 from hicache.tier import TIERS
 from hicache.tree.base import BasePrefixCache, MatchResult
 from hicache.tree.chunk import ChunkCache
 from hicache.tree.hiradix import HiRadixCache
+from hicache.tree.ops import flush_tier, radix_tree
 from hicache.tree.radix import RadixCache
 from tests.unit.test_hiradix_cache import Rig
 
@@ -30,7 +40,7 @@ def test_concrete_caches_implement_the_core(cls):
     assert not cls.__abstractmethods__
 
 
-def test_the_core_is_abstract():
+def test_the_core_is_abstract_and_is_all_the_interface_declares():
     core = {
         "reset",
         "match_prefix",
@@ -48,6 +58,8 @@ def test_the_core_is_abstract():
         "check_integrity",
     }
     assert BasePrefixCache.__abstractmethods__ == core
+    declared = {n for n, v in vars(BasePrefixCache).items() if inspect.isfunction(v)}
+    assert declared == core  # no default a cache without some tier would answer with
     with pytest.raises(TypeError):
         BasePrefixCache()  # type: ignore[abstract]
 
@@ -64,44 +76,48 @@ def _radix() -> RadixCache:
 
 
 @pytest.mark.parametrize("make", [_chunk, _radix])
-def test_single_tier_caches_answer_optional_calls_neutrally(make):
+def test_single_tier_caches_have_no_tier_parts_and_the_manager_asks_nothing_of_them(make):
     tree = make()
+    assert tree.host is None and tree.l3 is None
     res = tree.match_prefix([1, 2, 3, 4, 5], touch=False)
     assert res.tier_tokens is None and res.host_hit_length == 0
-    assert not tree.has_host_tier() and not tree.has_storage()
-    assert not tree.can_attach_storage()
-    tiers = tree.tier_stats(NO_HITS, 0)
-    assert (tiers.l2, tiers.l3) == (None, None) and tree.storage_info() == {"attached": False}
-    assert tree.storage_prefix_len([1, 2, 3, 4]) == 0
-    assert tree.node_in_storage(tree.root_node) is False and not tree.storage_busy()
-    assert tree.evict_host(100) == 0 and tree.drain_storage(1.0) == 0
-    kv = SimpleNamespace(
-        fill_ids=[1, 2, 3], match_result=res, prefix_indices=res.device_indices, host_hit_length=0
-    )
-    req = SimpleNamespace(rid="r", cache_namespace=None, kv=kv)
-    assert tree.l3_start(req) == 0 and tree.l3_hit(req) == 0 and tree.object_size == 0
-    tree.l3_matched(req)
-    assert tree.l3_ready(req, [], lambda r: pytest.fail("no re-match without L3"))
-    assert tree.l3_admitted(req) == 0 and tree.prefetch_deadline() is None
-    kv.last_node = res.last_device_node
-    assert tree.admit(req) == {"l1": len(res.device_indices)}
-    tree.l3_forget(req)
-    assert tree.pending_layer_wait() is None and tree.host_reads() is None
-    indices, node = tree.init_load_back(res.last_device_node, res)
-    assert torch.equal(indices, res.device_indices) and node is res.last_device_node
-    with pytest.raises(ValueError):
-        tree.flush_tier("l2")
-    with pytest.raises(NotImplementedError):
-        tree.attach_storage(object(), 4)
-    woken = []
-    tree.set_wake(lambda: woken.append(1))
-    tree.check(), tree.settle(1.0), tree.shutdown()
+    tiers = tier_stats(tree, NO_HITS, 0)
+    assert (tiers.l2, tiers.l3) == (None, None)
+    assert tiers.l1.cached_tokens == tree.total_size()
+    mgr = CacheManager(tree, CacheCounters(), True, lambda: pytest.fail("no load back"))
+    woken: list[int] = []
+    mgr.set_wake(lambda: woken.append(1))
+    mgr.check(), mgr.settle(1.0), mgr.wait_pending_loads(), mgr.release_loads()
+    assert mgr.deadline() is None
+    params = SamplingParams(max_new_tokens=1)
+    req = Req.new("r", [1, 2, 3, 4, 5], params, None, set(), 64, torch.device("cpu"))
+    mgr.arrive(req)
+    assert req.kv.match_result is not None and req.kv.host_hit_length == 0
+    assert mgr.ready(req, []) and mgr.l3_hit(req) == 0 and mgr.l3_admitted(req) == 0
+    mgr.load_back(req)  # nothing on host: no load, no wait for forwards
+    mgr.count_hit(req)
+    assert req.admission.cached_tokens_per_tier == {
+        "l1": len(res.device_indices),
+        "l2": 0,
+        "l3": 0,
+    }
+    mgr.forget(req)
+    assert mgr.l3_progress == {}
+    fb = SimpleNamespace(wait_layer=None, host_reads=None)  # the fields a forward's waits use
+    mgr.before_forward(fb, is_extend=True)
+    assert fb.wait_layer is None and fb.host_reads is None
+    assert not cache_admin.tier_enabled(tree, "l2") and not cache_admin.tier_enabled(tree, "l3")
+    radix = radix_tree(tree)
+    assert (radix is None) == isinstance(tree, ChunkCache)
+    if radix is not None:
+        with pytest.raises(ValueError):
+            flush_tier(radix, "l2")
     assert woken == []  # nothing is copied in the background
 
 
 def test_radix_flush_l1_evicts_every_unlocked_token():
     tree = _radix()
-    assert tree.flush_tier("l1") == 4 and tree.total_size() == 0
+    assert flush_tier(tree, "l1") == 4 and tree.total_size() == 0
 
 
 def test_match_result_is_frozen_and_hierarchical_match_counts_tiers():
@@ -112,10 +128,10 @@ def test_match_result_is_frozen_and_hierarchical_match_counts_tiers():
     assert res.tier_tokens == {"l1": 4, "l2": 0, "l3": 0}
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.host_hit_length = 3  # type: ignore[misc]
-    assert rig.tree.has_host_tier() and rig.tree.can_attach_storage()
-    tiers = rig.tree.tier_stats(NO_HITS, 0)
-    assert not rig.tree.has_storage() and tiers.l2 is not None and tiers.l3 is None
-    rig.tree.shutdown()
+    assert isinstance(rig.tree.host, HostTier) and isinstance(rig.tree.l3, L3Tier)
+    tiers = tier_stats(rig.tree, NO_HITS, 0)
+    assert not rig.tree.l3.has_storage() and tiers.l2 is not None and tiers.l3 is None
+    rig.tree.host.shutdown()
 
 
 def test_tiers_are_named_once():

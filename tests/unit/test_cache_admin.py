@@ -14,6 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from engine.runtime import cache_admin
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.observe.events import CacheEventLog
+from hicache.tree.keys import TreeKeys
+from hicache.tree.ops import namespace_nodes, subtree, walk
 from hicache.tree.radix import RadixCache
 
 
@@ -46,7 +48,7 @@ def sched(request) -> FakeScheduler:
 
 
 def _snapshot(tree: RadixCache) -> list[tuple]:
-    return sorted((n.id, tuple(n.key), n.last_access_time, n.hit_count) for n in tree._all_nodes())
+    return sorted((n.id, tuple(n.key), n.last_access_time, n.hit_count) for n in tree.all_nodes())
 
 
 def test_match_prefix_has_no_side_effects(sched):
@@ -135,13 +137,13 @@ def test_inspect_tree_pages_in_depth_first_order(sched):
 
 def test_inspect_tree_previews_token_ids_of_namespaced_nodes():
     s = FakeScheduler()
-    s.insert(list(s.tree_cache.key_of([5, 6, 7, 8], "warmup")))  # ids + (ns_id << 32)
+    s.insert(list(s.tree_cache.keys.key_of([5, 6, 7, 8], "warmup")))  # ids + (ns_id << 32)
     (node,), total = cache_admin.inspect_tree(s, 0, 100, preview_tokens=3)
     assert total == 1 and node.preview_ids == [5, 6, 7] and node.token_length == 4
 
 
-class PrependedNamespaceTree(RadixCache):
-    """A tree whose key_of prepends one token per namespace (200 + len(name)) instead of
+class PrependedNamespaceKeys(TreeKeys):
+    """Tree keys whose key_of prepends one token per namespace (200 + len(name)) instead of
     folding it into every token."""
 
     def key_of(self, token_ids, namespace=None):
@@ -150,7 +152,8 @@ class PrependedNamespaceTree(RadixCache):
 
 def test_namespace_key_hook_isolates_and_is_not_counted():
     s = FakeScheduler(page_size=1)
-    s.tree_cache = PrependedNamespaceTree(None, s.alloc, 1)  # the tree defines the namespace key
+    s.tree_cache = RadixCache(None, s.alloc, 1)
+    s.tree_cache.keys = PrependedNamespaceKeys(1)  # the tree defines the namespace key
     s.insert([203] + list(range(1, 9)))  # namespace "abc" -> prefix token 203
     assert cache_admin.match_prefix(s, list(range(1, 9)), "abc").matched_tokens == 8
     assert cache_admin.match_prefix(s, list(range(1, 9)), "xy").matched_tokens == 0
@@ -163,7 +166,7 @@ def test_namespace_key_hook_isolates_and_is_not_counted():
 def test_pin_with_a_namespace_pins_that_namespace_prefix():
     s = FakeScheduler(page_size=1)
     key = list(range(1, 9))
-    s.insert(list(s.tree_cache.key_of(key, "tenant-a")))
+    s.insert(list(s.tree_cache.keys.key_of(key, "tenant-a")))
     p = cache_admin.pin(s, key, "tenant-a")
     assert p is not None and p.tokens == 8
     assert s.tree_cache.protected_size() == 8
@@ -178,10 +181,10 @@ def test_evict_by_prefix_keeps_the_order_of_what_it_does_not_evict(sched):
     """Evict(prefix, num_tokens) frees the least valuable nodes under the prefix; the nodes it
     leaves keep their access time and hit count (no -1 left behind)."""
     tree = sched.tree_cache
-    before = {n.id: (n.last_access_time, n.hit_count) for n in tree._all_nodes()}
+    before = {n.id: (n.last_access_time, n.hit_count) for n in tree.all_nodes()}
     info = cache_admin.evict(sched, "l1", num_tokens=1, prefix=list(range(1, 9)))
     assert 1 <= info.evicted_tokens < 24
-    after = {n.id: (n.last_access_time, n.hit_count) for n in tree._all_nodes()}
+    after = {n.id: (n.last_access_time, n.hit_count) for n in tree.all_nodes()}
     assert after and all(after[i] == before[i] for i in after), (before, after)
     tree.check_integrity()
 
@@ -222,7 +225,7 @@ def hi():
 def _tiers(tree) -> dict[int, tuple[bool, bool]]:
     return {
         n.id: (n.value is not None, n.host_value is not None)
-        for n in tree._all_nodes()
+        for n in tree.all_nodes()
         if n is not tree.root_node
     }
 
@@ -236,7 +239,7 @@ def test_admin_eviction_of_a_prefix_demotes_it_to_l2(hi):
     assert cache_admin.evict(hi, "l1", prefix=a[:4]) == dry
     assert cache_admin.match_prefix(hi, a).per_tier == {"l1": 0, "l2": 12, "l3": 0}
     assert cache_admin.match_prefix(hi, b).per_tier == {"l1": 8, "l2": 0, "l3": 0}
-    assert hi.tree_cache.counters["demotions"] == 12
+    assert hi.tree_cache.host.counters["demotions"] == 12
     assert [(e.kind, e.tier) for e in hi.event_log.since(0)][-1] == ("demoted", "l2")
     # and from L2: what is left of it on host only
     assert cache_admin.evict(hi, "l2", prefix=a[:4], dry_run=True) == (12, 1)
@@ -266,14 +269,14 @@ def test_admin_pin_keeps_the_device_part_and_blocks_its_eviction(hi):
 def test_admin_eviction_of_a_namespace_leaves_the_others(hi):
     tree = hi.tree_cache
     for ns in ("a", "b"):
-        hi.insert(list(tree.key_of(list(range(1, 9)), ns)))
+        hi.insert(list(tree.keys.key_of(list(range(1, 9)), ns)))
     before = _tiers(tree)
     info = cache_admin.evict(hi, "l1", namespaces=frozenset({"a"}))
     assert info == (8, 1)
     assert cache_admin.match_prefix(hi, list(range(1, 9)), "a").per_tier["l2"] == 8
     assert cache_admin.match_prefix(hi, list(range(1, 9)), "b").per_tier["l1"] == 8
     changed = {i for i, t in _tiers(tree).items() if t != before[i]}
-    assert {tree.split_key(n.key)[0] for n in tree._all_nodes() if n.id in changed} == {"a"}
+    assert {tree.keys.split_key(n.key)[0] for n in tree.all_nodes() if n.id in changed} == {"a"}
     with pytest.raises(cache_admin.TierUnavailableError):
         cache_admin.evict(hi, "l3")
     hi.rig.check_invariants()
@@ -310,7 +313,7 @@ class AdminMachine(RuleBasedStateMachine):
     @rule(key=KEYS, ns=NAMESPACES)
     def insert(self, key: list[int], ns: str | None) -> None:
         tree = self.s.tree_cache
-        full = list(tree.key_of([k + 1 for k in key], ns))
+        full = list(tree.keys.key_of([k + 1 for k in key], ns))
         if isinstance(self.s, FakeScheduler):
             need = len(full) // self.s.page_size * self.s.page_size
             if need > self.s.alloc.available_size():
@@ -353,7 +356,7 @@ class AdminMachine(RuleBasedStateMachine):
             kw.update(prefix=[k + 1 for k in key], namespace=ns)
         elif what == "ns":
             kw.update(namespaces=scope)
-        if tier == "l2" and not tree.has_host_tier():
+        if tier == "l2" and not (tree.host is not None):
             with pytest.raises(cache_admin.TierUnavailableError):
                 cache_admin.evict(self.s, tier, **kw)
             return
@@ -361,19 +364,19 @@ class AdminMachine(RuleBasedStateMachine):
         before = _tiers(tree)
         dry = cache_admin.evict(self.s, tier, dry_run=True, **kw)
         assert _tiers(tree) == before
-        nodes = {x.id: x for x in tree._all_nodes()}
+        nodes = {x.id: x for x in tree.all_nodes()}
         pinned = set()  # the pinned nodes and their ancestors: all locked
         for i in self.s.admin_pins.pinned_node_ids():
             node = nodes[i]
             while node is not tree.root_node:
                 pinned.add(node.id)
                 node = node.parent
-        in_scope = {x.id for x in tree._all_nodes()}
+        in_scope = {x.id for x in tree.all_nodes()}
         if what == "prefix":
-            path = tree.walk(tree.key_of(kw["prefix"], ns))
-            in_scope = {x.id for x in tree.subtree(path[-1].node)} if path else set()
+            path = walk(tree, tree.keys.key_of(kw["prefix"], ns))
+            in_scope = {x.id for x in subtree(path[-1].node)} if path else set()
         elif what == "ns":
-            in_scope = {x.id for x in tree.namespace_nodes(scope)}
+            in_scope = {x.id for x in namespace_nodes(tree, scope)}
         free0, host0 = self.s.alloc.available_size(), self._host_free()
         real = cache_admin.evict(self.s, tier, **kw)
         assert real == dry
@@ -412,26 +415,23 @@ TestAdminMachine = AdminMachine.TestCase
 
 
 # --- step hooks and the quota enforcer, given to the scheduler ---------------------------------
-class GateRecordingTree(RadixCache):
-    """A RadixCache that records the L3 backup gates it is given."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.gates: list = []
-
-    def set_backup_gate(self, gate):
-        self.gates.append(gate)
-
-
-def _real_scheduler(page_size: int = 1, step_hooks=()):
+def _real_scheduler(page_size: int = 1, step_hooks=(), hierarchical: bool = False):
+    """A Scheduler with no model over a RadixCache, or (``hierarchical``) over the HiRadixCache
+    of a rig (tests/unit/test_hiradix_cache.py), closed with the test."""
     import torch
 
     from engine.config import ServerArgs
     from engine.runtime.layers.attention import create_backend
     from engine.runtime.scheduler import Scheduler
+    from tests.unit.test_hiradix_cache import Rig
 
-    alloc = TokenToKVPoolAllocator(256, page_size, "cpu")
-    tree = GateRecordingTree(None, alloc, page_size)
+    if hierarchical:
+        rig = Rig(page_size=page_size, device_size=64, host_size=128)
+        _RIGS.append(rig)
+        alloc, tree = rig.allocator, rig.tree
+    else:
+        alloc = TokenToKVPoolAllocator(256, page_size, "cpu")
+        tree = RadixCache(None, alloc, page_size)
     runner = SimpleNamespace(
         req_to_token_pool=None,
         allocator=alloc,
@@ -441,6 +441,16 @@ def _real_scheduler(page_size: int = 1, step_hooks=()):
     )
     s = Scheduler(ServerArgs(page_size=page_size), runner, tree, 256, step_hooks=step_hooks)
     return s, alloc
+
+
+_RIGS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_rigs():
+    yield
+    while _RIGS:
+        _RIGS.pop().close()
 
 
 def _cache(s, alloc, key: list[int]) -> None:
@@ -460,39 +470,47 @@ def test_the_scheduler_expires_pins_by_its_own_step_hook():
 def test_step_hooks_run_in_order_until_removed():
     calls: list[str] = []
     s, _ = _real_scheduler(step_hooks=[lambda sch: calls.append("ctor")])
-    handle = s.add_step_hook(lambda sch: calls.append("added"))
+    handle = s.step_hooks.add(lambda sch: calls.append("added"))
     s.step()
-    s.remove_step_hook(handle)
+    s.step_hooks.remove(handle)
     s.step()
     assert calls == ["ctor", "added", "ctor"]
     with pytest.raises(KeyError):
-        s.remove_step_hook(handle)
+        s.step_hooks.remove(handle)
 
 
-def test_a_quota_enforcer_replaces_the_one_before():
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_a_quota_enforcer_replaces_the_one_before(hierarchical):
     from engine.admin_records import TenantQuota
-    from engine.runtime.tenant_cache import apply_quotas
+    from engine.runtime.tenant_cache import apply_quotas, set_quota_enforcer
 
-    s, alloc = _real_scheduler()
+    s, alloc = _real_scheduler(hierarchical=hierarchical)  # L3 part: its backups take the gate
     tree = s.tree_cache
-    _cache(s, alloc, list(tree.key_of(list(range(1, 9)), "a")))
-    _cache(s, alloc, list(tree.key_of(list(range(1, 9)), "b")))
+    _cache(s, alloc, list(tree.keys.key_of(list(range(1, 9)), "a")))
+    _cache(s, alloc, list(tree.keys.key_of(list(range(1, 9)), "b")))
+    s.cache_manager.settle()  # write-through copies landed: no node is locked by a copy
 
     def quota(l1: int, l3: int = 0) -> list[TenantQuota]:
         return [TenantQuota("t", frozenset({"a"}), {"l1": l1, "l2": 0, "l3": l3})]
 
+    def on_device(ns: str) -> int:
+        return cache_admin.match_prefix(s, list(range(1, 9)), ns).per_tier["l1"]
+
+    def gate() -> object:
+        return tree.l3.backup.gate if tree.l3 is not None else None
+
     apply_quotas(s, quota(4))
     apply_quotas(s, quota(0, l3=64))  # no L1 quota any more: the one above must not run
     s.step()
-    assert cache_admin.match_prefix(s, list(range(1, 9)), "a").matched_tokens == 8
-    assert tree.gates[-1] == s.quota_enforcer.allow_backup  # an L3 quota gates backups
+    assert on_device("a") == 8
+    if tree.l3 is not None:
+        assert gate() == s.quota_enforcer.allow_backup  # an L3 quota gates backups
     apply_quotas(s, quota(4))
     s.step()
-    assert cache_admin.match_prefix(s, list(range(1, 9)), "a").matched_tokens == 0
-    assert cache_admin.match_prefix(s, list(range(1, 9)), "b").matched_tokens == 8
-    assert tree.gates[-1] is None
+    assert on_device("a") == 0 and on_device("b") == 8
+    assert gate() is None
     apply_quotas(s, quota(2))  # the evictions counted so far carry over
     assert s.quota_enforcer.by_name["t"].evicted_tokens["l1"] == 8
-    s.set_quota_enforcer(None)
-    assert s.quota_enforcer is None and tree.gates[-1] is None
+    set_quota_enforcer(s, None)
+    assert s.quota_enforcer is None and gate() is None
     s.step()

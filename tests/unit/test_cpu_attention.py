@@ -15,9 +15,9 @@ from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 from engine.runtime.layers import cpu_kernels
 from engine.runtime.layers.attention import create_backend
 from engine.runtime.layers.radix_attention import RadixAttention
+from hicache.l2.tier import HostReads
 from hicache.memory.kv_pool import MHATokenToKVPool
 from hicache.memory.req_to_token import ReqToTokenPool
-from hicache.tree.hiradix import HostReads
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.KERNELS.get() is None, reason=f"no CPU kernels: {cpu_kernels.KERNELS.error}"

@@ -19,11 +19,12 @@ from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.host_pool import MHATokenToKVPoolHost
 from hicache.memory.kv_pool import MHATokenToKVPool
 from hicache.observe.events import CacheEventLog
-from hicache.observe.stats import TierSet
+from hicache.observe.stats import TierSet, tier_stats
 from hicache.storage.file.backend import FileStorageBackend
 from hicache.tier import TIERS
 from hicache.transfer.controller import HiCacheController, LayerDoneCounter
 from hicache.tree.hiradix import HiRadixCache
+from hicache.tree.ops import flush_tier, lock_prefix, plan_eviction, subtree, unlock_prefix, walk
 
 L, H, D = 3, 2, 4
 
@@ -79,7 +80,7 @@ class Rig:
 
     def tiers(self) -> TierSet:
         """The tree's tier records (no scheduler: no hits, nothing held by requests)."""
-        return self.tree.tier_stats(dict.fromkeys(TIERS, 0), 0)
+        return tier_stats(self.tree, dict.fromkeys(TIERS, 0), 0)
 
     def token_kv(self, token: int) -> torch.Tensor:
         if token not in self.kv:
@@ -116,9 +117,9 @@ class Rig:
         """Every write, load and L3 backup landed and acknowledged."""
         self.controller.start_writing()
         self.controller.wait_idle()
-        self.tree.check()
+        self.tree.host.check()
         self.controller.wait_storage_idle()
-        self.tree.check()
+        self.tree.host.check()
 
     def check_invariants(self, held: torch.Tensor | None = None) -> None:
         self.tree.check_integrity()
@@ -134,7 +135,7 @@ class Rig:
         assert not free_host & set((host // self.page_size).tolist())
 
     def close(self) -> None:
-        self.tree.shutdown()
+        self.tree.host.shutdown()
 
 
 @pytest.fixture
@@ -160,12 +161,12 @@ def test_demote_then_load_back_identical_bytes(rigs, page_size, layout):
     r.settle()
     assert r.tree.evict(r.allocator.size) == 24
     r.check_invariants()
-    assert r.tree.total_size() == 0 and r.tree.counters["demotions"] == 24
+    assert r.tree.total_size() == 0 and r.tree.host.counters["demotions"] == 24
     res = r.tree.match_prefix(key + [1, 2, 3])
     assert len(res.device_indices) == 0 and res.host_hit_length == 24
     assert res.tier_tokens == {"l1": 0, "l2": 24, "l3": 0}
     assert res.last_device_node is r.tree.root_node
-    indices, node = r.tree.init_load_back(res.last_device_node, res)
+    indices, node = r.tree.host.load_back(res.last_device_node, res)
     r.check_invariants()
     r.assert_device_kv(key, indices)
     assert node.value is not None and node.lock_ref == 0
@@ -186,7 +187,7 @@ def test_partial_device_hit_then_host_tail(rigs):
     r.check_invariants()
     res = r.tree.match_prefix(a)
     assert len(res.device_indices) == 4 and res.host_hit_length == 4
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(a, indices)
     r.check_invariants()
 
@@ -200,12 +201,12 @@ def test_load_back_evicts_device_to_make_room(rigs):
     r.settle()
     res = r.tree.match_prefix(first)
     assert res.host_hit_length == 12
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(first, indices)
     r.check_invariants()
     res2 = r.tree.match_prefix(second)
     assert res2.host_hit_length > 0  # second was demoted to make room
-    indices2, _ = r.tree.init_load_back(res2.last_device_node, res2)
+    indices2, _ = r.tree.host.load_back(res2.last_device_node, res2)
     r.assert_device_kv(second, indices2)
 
 
@@ -226,14 +227,14 @@ def test_load_back_that_cannot_start_changes_nothing(rigs, monkeypatch):
 
     monkeypatch.setattr(r.controller.load_stream, "mark_compute", lost)
     with pytest.raises(RuntimeError, match="stream lost"):
-        r.tree.init_load_back(res.last_device_node, res, wait=False)
+        r.tree.host.load_back(res.last_device_node, res, wait=False)
     monkeypatch.undo()
     r.check_invariants()
     assert r.allocator.available_size() == free and r.host_pool.protected_size() == 0
     assert r.controller.load_queue == [] and r.tree.protected_size() == 0
     res = r.tree.match_prefix(key)
     assert res.tier_tokens == {"l1": 0, "l2": 12, "l3": 0}
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
     r.check_invariants()
 
@@ -255,9 +256,9 @@ def test_write_that_cannot_start_is_started_by_the_next_call(rigs, monkeypatch):
     assert len(r.controller.write_queue) == 1
     r.settle()
     r.check_invariants()
-    assert r.tree.evict(10) == 10 and r.tree.counters["demotions"] == 10
+    assert r.tree.evict(10) == 10 and r.tree.host.counters["demotions"] == 10
     res = r.tree.match_prefix(key)
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
 
 
@@ -295,7 +296,7 @@ def test_write_back_backs_up_on_eviction(rigs):
     r.check_invariants()
     res = r.tree.match_prefix(key)
     assert res.host_hit_length == 16
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
 
 
@@ -309,7 +310,7 @@ def test_host_eviction_when_host_full(rigs):
     r.insert(new)  # its write-through needs host room: old is evicted from host
     r.settle()
     r.check_invariants()
-    assert r.tree.counters["host_evictions"] == 16
+    assert r.tree.host.counters["host_evictions"] == 16
     assert r.tree.match_prefix(old).host_hit_length == 0
     assert r.tree.all_host_slots().numel() == 16
 
@@ -337,15 +338,15 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
     r.settle()
     S = r.object_size
     assert r.tiers().l2.demoted_tokens == 32  # backed up L2 -> L3: whole objects
-    r.tree.flush_tier("l1")
-    r.tree.flush_tier("l2")
+    flush_tier(r.tree, "l1")
+    flush_tier(r.tree, "l2")
     r.check_invariants()
     assert r.tree.total_size() == 0 and r.tree.all_host_slots().numel() == 0
     assert r.tree.match_prefix(key).host_hit_length == 0  # a match does no L3 I/O
     assert r.tree.l3.prefetch.fetch_from_storage(key) == 32
     res = r.tree.match_prefix(key)
     assert res.host_hit_length == 32
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
     r.check_invariants()
     l2, l3 = r.tiers().l2, r.tiers().l3
@@ -359,7 +360,7 @@ def test_l3_roundtrip_restart_and_corruption(rigs, tmp_path, page_size):
     assert r2.tree.l3.prefetch.fetch_from_storage(key[:16] + [7] * 8) == 16
     res = r2.tree.match_prefix(key[:16] + [7] * 8)
     assert res.host_hit_length == 16
-    indices, _ = r2.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r2.tree.host.load_back(res.last_device_node, res)
     r2.assert_device_kv(key[:16], indices)
     assert r2.tree.l3.prefetch.fetch_from_storage(key, namespace="other") == 0
 
@@ -385,7 +386,7 @@ def test_events_and_stats(rigs):
     r.settle()
     r.tree.evict(30)
     res = r.tree.match_prefix(key)
-    r.tree.init_load_back(res.last_device_node, res)
+    r.tree.host.load_back(res.last_device_node, res)
     kinds = [(e.kind, e.tier) for e in log.since(0)]
     assert kinds == [("stored", "l1"), ("demoted", "l2"), ("promoted", "l1")]
     l1 = r.tiers().l1  # L1 <-> L2 traffic is counted on L1
@@ -398,7 +399,7 @@ def _tiers(tree: HiRadixCache) -> dict[int, tuple[bool, bool]]:
     """node id -> (holds l1, holds l2), for every node in the tree."""
     return {
         n.id: (n.value is not None, n.host_value is not None)
-        for n in tree._all_nodes()
+        for n in tree.all_nodes()
         if n is not tree.root_node
     }
 
@@ -412,15 +413,15 @@ def test_admin_l1_plan_demotes_to_host_like_evict(rigs):
     r.insert(b)
     r.settle()
     r.tree.event_log = log = CacheEventLog()
-    within = r.tree.subtree(r.tree.walk(a[:4])[-1].node)
-    plan = r.tree.plan_eviction("l1", None, within)
-    assert plan.tokens == 12 and r.tree.counters["demotions"] == 0
+    within = subtree(walk(r.tree, a[:4])[-1].node)
+    plan = plan_eviction(r.tree, "l1", None, within)
+    assert plan.tokens == 12 and r.tree.host.counters["demotions"] == 0
     free0 = r.allocator.available_size()
     assert r.tree.evict_plan(plan) == 12
     assert r.allocator.available_size() == free0 + 12
-    assert r.tree.counters["demotions"] == r.tree.counters["evictions"] == 12
+    assert r.tree.host.counters["demotions"] == r.tree.host.counters["evictions"] == 12
     assert [(e.kind, e.tier) for e in log.since(0)] == [("demoted", "l2")]
-    steps = r.tree.walk(a)
+    steps = walk(r.tree, a)
     assert [(s.tokens, s.tier) for s in steps] == [(12, "l2")]
     assert r.tree.match_prefix(b).tier_tokens == {"l1": 8, "l2": 0, "l3": 0}
     r.check_invariants()
@@ -433,15 +434,15 @@ def test_admin_l2_plan_drops_host_only_leaves(rigs):
     r.insert(b)
     r.settle()
     r.tree.evict(r.allocator.size)  # both host only now
-    plan = r.tree.plan_eviction("l2", 1)
+    plan = plan_eviction(r.tree, "l2", 1)
     (node,) = plan.nodes
     assert node.key == tuple(a) and plan.tokens == 12  # the least recently used
     host0 = r.host_pool.available_size()
     assert r.tree.evict_plan(plan) == 12
     assert r.host_pool.available_size() == host0 + 12
-    assert r.tree.counters["host_evictions"] == 12
-    assert r.tree.walk(a) == [] and [s.tier for s in r.tree.walk(b)] == ["l2"]
-    assert r.tree.plan_eviction("l1").nodes == ()  # nothing on device
+    assert r.tree.host.counters["host_evictions"] == 12
+    assert walk(r.tree, a) == [] and [s.tier for s in walk(r.tree, b)] == ["l2"]
+    assert plan_eviction(r.tree, "l1").nodes == ()  # nothing on device
     r.check_invariants()
 
 
@@ -455,13 +456,13 @@ def test_walk_and_lock_prefix_see_the_device_part_only(rigs):
     r.settle()
     r.tree.evict(12)  # the tail goes to host: [10..17] on device, [18..29] on host
     before = _tiers(r.tree)
-    assert [(s.tokens, s.tier) for s in r.tree.walk(key)] == [(8, "l1"), (12, "l2")]
+    assert [(s.tokens, s.tier) for s in walk(r.tree, key)] == [(8, "l1"), (12, "l2")]
     assert _tiers(r.tree) == before
-    lock = r.tree.lock_prefix(key)
+    lock = lock_prefix(r.tree, key)
     assert lock is not None and lock.tokens == 8 and r.tree.protected_size() == 8
-    assert r.tree.plan_eviction("l1").nodes == ()  # the device part is locked
-    assert [n.key for n in r.tree.plan_eviction("l2").nodes] == [tuple(key[8:])]
-    r.tree.unlock_prefix(lock)
+    assert plan_eviction(r.tree, "l1").nodes == ()  # the device part is locked
+    assert [n.key for n in plan_eviction(r.tree, "l2").nodes] == [tuple(key[8:])]
+    unlock_prefix(r.tree, lock)
     assert r.tree.protected_size() == 0
     r.check_invariants()
 
@@ -473,17 +474,17 @@ def test_plan_keeps_an_unbacked_node_a_prefetch_anchors_on(rigs):
     a, b = list(range(10)), list(range(50, 56))
     r.insert(a)
     r.insert(b)
-    anchor = r.tree.walk(a)[-1].node
+    anchor = walk(r.tree, a)[-1].node
     anchor.host_ref += 1  # as a pending prefetch's anchor (l3_prefetch) holds it
     try:
-        plan = r.tree.plan_eviction("l1")
+        plan = plan_eviction(r.tree, "l1")
         assert [n.key for n in plan.nodes] == [tuple(b)]
         assert r.tree.evict_plan(plan) == 6
         assert r.tree.evict(100) == 0  # the tree's own eviction keeps it too
-        assert r.tree.walk(a)[-1].tier == "l1"
+        assert walk(r.tree, a)[-1].tier == "l1"
     finally:
         anchor.host_ref -= 1
-    assert [n.key for n in r.tree.plan_eviction("l1").nodes] == [tuple(a)]
+    assert [n.key for n in plan_eviction(r.tree, "l1").nodes] == [tuple(a)]
     r.check_invariants()
 
 
@@ -508,7 +509,7 @@ def test_layer_counter_and_overlap():
         r.settle()
         r.tree.evict(16)
         host = torch.cat(
-            [n.host_value for n in r.tree._path(r.tree.match_prefix(key).last_host_node)]
+            [n.host_value for n in r.tree.path_of(r.tree.match_prefix(key).last_host_node)]
         )
         dev = r.controller.load(host, node_id=-1)
         assert dev is not None
@@ -564,12 +565,12 @@ def test_pending_layer_wait_until_load_landed():
         r.settle()
         r.tree.evict(10)
         res = r.tree.match_prefix(key)
-        r.tree.init_load_back(res.last_device_node, res, wait=False)
+        r.tree.host.load_back(res.last_device_node, res, wait=False)
         assert r.controller.wait_layer(L - 1, timeout=5)  # every layer issued ...
-        assert r.tree.pending_layer_wait() is not None  # ... but the load has not finished
+        assert r.tree.host.pending_layer_wait() is not None  # ... but the load has not finished
         release.set()
-        r.tree.wait_pending_loads()
-        assert r.tree.pending_layer_wait() is None
+        r.tree.host.wait_pending_loads()
+        assert r.tree.host.pending_layer_wait() is None
     finally:
         release.set()
         r.close()
@@ -603,7 +604,7 @@ class HiCacheSoak(RuleBasedStateMachine):
         res = self.rig.tree.match_prefix(key)
         indices, node = res.device_indices, res.last_device_node
         if res.host_hit_length:
-            indices, node = self.rig.tree.init_load_back(node, res)
+            indices, node = self.rig.tree.host.load_back(node, res)
         n = len(indices)
         self.rig.assert_device_kv(key[:n], indices)
         if lock and len(self.locked) < 2:
@@ -621,7 +622,7 @@ class HiCacheSoak(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 32))
     def evict_host(self, n: int) -> None:
-        self.rig.tree.evict_host(n)
+        self.rig.tree.host.eviction.evict_host(n)
 
     @rule()
     def settle(self) -> None:
@@ -652,10 +653,10 @@ class HiCacheAdminSoak(HiCacheSoak):
     )
     def admin_evict(self, tier: str, n: int | None, key: list[int], scoped: bool) -> None:
         tree = self.rig.tree
-        path = tree.walk([k + 1 for k in key])
-        within = tree.subtree(path[-1].node) if scoped and path else None
+        path = walk(tree, [k + 1 for k in key])
+        within = subtree(path[-1].node) if scoped and path else None
         before = _tiers(tree)
-        plan = tree.plan_eviction(tier, n, within)
+        plan = plan_eviction(tree, tier, n, within)
         assert _tiers(tree) == before and plan.version == tree.version
         assert tree.evict_plan(plan) == plan.tokens
         after = _tiers(tree)
@@ -672,9 +673,9 @@ class HiCacheAdminSoak(HiCacheSoak):
         if tree.event_log is None:
             tree.event_log = CacheEventLog()
         log = tree.event_log
-        plan = tree.plan_eviction(tier, n)
+        plan = plan_eviction(tree, tier, n)
         seq = log.last_seq
-        freed = tree.evict(n) if tier == "l1" else tree.evict_host(n)
+        freed = tree.evict(n) if tier == "l1" else tree.host.eviction.evict_host(n)
         # the nodes evict freed from the tier, in its order (L1: demoted or deleted)
         kinds = {("demoted", "l2"), ("removed", "l1")} if tier == "l1" else {("removed", "l2")}
         order = [e.node_id for e in log.since(seq) if (e.kind, e.tier) in kinds]
@@ -700,5 +701,13 @@ def test_kv_block_view_follows_demotion_and_load_back(rigs):
     demoted = view.snapshot(r.tree)
     assert demoted["l1"] == [] and demoted["l2"] == both["l2"]
     res = r.tree.match_prefix(key)
-    r.tree.init_load_back(res.last_device_node, res)
+    r.tree.host.load_back(res.last_device_node, res)
     assert view.snapshot(r.tree) == both
+
+
+def test_an_unknown_write_policy_is_refused(rigs):
+    """Checked before any part of the tree is built (the rig's controller stays unused)."""
+    r = rigs()
+    with pytest.raises(ValueError, match="write_policy"):
+        HiRadixCache(None, r.allocator, 1, r.host_pool, r.controller, write_policy="sometimes")
+    assert r.controller.notify is None

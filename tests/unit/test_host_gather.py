@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine.runtime.layers.attention import torch_native
 from engine.runtime.layers.attention.torch_native import _HostGather
-from hicache.tree.hiradix import HostReads
+from hicache.l2.tier import HostReads
 
 SLOTS, HOST, HEADS, DIM = 40, 64, 2, 4
 

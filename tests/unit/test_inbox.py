@@ -57,14 +57,14 @@ def test_a_call_queued_when_the_scheduler_loop_stops_fails_at_once(tiny_llama_di
 
         def stop_with_a_call_queued(s: Any) -> None:
             if not queued:  # the call is put after this pass took the inbox: it stays queued
-                queued.append(s.call(len))
+                queued.append(s.inbox.put_call(len))
                 eng._stop.set()  # the loop ends after this step
 
-        eng.call_in_scheduler(lambda s: s.add_step_hook(stop_with_a_call_queued))
+        eng.call_in_scheduler(lambda s: s.step_hooks.add(stop_with_a_call_queued))
         eng._thread.join(CALL_TIMEOUT_S)
         assert not eng._thread.is_alive()
         assert isinstance(queued[0].exception(timeout=CALL_TIMEOUT_S), EngineShutdownError)
-        later = eng.scheduler.call(len)
+        later = eng.scheduler.inbox.put_call(len)
         assert isinstance(later.exception(timeout=CALL_TIMEOUT_S), EngineShutdownError)
     finally:
         eng.shutdown()

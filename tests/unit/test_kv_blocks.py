@@ -15,7 +15,7 @@ def _tree(page_size: int = 1) -> RadixCache:
 
 
 def _insert(tree: RadixCache, tokens: list[int], namespace: str | None = None) -> None:
-    key = tree.key_of(tokens, namespace)
+    key = tree.keys.key_of(tokens, namespace)
     slots = tree.token_to_kv_pool_allocator.alloc(len(key))
     dup = tree.insert(key, slots)
     tree.token_to_kv_pool_allocator.free(slots[:dup])

@@ -104,7 +104,7 @@ def test_disk_blocks_equal_the_trees_blocks_for_the_same_tokens(tmp_path, namesp
     assert index.watched and index.medium == "disk"
     got = L3BlockView(B, KEY).snapshot(index)
     tree = RadixCache(None, TokenToKVPoolAllocator(64, 1, "cpu"), 1)
-    key = tree.key_of(tokens[:18], namespace)
+    key = tree.keys.key_of(tokens[:18], namespace)
     tree.insert(key, tree.token_to_kv_pool_allocator.alloc(len(key)))
     assert got["disk"] == BlockView(B, KEY).snapshot(tree)["l1"] and got["external"] == []
     assert [b.block_hash for b in got["disk"]] == _reference(
@@ -283,7 +283,7 @@ def test_another_index_replaces_the_blocks_of_the_last(tmp_path):
 
 # ---- the tree's hooks ---------------------------------------------------------------------------
 def _tree_blocks(rig: Rig, tier: str) -> list[int]:
-    return [b.block_hash for b in L3BlockView(B, KEY).snapshot(rig.tree.l3_objects())[tier]]
+    return [b.block_hash for b in L3BlockView(B, KEY).snapshot(rig.tree.l3.l3_index)[tier]]
 
 
 def test_tree_backups_publish_disk_blocks_and_a_flush_removes_them(tmp_path):
@@ -297,7 +297,7 @@ def test_tree_backups_publish_disk_blocks_and_a_flush_removes_them(tmp_path):
         assert set(_tree_blocks(rig, "disk")) <= {b.block_hash for b in l1}
         rig.tree.l3.clear_storage()
         assert _tree_blocks(rig, "disk") == []
-        assert rig.tree.detach_storage() is not None and rig.tree.l3_objects() is None
+        assert rig.tree.l3.detach_storage() is not None and rig.tree.l3.l3_index is None
     finally:
         rig.close()
 
@@ -324,15 +324,15 @@ def test_tree_hooks_follow_a_shared_valkey(valkey_server):
         tokens = list(range(60, 84))  # 3 objects
         a.insert(tokens)
         a.settle()
-        assert a.tree.l3_objects() is not None and not a.tree.l3_objects().watched
+        assert a.tree.l3.l3_index is not None and not a.tree.l3.l3_index.watched
         assert _tree_blocks(a, "external") == _reference(tokens)
         assert _tree_blocks(b, "external") == []  # b never heard of them
-        assert b.tree.storage_prefix_len(tokens) == 24  # an exists check (MatchPrefix)
+        assert b.tree.l3.storage_prefix_len(tokens) == 24  # an exists check (MatchPrefix)
         assert _tree_blocks(b, "external") == _reference(tokens)
         node = a.tree.match_prefix(tokens).last_device_node
-        assert a.tree.delete_from_storage([node]) > 0  # the objects ending in the node
+        assert a.tree.l3.delete_from_storage([node]) > 0  # the objects ending in the node
         assert _tree_blocks(a, "external") == []
-        assert b.tree.storage_prefix_len(tokens) == 0  # b learns they are gone
+        assert b.tree.l3.storage_prefix_len(tokens) == 0  # b learns they are gone
         assert _tree_blocks(b, "external") == []
     finally:
         a.close()

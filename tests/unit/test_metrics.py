@@ -16,6 +16,7 @@ from engine import Engine
 from engine.server.admin_pb import stats_message
 from engine.server.metrics import Metrics
 from hicache.observe.stats import CacheStats, L3Stats, Moves, l3_stats
+from hicache.tree.ops import flush_tier
 from tests import stats_records as rec
 from tests.e2e.test_hicache_engine import _prompts, _wait_backups_landed, _wait_in_l3
 
@@ -255,7 +256,7 @@ def test_engine_traffic_fills_every_tier_family(tiny_llama_dir, tmp_path):
         while eng.cache_stats().l3.evicted_tokens == 0:  # backups land asynchronously
             assert time.monotonic() < deadline, "no L3 eviction"
             time.sleep(0.02)
-        eng.call_in_scheduler(lambda s: s.tree_cache.flush_tier("l1"))  # demoted to L2
+        eng.call_in_scheduler(lambda s: flush_tier(s.tree_cache, "l1"))  # demoted to L2
         assert eng.generate(fillers[-1], gen).cached_tokens_per_tier.get("l2", 0) > 0
         _wait_backups_landed(eng)
         stats = eng.cache_stats()

@@ -19,28 +19,46 @@ from engine.admin_records import Pin, TenantQuota
 from engine.ipc import messages, transport
 from engine.runtime import cache_admin, handlers
 from engine.runtime.process import SchedulerServer
+from engine.runtime.scheduler.inbox import Inbox
 from hicache.observe.events import CacheEventLog
 from tests.unit.test_cache_admin import FakeScheduler
 
 
+class InlineInbox(Inbox):
+    """The scheduler's inbox whose calls run at once (the loop's part), counted."""
+
+    def __init__(self, scheduler: FakeScheduler) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+        self.calls = 0
+
+    def put_call(self, fn: Any) -> Future:
+        self.calls += 1
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(self.scheduler))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(e)
+        return fut
+
+
 class InlineScheduler(FakeScheduler):
-    """FakeScheduler whose `call` runs the function at once (the scheduler thread's part)."""
+    """FakeScheduler with an inbox whose calls run at once, and the loop's ``run_call``."""
 
     def __init__(self) -> None:
         super().__init__(page_size=1)
         self.insert(list(range(1, 17)))
         self.insert(list(range(1, 9)) + [50 + i for i in range(8)])
         self.insert([90 + i for i in range(8)])
-        self.calls = 0
+        self.inbox = InlineInbox(self)
 
-    def call(self, fn: Any) -> Future:
-        self.calls += 1
-        fut: Future = Future()
-        try:
-            fut.set_result(fn(self))
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            fut.set_exception(e)
-        return fut
+    @property
+    def calls(self) -> int:
+        """Calls handed to the loop through the inbox."""
+        return self.inbox.calls
+
+    def run_call(self, fn: Any) -> Any:
+        return fn(self)
 
 
 def _declared() -> set[type]:
@@ -54,7 +72,7 @@ def _declared() -> set[type]:
 
 def _path(s: InlineScheduler, node_id: int) -> tuple[int, ...]:
     """A node by the tokens from the root to it: node ids count up across trees."""
-    nodes = {n.id: n for n in [s.tree_cache.root_node, *s.tree_cache._all_nodes()]}
+    nodes = {n.id: n for n in [s.tree_cache.root_node, *s.tree_cache.all_nodes()]}
     node, path = nodes[node_id], ()
     while node is not None:
         path, node = tuple(node.key) + path, node.parent
@@ -62,7 +80,7 @@ def _path(s: InlineScheduler, node_id: int) -> tuple[int, ...]:
 
 
 def _tree(s: InlineScheduler) -> list[tuple]:
-    return sorted((_path(s, n.id), n.lock_ref) for n in s.tree_cache._all_nodes())
+    return sorted((_path(s, n.id), n.lock_ref) for n in s.tree_cache.all_nodes())
 
 
 def _by_path(s: InlineScheduler, answer: Any) -> Any:
@@ -181,19 +199,11 @@ def test_only_event_reads_go_to_the_event_threads():
     assert {type(op) for op in SAMPLES if isinstance(op, ops.EventRead)} == events
 
 
-class FakeEngine:
-    def __init__(self) -> None:
-        self.scheduler = InlineScheduler()
-
-    def call(self, op: ops.Operation[Any]) -> Any:
-        return handlers.answer(self.scheduler, op)
-
-
 def test_the_scheduler_process_replies_with_the_answer_or_the_error(tmp_path):
     ctx = zmq.Context()
     addrs = transport.Addresses.in_dir(tmp_path)
     replies = transport.pull(ctx, addrs.api_reply)
-    server = SchedulerServer(FakeEngine(), addrs, ctx)
+    server = SchedulerServer(InlineScheduler(), set(), addrs, ctx)  # type: ignore[arg-type]
     try:
         server._call(messages.CallReq(1, ops.MatchPrefix(list(range(1, 9)))))
         server._call(messages.CallReq(2, ops.Flush(["l2"])))  # no L2 here

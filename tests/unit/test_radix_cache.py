@@ -12,6 +12,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hicache import ChunkCache, RadixCache, ReqToTokenPool, TokenToKVPoolAllocator
 from hicache.tree.eviction_plan import StalePlanError
+from hicache.tree.ops import (
+    lock_prefix,
+    namespace_nodes,
+    namespace_roots,
+    plan_eviction,
+    radix_tree,
+    subtree,
+    unlock_prefix,
+    walk,
+)
 
 
 class Sim:
@@ -113,7 +123,7 @@ class Sim:
             while node is not self.cache.root_node:
                 expected[node.id] = expected.get(node.id, 0) + 1
                 node = node.parent
-        for node in self.cache._all_nodes()[1:]:
+        for node in self.cache.all_nodes()[1:]:
             assert node.lock_ref == expected.get(node.id, 0), f"{node!r} lock_ref"
 
     def check_match(self, key: list[int]) -> torch.Tensor:
@@ -204,7 +214,7 @@ def _state(cache: RadixCache) -> list[tuple]:
             n.last_access_time,
             n.hit_count,
         )
-        for n in cache._all_nodes()
+        for n in cache.all_nodes()
     )
 
 
@@ -213,13 +223,13 @@ def test_walk_reads_the_path_without_splitting_or_touching() -> None:
     _insert(sim, [1, 2, 3, 4])
     _insert(sim, [1, 2, 5, 6])
     c, before = sim.cache, _state(sim.cache)
-    steps = c.walk([1, 2, 3, 9])  # ends inside the [3, 4] node
+    steps = walk(c, [1, 2, 3, 9])  # ends inside the [3, 4] node
     assert [(s.node.key, s.tokens, s.tier) for s in steps] == [((1, 2), 2, "l1"), ((3, 4), 1, "l1")]
-    assert c.walk([9, 9]) == [] and c.walk([]) == []
+    assert walk(c, [9, 9]) == [] and walk(c, []) == []
     assert _state(c) == before
     paged = Sim(4)
     _insert(paged, list(range(12)))
-    steps = paged.cache.walk(list(range(10)))  # 2 whole pages of the 3-page node
+    steps = walk(paged.cache, list(range(10)))  # 2 whole pages of the 3-page node
     assert [(len(s.node.key), s.tokens) for s in steps] == [(12, 8)]
 
 
@@ -230,10 +240,10 @@ def test_plan_follows_the_tree_order_and_evict_plan_frees_exactly_it() -> None:
     c = sim.cache
     sim.check_match([6, 7])  # the most recent: evicted last
     before = _state(c)
-    plan = c.plan_eviction("l1", 2)
+    plan = plan_eviction(c, "l1", 2)
     assert [n.key for n in plan.nodes] == [(3,), (4, 5)] and plan.tokens == 3
-    assert [n.key for n in c.plan_eviction("l1").nodes] == [(3,), (4, 5), (1, 2), (6, 7)]
-    assert c.plan_eviction("l2").nodes == () and c.plan_eviction("l1", 0).nodes == ()
+    assert [n.key for n in plan_eviction(c, "l1").nodes] == [(3,), (4, 5), (1, 2), (6, 7)]
+    assert plan_eviction(c, "l2").nodes == () and plan_eviction(c, "l1", 0).nodes == ()
     assert _state(c) == before  # planning changes nothing
     free0 = sim.alloc.available_size()
     assert c.evict_plan(plan) == 3
@@ -245,7 +255,7 @@ def test_plan_follows_the_tree_order_and_evict_plan_frees_exactly_it() -> None:
 def test_evict_plan_refuses_a_stale_plan_and_changes_nothing() -> None:
     sim = Sim(1)
     _insert(sim, [1, 2, 3])
-    plan = sim.cache.plan_eviction("l1")
+    plan = plan_eviction(sim.cache, "l1")
     _insert(sim, [1, 2, 4])  # splits [1, 2, 3]: the plan's node is not a leaf any more
     before = _state(sim.cache)
     with pytest.raises(StalePlanError):
@@ -259,17 +269,17 @@ def test_plan_within_a_subtree_and_locked_nodes() -> None:
     for key in ([1, 2, 3], [1, 2, 4], [6, 7]):
         _insert(sim, key)
     c = sim.cache
-    prefix_node = c.walk([1, 2])[-1].node
-    within = c.subtree(prefix_node)
+    prefix_node = walk(c, [1, 2])[-1].node
+    within = subtree(prefix_node)
     assert {n.key for n in within} == {(1, 2), (3,), (4,)}
-    lock = c.lock_prefix([1, 2, 4, 9])
+    lock = lock_prefix(c, [1, 2, 4, 9])
     assert lock is not None and lock.tokens == 3 and lock.node.key == (4,)
-    plan = c.plan_eviction("l1", None, within)
+    plan = plan_eviction(c, "l1", None, within)
     assert [n.key for n in plan.nodes] == [(3,)]  # [1, 2] + [4] are locked
     assert c.evict_plan(plan) == 1 and c.total_size() == 5
     sim.check(locks=(lock.node,))
-    c.unlock_prefix(lock)
-    assert {n.key for n in c.plan_eviction("l1", None, c.subtree(prefix_node)).nodes} == {
+    unlock_prefix(c, lock)
+    assert {n.key for n in plan_eviction(c, "l1", None, subtree(prefix_node)).nodes} == {
         (1, 2),
         (4,),
     }
@@ -280,14 +290,14 @@ def test_lock_prefix_splits_to_the_device_prefix_or_locks_nothing() -> None:
     sim = Sim(4)
     _insert(sim, list(range(16)))
     c = sim.cache
-    assert c.lock_prefix([99] * 8) is None and c.lock_prefix(list(range(3))) is None
-    assert c.lock_prefix(list(range(8)), min_tokens=9) is None
+    assert lock_prefix(c, [99] * 8) is None and lock_prefix(c, list(range(3))) is None
+    assert lock_prefix(c, list(range(8)), min_tokens=9) is None
     assert c.protected_size() == 0 and len(c.root_node.children[(0, 1, 2, 3)].key) == 16
-    lock = c.lock_prefix(list(range(6)) + [99, 99])  # one whole page matches
+    lock = lock_prefix(c, list(range(6)) + [99, 99])  # one whole page matches
     assert lock is not None and lock.tokens == 4 and lock.node.key == (0, 1, 2, 3)
     assert c.protected_size() == 4 and c.evictable_size() == 12
     sim.check(locks=(lock.node,))
-    c.unlock_prefix(lock)
+    unlock_prefix(c, lock)
     assert c.protected_size() == 0
     sim.check()
 
@@ -296,12 +306,12 @@ def test_namespace_roots_and_nodes() -> None:
     sim = Sim(1)
     c = sim.cache
     for ns, key in (("a", [1, 2]), ("a", [1, 3]), ("b", [1, 2]), (None, [1, 2])):
-        _insert(sim, list(c.key_of(key, ns)))
-    assert {c.split_key(n.key)[0] for n in c.namespace_roots(frozenset({"a"}))} == {"a"}
-    assert len(c.namespace_nodes(frozenset({"a"}))) == 3  # [1] -> [2], [3]
-    assert len(c.namespace_nodes(frozenset({"a", "b"}))) == 4
-    assert len(c.namespace_nodes(None)) == len(c._all_nodes())
-    plan = c.plan_eviction("l1", None, c.namespace_nodes(frozenset({"b"})))
+        _insert(sim, list(c.keys.key_of(key, ns)))
+    assert {c.keys.split_key(n.key)[0] for n in namespace_roots(c, frozenset({"a"}))} == {"a"}
+    assert len(namespace_nodes(c, frozenset({"a"}))) == 3  # [1] -> [2], [3]
+    assert len(namespace_nodes(c, frozenset({"a", "b"}))) == 4
+    assert len(namespace_nodes(c, None)) == len(c.all_nodes())
+    plan = plan_eviction(c, "l1", None, namespace_nodes(c, frozenset({"b"})))
     assert c.evict_plan(plan) == 2
     assert len(c.match_prefix([1, 2], "a").device_indices) == 2
     assert len(c.match_prefix([1, 2], "b").device_indices) == 0
@@ -309,11 +319,28 @@ def test_namespace_roots_and_nodes() -> None:
 
 
 def test_chunk_cache_has_nothing_to_walk_plan_or_lock() -> None:
+    """A ChunkCache is no tree for the tree operations; the admin operations over it find
+    nothing to match, evict or pin (a disabled radix tree neither)."""
+    from engine.admin_records import EvictInfo
+    from engine.runtime import cache_admin
+
     sim = Sim(1, chunk=True)
-    c = sim.cache
-    assert c.walk([1, 2]) == [] and c.lock_prefix([1, 2]) is None
-    plan = c.plan_eviction("l1")
-    assert plan.nodes == () and c.evict_plan(plan) == 0
+    _insert(sim, [1, 2])  # kept by nothing: a ChunkCache shares no prefix
+    assert radix_tree(sim.cache) is None and sim.cache.total_size() == 0
+    disabled = RadixCache(None, TokenToKVPoolAllocator(8, 1, "cpu"), 1, disable=True)
+    assert radix_tree(disabled) is None and radix_tree(Sim(1).cache) is not None
+    s = SimpleNamespace(
+        tree_cache=sim.cache,
+        page_size=1,
+        admin_pins=cache_admin.PinTable(),
+        event_log=None,
+        is_idle=lambda: True,
+    )
+    assert cache_admin.match_prefix(s, [1, 2]).matched_tokens == 0
+    assert cache_admin.evict(s, "l1", dry_run=True) == EvictInfo(0, 0)
+    assert cache_admin.evict(s, "l1") == EvictInfo(0, 0)
+    assert cache_admin.pin(s, [1, 2]) is None
+    assert cache_admin.inspect_tree(s) == ([], 0)
 
 
 @pytest.mark.parametrize("p", [1, 16])
@@ -469,17 +496,17 @@ class RadixAdminMachine(RadixMachine):
     exactly its nodes, and a plan of n tokens is what ``evict(n)`` frees."""
 
     def _device(self) -> dict[int, tuple[int, ...]]:
-        return {n.id: n.key for n in self.sim.cache._all_nodes()[1:] if n.value is not None}
+        return {n.id: n.key for n in self.sim.cache.all_nodes()[1:] if n.value is not None}
 
     @rule(tokens=TOKENS, n=st.one_of(st.none(), st.integers(0, 30)), scoped=st.booleans())
     def admin_evict(self, tokens: list[int], n: int | None, scoped: bool) -> None:
         c = self.sim.cache
-        path = c.walk(tokens)
-        within = c.subtree(path[-1].node) if scoped and path else None
+        path = walk(c, tokens)
+        within = subtree(path[-1].node) if scoped and path else None
         before, device = _state(c), self._device()
-        plan = c.plan_eviction("l1", n, within)
+        plan = plan_eviction(c, "l1", n, within)
         assert _state(c) == before
-        everything = c.plan_eviction("l1", None, within)
+        everything = plan_eviction(c, "l1", None, within)
         assert plan.nodes == everything.nodes[: len(plan.nodes)]  # the same order
         if n == 0:
             assert plan.nodes == ()
@@ -495,7 +522,7 @@ class RadixAdminMachine(RadixMachine):
     def plan_is_what_evict_frees(self, n: int) -> None:
         c = self.sim.cache
         device = self._device()
-        plan = c.plan_eviction("l1", n)
+        plan = plan_eviction(c, "l1", n)
         assert c.evict(n) == plan.tokens
         assert set(device) - set(self._device()) == {x.id for x in plan.nodes}
 

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from engine.runtime.scheduler.policy import SchedulePolicy
 
-# the cache's answer to ``l3_hit`` (tokens of a request's prefix L3 held): each fake request's
-# ``l3`` field
-CACHE = SimpleNamespace(l3_hit=lambda r: r.l3)
+# the cache manager's answer to ``l3_hit`` (tokens of a request's prefix L3 held): each fake
+# request's ``l3`` field
+L3_HIT = lambda r: r.l3
+NO_TREE = SimpleNamespace(root_node=SimpleNamespace(children={}, parent=None))
 
 
 def req(rid: str, cached: int, created: float, host: int = 0, bypassed: int = 0, l3: int = 0):
@@ -42,7 +43,7 @@ def order(policy: SchedulePolicy, waiting: list) -> list[str]:
 
 
 def test_lpm_orders_by_cached_prefix_including_host_and_l3():
-    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=4)
+    p = SchedulePolicy("lpm", tree_cache=NO_TREE, l3_hit=L3_HIT, max_bypass=4)
     w = [
         req("cold", 0, 10.0),
         req("l1", 500, 10.1),
@@ -53,7 +54,7 @@ def test_lpm_orders_by_cached_prefix_including_host_and_l3():
 
 
 def test_lpm_overtaken_request_goes_first_in_arrival_order():
-    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=4)
+    p = SchedulePolicy("lpm", tree_cache=NO_TREE, l3_hit=L3_HIT, max_bypass=4)
     w = [
         req("warm-b", 900, 11.5),
         req("first-turn", 0, 9.0, bypassed=4),
@@ -65,13 +66,13 @@ def test_lpm_overtaken_request_goes_first_in_arrival_order():
 
 
 def test_aging_off_keeps_plain_lpm():
-    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=0)
+    p = SchedulePolicy("lpm", tree_cache=NO_TREE, l3_hit=L3_HIT, max_bypass=0)
     w = [req("old-cold", 0, 0.0, bypassed=10**6), req("warm", 10, 100.0)]
     assert order(p, w) == ["warm", "old-cold"]
 
 
 def test_fcfs_is_arrival_order_whatever_aging():
-    p = SchedulePolicy("fcfs", tree_cache=CACHE, max_bypass=1)
+    p = SchedulePolicy("fcfs", tree_cache=NO_TREE, l3_hit=L3_HIT, max_bypass=1)
     w = [req("a", 0, 1.0), req("b", 900, 2.0, bypassed=5), req("c", 5, 3.0)]
     assert order(p, w) == ["a", "b", "c"]
 
@@ -93,7 +94,7 @@ def test_bypasses_count_only_later_arrivals():
     st.integers(1, 8),
 )
 def test_no_fresh_request_ever_precedes_an_aged_one(specs, max_bypass):
-    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=max_bypass)
+    p = SchedulePolicy("lpm", tree_cache=NO_TREE, l3_hit=L3_HIT, max_bypass=max_bypass)
     w = [req(f"r{i}", c, t, bypassed=b) for i, (c, t, b) in enumerate(specs)]
     out = order(p, w)
     by = {r.rid: r for r in w}
@@ -106,7 +107,7 @@ def test_no_fresh_request_ever_precedes_an_aged_one(specs, max_bypass):
 def test_starvation_is_bounded_in_a_stream_of_cached_arrivals():
     """A cold request among a stream of well-cached later arrivals, one admitted per round:
     it is admitted after at most max_bypass of them."""
-    p = SchedulePolicy("lpm", tree_cache=CACHE, max_bypass=5)
+    p = SchedulePolicy("lpm", tree_cache=NO_TREE, l3_hit=L3_HIT, max_bypass=5)
     cold = req("cold", 0, 0.0)
     rounds = 0
     while True:
@@ -121,7 +122,7 @@ def test_starvation_is_bounded_in_a_stream_of_cached_arrivals():
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 def test_aging_applies_to_cache_aware_policies(policy):
-    tree = SimpleNamespace(root_node=SimpleNamespace(children={}, parent=None), l3_hit=CACHE.l3_hit)
-    p = SchedulePolicy(policy, tree_cache=tree, max_bypass=1)
+    tree = SimpleNamespace(root_node=SimpleNamespace(children={}, parent=None))
+    p = SchedulePolicy(policy, tree_cache=tree, l3_hit=L3_HIT, max_bypass=1)
     w = [req("young", 50, 9.9), req("old", 0, 5.0, bypassed=1)]
     assert order(p, w)[0] == "old"

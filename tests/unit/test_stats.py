@@ -19,6 +19,7 @@ from engine.server.pb import admin_pb2
 from hicache.observe.stats import CacheStats, L1Stats, L2Stats, L3Stats, TierStats, l3_stats
 from hicache.storage.file.backend import FileStorageBackend
 from hicache.tier import TIERS, Tier
+from hicache.tree.ops import flush_tier
 from tests import stats_records as rec
 from tests.storage_fakes import GatedStorage
 from tests.unit.test_hiradix_cache import Rig
@@ -237,7 +238,7 @@ def test_backups_gated_present_deferred_and_dropped(tmp_path):
     b.settle()
     # found stored: none written again (L2's demoted tokens count what is written)
     assert b.tiers().l3.backup_skipped_present == 4 and b.tiers().l2.demoted_tokens == 0
-    b.tree.set_backup_gate(lambda node: False)  # e.g. a tenant at its L3 quota
+    b.tree.l3.backup.gate = lambda node: False  # e.g. a tenant at its L3 quota
     b.insert(list(range(200, 216)))
     b.settle()
     assert b.tiers().l3.backup_gated_nodes == 1
@@ -250,11 +251,11 @@ def test_backups_gated_present_deferred_and_dropped(tmp_path):
         c.insert(list(range(300 + 20 * i, 316 + 20 * i)))
         c.controller.start_writing()
         c.controller.wait_idle()
-        c.tree.check()
+        c.tree.host.check()
     l3 = c.tiers().l3
     assert (l3.backup_deferred, l3.deferred_backups) == (1, 1) and l3.pending_backups == 2
-    c.tree.flush_tier("l1")
-    c.tree.evict_host(1 << 30)  # the deferred node leaves L2 before its turn
+    flush_tier(c.tree, "l1")
+    c.tree.host.eviction.evict_host(1 << 30)  # the deferred node leaves L2 before its turn
     store.writes.open()
     c.settle()
     l3 = c.tiers().l3
@@ -297,8 +298,8 @@ def test_prefetches_without_room_in_l2_are_skipped(tmp_path):
     key = list(range(600, 616))
     r.insert(key)
     r.settle()
-    r.tree.flush_tier("l1")
-    r.tree.flush_tier("l2")
+    flush_tier(r.tree, "l1")
+    flush_tier(r.tree, "l2")
     r.insert(list(range(700, 716)))  # fills L2 with a copy of device KV (not evictable there)
     r.settle()
     res = r.tree.match_prefix(key + [1], touch=False)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hicache.storage import FileStorageBackend, object_keys, page_hashes, prefix_hash_seed
 from hicache.storage.file import backend as file_mod
 from hicache.storage.file import scan as file_scan
+from hicache.tree.ops import flush_tier
 
 SEED = prefix_hash_seed("test-model", None)
 
@@ -687,7 +688,7 @@ def test_engine_on_a_half_read_only_l3_warns_once_and_counts_each_failure_once(
             for keys in chains:
                 assert store.exists_mask(keys) == [os.path.exists(store._path(k)) for k in keys]
             # served again from L3 alone: only objects that were written are read
-            eng.call_in_scheduler(lambda s: s.tree_cache.clear(["l1", "l2"]))
+            eng.call_in_scheduler(lambda s: [flush_tier(s.tree_cache, t) for t in ("l1", "l2")])
             again = eng.generate(prompts, greedy)
             _settle_l3(eng)
             after = eng.cache_stats().l3
@@ -710,10 +711,10 @@ def _settle_l3(eng) -> None:
 
     def settle(s) -> int:
         tree = s.tree_cache
-        tree.check()
-        assert tree.controller.wait_storage_idle(30)
-        tree.check()
-        return len(tree.l3.ongoing_backup) + len(tree.l3.deferred_backups)
+        tree.host.check()
+        assert tree.host.controller.wait_storage_idle(30)
+        tree.host.check()
+        return len(tree.l3.backup.ongoing_backup) + len(tree.l3.backup.deferred_backups)
 
     for _ in range(100):
         if eng.call_in_scheduler(settle) == 0:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from hicache.storage.file.backend import FileStorageBackend
+from hicache.tree.ops import flush_tier
 from tests.storage_fakes import GatedStorage
 from tests.unit.test_hiradix_cache import Rig
 
@@ -34,7 +35,7 @@ def _land_writes(r: Rig) -> None:
     """Device->host writes landed and acknowledged (L3 not waited for)."""
     r.controller.start_writing()
     r.controller.wait_idle()
-    r.tree.check()
+    r.tree.host.check()
 
 
 def test_blocked_l3_never_holds_device_pages(gated_rig):
@@ -52,10 +53,10 @@ def test_blocked_l3_never_holds_device_pages(gated_rig):
         r.insert(list(range(200 + 30 * i, 224 + 30 * i)))
         _land_writes(r)
         r.check_invariants()
-    assert r.tree.counters["demotions"] > 0
+    assert r.tree.host.counters["demotions"] > 0
     res = r.tree.match_prefix(first)
     assert res.host_hit_length == 24  # demoted, still served from L2
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(first, indices)
     store.writes.open()
     r.settle()
@@ -83,19 +84,19 @@ def test_backup_of_a_node_spanning_objects_uses_its_parents_host_slots(gated_rig
     r.settle()
     keys = r.tree.l3.storage_keys(tuple(a + list(range(50, 62))))
     assert len(keys) == 3 and store.inner.batch_exists(keys) == 3
-    r.tree.flush_tier("l1")
-    r.tree.flush_tier("l2")
+    flush_tier(r.tree, "l1")
+    flush_tier(r.tree, "l2")
     assert r.tree.l3.prefetch.fetch_from_storage(a + list(range(50, 62))) == 24
     res = r.tree.match_prefix(a + list(range(50, 62)))
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(a + list(range(50, 62)), indices)
 
 
 def _stored_then_flushed(r: Rig, key: list[int]) -> None:
     r.insert(key)
     r.settle()
-    r.tree.flush_tier("l1")
-    r.tree.flush_tier("l2")
+    flush_tier(r.tree, "l1")
+    flush_tier(r.tree, "l2")
     r.check_invariants()
 
 
@@ -128,10 +129,10 @@ def test_prefetch_policies(gated_rig, policy):
         if policy == "wait_complete":
             store.reads.open()
             r.controller.wait_storage_idle()
-            r.tree.check()  # the finished read is collected at once
+            r.tree.host.check()  # the finished read is collected at once
             assert r.tree.l3.prefetch.poll_prefetch("req") == 48
         else:
-            deadline = r.tree.prefetch_deadline()
+            deadline = r.tree.l3.prefetch.prefetch_deadline()
             assert deadline is not None and deadline >= t0
             time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
             assert r.tree.l3.prefetch.poll_prefetch("req") == 16  # what landed before the timeout
@@ -145,7 +146,7 @@ def test_prefetch_policies(gated_rig, policy):
     want = {"best_effort": 0, "wait_complete": 48, "timeout": 16}[policy]
     assert res.host_hit_length == want
     if want:
-        indices, _ = r.tree.init_load_back(res.last_device_node, res)
+        indices, _ = r.tree.host.load_back(res.last_device_node, res)
         r.assert_device_kv(key[:want], indices)
 
 
@@ -175,16 +176,18 @@ def test_prefetch_anchor_survives_host_eviction(gated_rig):
     match = r.tree.match_prefix(key, touch=False)
     assert match.host_hit_length == 8
     assert r.tree.l3.prefetch.start_prefetch("req", key, None, match) == (24, 32)
-    assert r.tree.evict_host(1 << 30) == 0  # the anchor (and so its path) is protected
+    assert (
+        r.tree.host.eviction.evict_host(1 << 30) == 0
+    )  # the anchor (and so its path) is protected
     store.reads.open()
     r.controller.wait_storage_idle()
-    r.tree.check()
+    r.tree.host.check()
     assert r.tree.l3.prefetch.poll_prefetch("req") == 24
-    assert r.tree.evict_host(1 << 30) == 0  # protected until admission
+    assert r.tree.host.eviction.evict_host(1 << 30) == 0  # protected until admission
     r.tree.l3.prefetch.finish_prefetch("req")
     res = r.tree.match_prefix(key)
     assert res.host_hit_length == 32
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
     r.check_invariants()
 
@@ -253,7 +256,7 @@ def test_flat_objects_do_not_depend_on_the_device_page_size(tmp_path):
     try:
         assert b.tree.l3.prefetch.fetch_from_storage(key) == 32
         res = b.tree.match_prefix(key)
-        indices, _ = b.tree.init_load_back(res.last_device_node, res)
+        indices, _ = b.tree.host.load_back(res.last_device_node, res)
         b.assert_device_kv(key, indices)
     finally:
         b.close()
@@ -270,10 +273,10 @@ def test_detach_waits_for_in_flight_backups_and_refuses_while_they_hang(gated_ri
     _land_writes(r)
     assert store.writes.wait_blocked(1)
     with pytest.raises(StorageBusyError, match="nothing was detached"):
-        r.tree.detach_storage(timeout=0.2)
+        r.tree.l3.detach_storage(timeout=0.2)
     assert r.tree.l3.storage is store and r.tiers().l3.pending_backups == 1
     store.writes.open()
-    assert r.tree.detach_storage(timeout=10) is store  # the hung backup landed first
+    assert r.tree.l3.detach_storage(timeout=10) is store  # the hung backup landed first
     assert store.inner.batch_exists(keys) == 8
     assert r.tiers().l3 is None and r.controller.storage_io is None
     assert r.tree.l3.storage_keys(tuple(key)) == []  # no L3, no keys
@@ -282,21 +285,21 @@ def test_detach_waits_for_in_flight_backups_and_refuses_while_they_hang(gated_ri
     r.insert(list(range(900, 924)))
     r.settle()
     r.check_invariants()
-    assert r.tree.detach_storage() is None  # nothing attached: a no-op
+    assert r.tree.l3.detach_storage() is None  # nothing attached: a no-op
 
 
 def test_attach_at_run_time_backs_up_what_l2_holds_and_serves_it(gated_rig, tmp_path):
     from hicache.l3.tier import StorageBusyError
 
     r, _ = gated_rig(object_size=4)
-    r.tree.detach_storage()
+    r.tree.l3.detach_storage()
     key = list(range(1000, 1032))
     r.insert(key)
     r.settle()
     fresh = FileStorageBackend(tmp_path / "attached", 1 << 26)
-    r.tree.attach_storage(fresh, 4)
+    r.tree.l3.attach_storage(fresh, 4)
     with pytest.raises(StorageBusyError, match="already attached"):
-        r.tree.attach_storage(fresh, 4)
+        r.tree.l3.attach_storage(fresh, 4)
     keys = r.tree.l3.storage_keys(tuple(key))
     assert fresh.batch_exists(keys) == 0
     # the next match of the prefix backs up what L2 holds (the repair path)
@@ -306,11 +309,11 @@ def test_attach_at_run_time_backs_up_what_l2_holds_and_serves_it(gated_rig, tmp_
     r.settle()
     r.tree.l3.prefetch.cancel_prefetch("req")
     assert fresh.batch_exists(keys) == 8
-    r.tree.flush_tier("l1")
-    r.tree.flush_tier("l2")
+    flush_tier(r.tree, "l1")
+    flush_tier(r.tree, "l2")
     assert r.tree.l3.prefetch.fetch_from_storage(key) == 32
     res = r.tree.match_prefix(key)
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)
     r.check_invariants()
 
@@ -355,17 +358,17 @@ def test_backup_waits_for_an_ancestors_host_bytes_still_in_flight(gated_rig):
     deadline = time.monotonic() + 10
     while r.controller.ack_write_queue.empty() and time.monotonic() < deadline:
         time.sleep(0.005)
-    r.tree.check()  # b acknowledged: its backup must not read a's unwritten slots
+    r.tree.host.check()  # b acknowledged: its backup must not read a's unwritten slots
     r.controller.wait_storage_idle()
     gate.allow(1)
     r.settle()
     keys = r.tree.l3.storage_keys(tuple(a + b))
     assert store.inner.batch_exists(keys) == 3  # all stored, none skipped for good
-    r.tree.flush_tier("l1")
-    r.tree.flush_tier("l2")
+    flush_tier(r.tree, "l1")
+    flush_tier(r.tree, "l2")
     assert r.tree.l3.prefetch.fetch_from_storage(a + b) == 24
     res = r.tree.match_prefix(a + b)
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(a + b, indices)
     r.check_invariants()
 
@@ -395,13 +398,13 @@ def test_a_failed_write_leaves_no_host_copy_in_the_parts_of_a_split_node(gated_r
     assert r.controller.stats["errors"] == 1
     assert head.host_value is None and head.host_pending is None
     r.check_invariants()
-    r.tree.flush_tier("l1")  # a's tail leaves; its head, a parent now, is written again
+    flush_tier(r.tree, "l1")  # a's tail leaves; its head, a parent now, is written again
     r.settle()
     assert r.tree.match_prefix(a, touch=False).host_hit_length == 12
     key = a[:12] + list(range(70, 74))
     res = r.tree.match_prefix(key)
     assert res.host_hit_length == 16
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(key, indices)  # the bytes of the second write, not the failed one's
     r.check_invariants()
 
@@ -419,8 +422,8 @@ def test_a_node_split_before_its_write_lands_backs_up_both_parts(gated_rig):
     keys = r.tree.l3.storage_keys(tuple(doc))
     assert len(keys) == 3 and store.inner.batch_exists(keys) == 3
     r.check_invariants()
-    r.tree.flush_tier("l1")
-    r.tree.flush_tier("l2")
+    flush_tier(r.tree, "l1")
+    flush_tier(r.tree, "l2")
     assert r.tree.l3.prefetch.fetch_from_storage(doc) == 24
 
 
@@ -438,19 +441,19 @@ def test_a_write_that_finds_l2_room_held_by_backups_lands_once_they_do(gated_rig
     r.tree.evict(64)  # old: host only
     r.insert(new)  # its write evicts old from L2; the room is held by old's backup
     node = r.tree.match_prefix(new).last_device_node
-    assert node.host_value is None and node.id in r.tree.waiting_writes
+    assert node.host_value is None and node.id in r.tree.host.waiting_writes
     assert r.host_pool.pending_free_size() == 16
     store.writes.open()
     assert r.controller.wait_storage_idle(30)
-    r.tree.check()  # room back: new's write is queued
+    r.tree.host.check()  # room back: new's write is queued
     _land_writes(r)
-    assert node.host_value is not None and not r.tree.waiting_writes
+    assert node.host_value is not None and not r.tree.host.waiting_writes
     r.check_invariants()
     r.tree.evict(64)  # new: host only; loaded back, its bytes are the ones computed
     res = r.tree.match_prefix(new)
-    indices, _ = r.tree.init_load_back(res.last_device_node, res)
+    indices, _ = r.tree.host.load_back(res.last_device_node, res)
     r.assert_device_kv(new, indices)
     assert r.controller.wait_storage_idle(30)
-    r.tree.check()
+    r.tree.host.check()
     assert store.inner.batch_exists(r.tree.l3.storage_keys(tuple(old))) == 4
     assert store.inner.batch_exists(r.tree.l3.storage_keys(tuple(new))) == 3

@@ -6,11 +6,17 @@ thread takes (``take``). The inbox also counts the arrivals and aborts not taken
 queue-length limit (``Scheduler.num_queued``). When the scheduler loop ends it closes the inbox
 (``close``): every call queued then, and every call put later, fails with EngineShutdownError at
 once; nothing is left waiting on a loop that is gone.
+
+Every put also makes the inbox's file descriptor (``fileno``: one end of a socket pair)
+readable until the next ``take``, so a loop that waits on other sockets too (the scheduler
+process: its ZMQ socket, engine/runtime/process.py) waits on the inbox in the same poll.
 """
 
 from __future__ import annotations
 
 import queue
+import select
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -56,17 +62,23 @@ class Inbox:
         self._aborts = 0  # Abort messages not taken yet
         self._wake_pending = threading.Event()
         self._closed = False  # the scheduler loop has ended: calls fail at once
+        # NOTE: a byte in the pair means "something was put since the last take"; the sockets
+        # close with the inbox (never at the loop's end: a copy thread may still wake it)
+        self._signaled = False  # under _lock: a byte is (about to be) in the pair
+        self._reader, self._writer = socket.socketpair()
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)
 
     # ---- any thread ----------------------------------------------------------------------------
     def put_request(self, req: Req) -> None:
         with self._lock:
             self._arrivals += 1
-        self._queue.put(Arrival(req))
+        self._put(Arrival(req))
 
     def put_abort(self, rid: str) -> None:
         with self._lock:
             self._aborts += 1
-        self._queue.put(Abort(rid))
+        self._put(Abort(rid))
 
     def put_call(self, fn: Callable[[Scheduler], Any]) -> Future:
         """The call's future; failed at once (EngineShutdownError) once the inbox is closed."""
@@ -74,9 +86,12 @@ class Inbox:
         # NOTE: checked and queued under the lock close() takes: a call either is queued before
         # the close (and failed by it) or sees the close; none can slip in between
         with self._lock:
-            if not self._closed:
+            queued = not self._closed
+            if queued:
                 self._queue.put(Call(fn, fut))
-                return fut
+        if queued:
+            self._signal()
+            return fut
         fut.set_exception(_stopped())
         return fut
 
@@ -84,13 +99,36 @@ class Inbox:
         """Make a sleeping scheduler run a step (coalesced)."""
         if not self._wake_pending.is_set():
             self._wake_pending.set()
-            self._queue.put(Wake())
+            self._put(Wake())
+
+    def _put(self, msg: Message) -> None:
+        self._queue.put(msg)  # NOTE: before the signal: a take after it finds the message
+        self._signal()
+
+    def _signal(self) -> None:
+        with self._lock:
+            if self._signaled:
+                return
+            self._signaled = True
+        try:
+            self._writer.send(b"\0")
+        except OSError:  # full (readable anyway), or closed with the inbox
+            pass
 
     def pending_arrivals(self) -> int:
         """Arrivals not taken yet, less the aborts not taken yet."""
         return self._arrivals - self._aborts
 
     # ---- the scheduler thread ------------------------------------------------------------------
+    def fileno(self) -> int:
+        """Readable while something was put since the last ``take`` (for ``select`` / a ZMQ
+        poller)."""
+        return self._reader.fileno()
+
+    def wait(self, timeout: float) -> None:
+        """Block until something is put, or ``timeout`` seconds passed."""
+        select.select([self._reader], [], [], timeout)
+
     def close(self) -> None:
         """The loop has ended: fail every queued call, and every later one, with
         EngineShutdownError (their callers would otherwise wait out their timeouts on threads
@@ -108,8 +146,17 @@ class Inbox:
 
     def take(self, block: bool, timeout: float) -> Iterator[Message]:
         """Every queued message (waiting at most ``timeout`` s for the first when ``block``)."""
+        if block:
+            self.wait(timeout)
+        with self._lock:  # NOTE: before taking: what is put from now on signals again
+            self._signaled = False
+            try:
+                while self._reader.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
         try:
-            msg = self._queue.get(block=block, timeout=timeout if block else None)
+            msg = self._queue.get_nowait()
         except queue.Empty:
             return
         while True:

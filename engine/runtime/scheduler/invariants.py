@@ -9,12 +9,29 @@ the tree (``tree.all_device_slots()``), held by an active request (its req_to_to
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.runtime.request import Req
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.tree.base import BasePrefixCache
+
+if TYPE_CHECKING:
+    from engine.runtime.scheduler.scheduler import Scheduler
+
+
+def scheduler_held_slots(s: Scheduler) -> torch.Tensor:
+    """Slots the scheduler's active requests hold that the tree does not ([n] int64 on CPU)."""
+    active = s.running + ([s.chunked_req] if s.chunked_req else []) + s.deferred
+    active += [r for j in s.launched for r in j.reqs]
+    return held_slots(s.runner.req_to_token_pool.req_to_token, active, s.tree_cache)
+
+
+def check(s: Scheduler) -> None:
+    """Every KV page is free, in the tree or held by one of the scheduler's requests, exactly
+    once (after every step with ``debug_check_invariants``)."""
+    check_kv_invariant(s.runner.allocator, s.tree_cache, scheduler_held_slots(s), s.page_size)
 
 
 def held_slots(

@@ -15,9 +15,12 @@ from __future__ import annotations
 import bisect
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from engine.runtime.request import Req
+from hicache.tree.base import BasePrefixCache
+from hicache.tree.node import TreeNode
 
 # Above this many waiting requests LPM's per-request prefix matching costs more than it saves.
 LPM_FALLBACK_TO_FCFS = 128
@@ -27,13 +30,21 @@ IN_BATCH_PREFIX_THRESHOLD = 32
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: Any, seed: int = 0, max_bypass: int = 0):
+    def __init__(
+        self,
+        policy: str,
+        tree_cache: BasePrefixCache,
+        l3_hit: Callable[[Req], int],
+        seed: int = 0,
+        max_bypass: int = 0,
+    ):
         self.policy = policy
-        self.tree_cache = tree_cache
+        self.tree_cache = tree_cache  # dfs-weight walks its tree
+        self.l3_hit = l3_hit  # tokens of a request's prefix L3 held (CacheManager.l3_hit)
         self.rng = random.Random(seed)
         self.max_bypass = max_bypass
 
-    def calc_priority(self, waiting: list[Req], match_fn) -> set[str]:
+    def calc_priority(self, waiting: list[Req], match_fn: Callable[[Req], None]) -> set[str]:
         """Sorts `waiting` in place; returns rids deprioritized by in-batch prefix dedup.
         match_fn(req) computes req.kv.prefix_indices / req.kv.last_node from the tree."""
         policy = self.policy
@@ -59,7 +70,7 @@ class SchedulePolicy:
                         r.rid in deprioritized,
                         -max(
                             len(r.kv.prefix_indices) + r.kv.host_hit_length,
-                            self.tree_cache.l3_hit(r),
+                            self.l3_hit(r),
                         ),
                     )
                 )
@@ -110,12 +121,12 @@ class SchedulePolicy:
         nodes: dict[int, Any] = {}
         root = self.tree_cache.root_node
         for r in waiting:
-            node = r.kv.last_node if r.kv.last_node is not None else root
-            by_node[id(node)].append(r)
-            while node is not None:
-                nodes[id(node)] = node
-                weight[id(node)] += 1
-                node = node.parent
+            cur: TreeNode | None = r.kv.last_node if r.kv.last_node is not None else root
+            by_node[id(cur)].append(r)
+            while cur is not None:
+                nodes[id(cur)] = cur
+                weight[id(cur)] += 1
+                cur = cur.parent
         order: list[Req] = []
         stack = [root]
         while stack:

@@ -47,7 +47,7 @@ from hicache.storage.file.format import (
     write_object,
 )
 from hicache.storage.file.index import IndexEntry, ObjectIndex
-from hicache.storage.file.scan import lru_order, orphan_root, reachable, read_found, scan_directory
+from hicache.storage.file.reconcile import DirectoryReconcile
 from hicache.storage.outage import OutageLog
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,9 @@ logger = logging.getLogger(__name__)
 REARM_QUIET_S = 60.0  # a problem logged once is logged again after this long without it
 
 
-class FileStorageBackend(StorageBackend):
-    """Objects as files in ``directory``; ``capacity_bytes`` caps the files' total size (LRU)."""
+class FileStorageBackend(DirectoryReconcile, StorageBackend):
+    """Objects as files in ``directory``; ``capacity_bytes`` caps the files' total size (LRU).
+    The rescan (``_reconcile``) is hicache.storage.file.reconcile's."""
 
     medium = "disk"
 
@@ -394,124 +395,3 @@ class FileStorageBackend(StorageBackend):
 
     def _path(self, key: str) -> str:
         return object_path(self.dir, key)
-
-    # ---- reconcile ---------------------------------------------------------------------------
-    def _reconcile(self, initial: bool = False) -> int:
-        with self._lock:
-            self._last_reconcile = time.monotonic()
-            scan_seq = self._index.seq
-        found = self._scan()
-        if found is None:
-            return 0
-        # files we could not remove before (a read-only directory): try again, so a flushed or
-        # evicted object does not stay on disk, uncounted, to be adopted at the next start
-        with self._lock:
-            retry = [p for p in self._unremovable if p in found]
-        removed = [p for p in retry if remove_file(p)]
-        with self._lock:
-            self._unremovable.difference_update(removed)
-        for p in removed:
-            found.pop(p, None)
-        gone = damaged = 0
-        paths: list[str] = []
-        with self._lock:
-            entries = self._index.items()
-        unknown = dict(found)  # minus the files the index knows
-        stale = []
-        for key, entry in entries:
-            st = unknown.pop(entry.path, None)
-            if entry.seq <= scan_seq and (st is None or st.st_size != entry.size):
-                stale.append((key, entry))
-        with self._lock:
-            for key, entry in stale:
-                if self._index.get(key) is not entry:
-                    continue  # already dropped with its parent
-                tree = self._drop_tree_locked(key)
-                if entry.path in found:  # damaged: wrong size
-                    damaged += 1
-                    self._stats.corrupt += 1
-                    self._stats.vanished += len(tree) - 1
-                else:
-                    gone += 1
-                    self._stats.vanished += len(tree)
-                paths += tree
-            dropped = len(paths)
-            new = [
-                (p, st)
-                for p, st in unknown.items()
-                if p not in self._removing and p not in self._unremovable
-            ]
-            self._unremovable.intersection_update(found)
-        self._remove_files(paths)
-        adopted, corrupt, orphans = self._adopt(new, initial)
-        if dropped or corrupt or orphans:
-            logger.info(
-                "file storage %s: dropped %d objects (%d gone, %d damaged, the rest "
-                "chained after them), adopted %d, removed %d corrupt and %d orphan "
-                "files",
-                self.dir,
-                dropped,
-                gone,
-                damaged,
-                adopted,
-                corrupt,
-                orphans,
-            )
-        return dropped
-
-    def _scan(self) -> dict[str, os.stat_result] | None:
-        """path -> stat of every object file; None when the directory cannot be read."""
-        try:
-            found = scan_directory(self.dir)
-        except OSError as e:
-            self._error(("scan", e.errno), "file storage %s: cannot list: %s", self.dir, e)
-            self._count_error()
-            return None
-        if found is None:
-            return {}  # the directory is gone: so is every object; a write recreates it
-        with self._lock:
-            self._rearm_locked("scan")
-        return found
-
-    def _adopt(
-        self, unknown: list[tuple[str, os.stat_result]], remove_orphans: bool
-    ) -> tuple[int, int, int]:
-        """Index the valid files among ``unknown`` whose chain reaches an indexed object or a
-        root; remove corrupt ones (and orphans, if asked). Returns (adopted, corrupt, orphans
-        removed)."""
-        headers, bad = read_found(self.dir, unknown)
-        stuck = [p for p in bad if not remove_file(p)]
-        with self._lock:
-            self._stats.corrupt += len(bad) - len(stuck)
-            self._unremovable.update(stuck)
-            pending = {
-                k: v
-                for k, v in headers.items()
-                if k not in self._index and v.path not in self._removing
-            }
-            order = reachable(pending, self._index)
-            for k in lru_order(order, pending):
-                h, st, path = pending[k]
-                self._index.insert(k, st.st_size, h.parent, path, h.content)
-            # adopted under an object we already held: that chain is in use again
-            self._index.touch(
-                [
-                    p
-                    for k in order
-                    if (p := pending[k].header.parent) is not None and p not in pending
-                ]
-            )
-            orphans = {k: orphan_root(k, pending) for k in pending if k not in self._index}
-            paths, _ = self._make_room_locked(0, set())
-        self._remove_files(paths)
-        if not remove_orphans or not orphans:
-            return len(order), len(bad), 0
-        # an orphan whose missing ancestor is still absent after the scan can never be reached;
-        # if the ancestor appeared meanwhile (written during the scan), a later pass adopts both
-        lost = {p for p in set(orphans.values()) if size_on_disk(self._path(p)) is None}
-        doomed = [pending[k].path for k, p in orphans.items() if p in lost]
-        for p in doomed:
-            remove_file(p)
-        with self._lock:
-            self._stats.vanished += len(doomed)
-        return len(order), len(bad), len(doomed)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from engine.runtime.forward_batch import ForwardBatch
     from engine.runtime.layers.radix_attention import RadixAttention
-    from hicache.tree.base import HostReads
+    from hicache.l2.tier import HostReads
 
 # Runs of host / device positions up to which each run is gathered straight into place; more
 # (a batch of many requests) gather everything from the device pool, then overwrite from host.

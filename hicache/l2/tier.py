@@ -1,14 +1,22 @@
-"""HostCopies: the copies between a node's device slots (L1) and its host slots (L2), part of
-HiRadixCache. The tree decides which nodes are copied; ``controller`` moves the bytes on its
-workers and acknowledges; the acks are taken here, on the scheduler thread.
+"""HostTier: the L2 (host memory) tier of HiRadixCache (``cache.host``): its pool, the copies
+between a node's device slots (L1) and its host slots (L2), their acknowledgements, and the
+eviction from both tiers (its part ``eviction``, hicache.l2.eviction). The tree decides which
+nodes are copied; ``controller`` moves the bytes on its workers and acknowledges; the acks are
+taken here (``check``), on the scheduler thread.
 
     write  (l1 -> l2)  ``write_backup``: host slots taken now, the node locked and its
                        ``host_pending`` set until the ack; then its L3 backup is queued
                        (``write_through``: a node as it is inserted, or matched with no host
                        copy; ``write_through_selective``: a node matched a second time;
                        ``write_back``: a node about to be evicted)
-    load   (l2 -> l1)  ``init_load_back``: device slots taken now for the host part of a
-                       path, the path locked until the ack; a failed load drops them again
+    load   (l2 -> l1)  ``load_back``: device slots taken now for the host part of a path,
+                       the path locked until the ack; a failed load drops them again. The next
+                       forward waits for it layer by layer (``pending_layer_wait``), or reads
+                       the loading KV from host in place (``host_reads``, then the
+                       controller's ``release_loads``)
+
+The scheduler's cache manager (engine/runtime/scheduler/cache.py) calls ``check`` every step,
+``load_back`` at admission and the wait / host-read calls around each forward.
 
 NOTE: a write that finds L2's room held by L3 backups (pending free) waits in
 ``waiting_writes`` and is written once some comes back (``retry_writes``), not dropped.
@@ -17,43 +25,59 @@ NOTE: a write that finds L2's room held by L3 backups (pending free) waits in
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from hicache.l2.eviction import TierEviction
 from hicache.l2.tree import TierTree
 from hicache.l3.tier import L3Tier
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.host_pool import MHATokenToKVPoolHost
+from hicache.observe.stats import L2Stats, Moves
 from hicache.transfer.controller import HiCacheController
-from hicache.tree.base import HostReads, MatchResult
+from hicache.tree.base import MatchResult
 from hicache.tree.node import TreeNode, host_value
 
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
-class HostCopies:
-    """The writes and loads in flight between ``tree``'s device and host slots."""
+
+@dataclass
+class HostReads:
+    """Device slots whose KV is still loading, and the host slots that hold it meanwhile (a CPU
+    forward reads those in place: ``HostTier.host_reads``)."""
+
+    device_indices: torch.Tensor  # [n] int64
+    host_indices: torch.Tensor  # [n] int64, pairwise with device_indices
+    layer_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # host K, V [size, H, D]
+
+
+class HostTier:
+    """The host pool of ``tree`` and the writes and loads in flight between its device and host
+    slots."""
 
     def __init__(
         self,
         tree: TierTree,
         allocator: TokenToKVPoolAllocator,
-        host_pool: MHATokenToKVPoolHost,
+        pool: MHATokenToKVPoolHost,
         controller: HiCacheController,
         l3: L3Tier,
-        counters: dict[str, int],
-        write_policy: str,
-        load_back_threshold: int,
+        write_policy: str = "write_through",  # one of WRITE_POLICIES (HiRadixCache checks)
+        load_back_threshold: int = 0,
     ) -> None:
         self.tree = tree
         self.allocator = allocator
-        self.host_pool = host_pool
+        self.pool = pool
         self.controller = controller
         self.l3 = l3
-        self.counters = counters
         self.write_policy = write_policy
         self.load_back_threshold = load_back_threshold
+        self.counters = {"evictions": 0, "demotions": 0, "promotions": 0, "host_evictions": 0}
         self.ongoing_write: dict[int, TreeNode] = {}  # node id -> node written
         self.ongoing_load: dict[int, list[TreeNode]] = {}  # last node id -> nodes loaded
         self.waiting_writes: dict[int, TreeNode] = {}  # node id -> node to write
+        self.eviction = TierEviction(tree, allocator, self, l3)
 
     def reset(self) -> None:
         """Forget the writes waiting for L2 room (the tree is dropped)."""
@@ -61,6 +85,40 @@ class HostCopies:
 
     def writes_in_flight(self) -> bool:
         return bool(self.ongoing_write)
+
+    # ---- the engine's loop ---------------------------------------------------------------------
+    def check(self) -> None:
+        """Take the acks of finished writes, loads, L3 backups and prefetches, and write what
+        waited for L2 room (scheduler thread; safe to call every step)."""
+        self.writing_check()
+        self.loading_check()
+        self.l3.storage_check()
+        self.retry_writes()
+
+    def settle(self, timeout: float) -> None:
+        """Let in-flight copies finish (at most ``timeout`` s) and take their acks, so nodes
+        locked only by a copy become evictable."""
+        self.controller.wait_idle(timeout)
+        self.check()
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """``wake()`` is called from the copy threads whenever a copy is acknowledged."""
+        self.controller.notify = wake
+
+    def shutdown(self) -> None:
+        """Stop the copy workers after flushing queued writes and their L3 backups."""
+        self.l3.prefetch.cancel_all()
+        self.controller.start_writing()
+        self.controller.wait_idle(timeout=60)
+        self.check()  # acknowledged writes queue their L3 backups
+        self.controller.shutdown()
+        self.check()
+
+    def release_memory(self) -> None:
+        """The engine is gone: give the pool's memory back. NOTE: not while L3 threads still
+        copy from host slots."""
+        if not self.l3.storage_busy():
+            self.pool.release_memory()
 
     # ---- acks (scheduler thread) ---------------------------------------------------------------
     def writing_check(self) -> None:
@@ -80,12 +138,12 @@ class HostCopies:
                 for n in written:
                     n.host_pending = None
                     if not op.ok and n.host_value is not None:
-                        self.host_pool.free(n.host_value)
+                        self.pool.free(n.host_value)
                         self.tree.set_host(n, None)
                 self.tree.dec_lock_ref(node)
                 if op.ok:  # the parts split off above it hold objects of their own
                     for n in reversed(written):
-                        self.l3.backup_to_storage(n)
+                        self.l3.backup.backup_to_storage(n)
 
     def loading_check(self) -> None:
         for op in self.controller.drain_load_acks():
@@ -125,10 +183,10 @@ class HostCopies:
             return False
         host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
-            self.tree.evict_host(len(node.key) - self.host_pool.available_size())
+            self.eviction.evict_host(len(node.key) - self.pool.available_size())
             host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
-            if self.host_pool.pending_free_size():
+            if self.pool.pending_free_size():
                 self.waiting_writes[node.id] = node
             return False
         self.tree.set_host(node, host_indices)
@@ -139,7 +197,7 @@ class HostCopies:
 
     def retry_writes(self) -> None:
         """Write the nodes whose write found L2's room held, once some came back."""
-        if not self.waiting_writes or not self.host_pool.available_size():
+        if not self.waiting_writes or not self.pool.available_size():
             return
         nodes, self.waiting_writes = list(self.waiting_writes.values()), {}
         for node in nodes:
@@ -149,7 +207,7 @@ class HostCopies:
         self.controller.start_writing()
 
     # ---- loads (l2 -> l1) ----------------------------------------------------------------------
-    def init_load_back(
+    def load_back(
         self,
         last_node: TreeNode,
         match_result: MatchResult | None = None,
@@ -162,9 +220,9 @@ class HostCopies:
         landed; ``wait=False`` returns with the load in flight (layer-wise overlap): the caller
         must then run the next forward with ``pending_layer_wait()`` (or call
         ``wait_pending_loads()``) before anything reads the returned slots. ``hold`` (with
-        ``wait=False``): the copy waits for ``release_loads()``; the next forward reads the KV
+        ``wait=False``): the copy waits for ``controller.release_loads()``; the next forward reads the KV
         from host in place (``host_reads``) instead of waiting for it."""
-        self.tree.check()
+        self.check()
         target = match_result.last_host_node if match_result is not None else last_node
         path = self.tree.path_of(target)
         device = [n for n in path if n.value is not None]
@@ -224,12 +282,52 @@ class HostCopies:
     def host_reads(self) -> HostReads | None:
         """The device slots of loads still in flight and their host copies, or None. A forward
         that reads these slots' KV from ``layer_kv`` instead of the device pool needs no wait;
-        then ``release_loads()`` lets the held copies go."""
+        then ``controller.release_loads()`` lets the held copies go."""
         ops = self.controller.pending_loads()
         if not ops:
             return None
         return HostReads(
             torch.cat([o.device_indices for o in ops]),
             torch.cat([o.host_indices for o in ops]),
-            self.host_pool.layer_kv,
+            self.pool.layer_kv,
+        )
+
+    def wait_pending_loads(self) -> None:
+        """Block until every started load landed (e.g. a batch that will not run its forward);
+        the acks (unlock / error handling) are taken by the next ``check``."""
+        self.controller.current_load.wait_finished()
+
+    # ---- figures -------------------------------------------------------------------------------
+    def moves(self) -> Moves:
+        """The L1 <-> L2 traffic (reported on L1)."""
+        c, s = self.counters, self.controller.stats
+        return Moves(
+            promoted_tokens=c["promotions"],
+            demoted_tokens=c["demotions"],
+            bytes_in=s["bytes_h2d"],
+            bytes_out=s["bytes_d2h"],
+        )
+
+    def stats(self, hit_tokens: int, l3_moves: Moves) -> L2Stats:
+        """L2's record; ``hit_tokens``: prompt tokens L2 served (the scheduler's count);
+        ``l3_moves``: the L2 <-> L3 traffic (none without L3)."""
+        host_nodes = [n for n in self.tree.all_nodes() if n.host_value is not None]
+        pool = self.pool
+        return L2Stats(
+            capacity_tokens=pool.size,
+            used_tokens=pool.size - pool.available_size(),
+            evictable_tokens=sum(len(n.key) for n in host_nodes if self.eviction.is_host_leaf(n)),
+            pinned_tokens=sum(len(n.key) for n in host_nodes if n.lock_ref > 0),
+            hit_tokens=hit_tokens,
+            evicted_tokens=self.counters["host_evictions"],
+            promoted_tokens=l3_moves.promoted_tokens,
+            demoted_tokens=l3_moves.demoted_tokens,
+            bytes_in=l3_moves.bytes_in,
+            bytes_out=l3_moves.bytes_out,
+            errors=self.controller.stats["errors"],  # failed copies either way, each once
+            cached_tokens=sum(len(n.key) for n in host_nodes),
+            host_only_tokens=sum(len(n.key) for n in host_nodes if n.value is None),
+            pending_free_tokens=pool.pending_free_size(),
+            ongoing_writes=len(self.ongoing_write),
+            write_policy=self.write_policy,
         )
